@@ -1,0 +1,3 @@
+"""Triton kernels."""
+
+HAS_TRITON = False

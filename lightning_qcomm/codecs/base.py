@@ -1,0 +1,226 @@
+"""The codec contract: ``Codec.encode(x, seed) -> Packed`` and ``Codec.decode(Packed) -> Tensor``.
+
+Every codec works on the flattened input split into buckets of ``bucket_size`` elements (the last
+one may be short). Per bucket it computes a few fp32 *scales* that travel with the codes; the codes
+of all elements are bit-packed densely (see ``packing``). The wire size of a tensor of d elements is
+
+    nbytes(d) = ceil(d / 8) * bits  +  ceil(d / B) * scales_per_bucket * 4
+
+A bucket containing NaN or +-Inf gets a NaN scale, so its whole decode is non-finite: compression
+never turns non-finite gradients into finite numbers.
+
+The per-element work (random bits, quantize, pack / unpack, dequantize) has a torch reference here
+and a Triton kernel in ``lightning_qcomm.kernels``; both take the per-bucket parameters computed
+below by torch, so the two paths produce bit-identical codes for the same seed.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from lightning_qcomm.codecs import packing, rng
+
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A compressed tensor: packed codes, per-bucket fp32 scales, and what is needed to rebuild it."""
+
+    codes: torch.Tensor  # uint8, flat, ceil(numel/8)*bits bytes
+    scales: torch.Tensor  # float32, (num_buckets, scales_per_bucket)
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: packed codes (with padding) plus scales. Shape and dtype are agreed
+        by both sides of a collective, so no header travels."""
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
+
+    def to_bytes(self) -> torch.Tensor:
+        """One flat uint8 buffer (codes then scales), the form collectives send."""
+        return torch.cat([self.codes.reshape(-1), self.scales.reshape(-1).view(torch.uint8)])
+
+
+class Codec(ABC):
+    """Base class: bucketing, validation, padding, packing and kernel dispatch.
+
+    Subclasses define the math through four hooks, all on fp32:
+    ``_scales`` (per-bucket wire scales), ``_encode_params`` / ``_decode_params`` (per-bucket
+    parameters derived from the scales) and ``_quantize`` / ``_dequantize`` (element-wise).
+    """
+
+    name: str = ""
+    scales_per_bucket: int = 1
+    stochastic: bool = True
+    min_bits: int = 1
+    max_bits: int = 8
+
+    def __init__(self, bits: int, bucket_size: int | None = 512) -> None:
+        if not isinstance(bits, int) or isinstance(bits, bool):
+            raise TypeError(f"bits must be an int, got {type(bits).__name__}")
+        if not self.min_bits <= bits <= self.max_bits:
+            raise ValueError(
+                f"bits={bits} is not supported by codec {self.name!r}: allowed {self.min_bits}..{self.max_bits}"
+            )
+        if bucket_size is not None:
+            if not isinstance(bucket_size, int) or isinstance(bucket_size, bool):
+                raise TypeError(f"bucket_size must be an int or None, got {type(bucket_size).__name__}")
+            if bucket_size < 1:
+                raise ValueError(f"bucket_size must be >= 1 (or None for one bucket), got {bucket_size}")
+        self.bits = bits
+        self.bucket_size = bucket_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, bits={self.bits}, bucket_size={self.bucket_size})"
+
+    # ------------------------------------------------------------------ sizes
+    def bucket_len(self, numel: int) -> int:
+        """Elements per bucket for a tensor of ``numel`` elements."""
+        return numel if self.bucket_size is None else min(self.bucket_size, max(numel, 1))
+
+    def num_buckets(self, numel: int) -> int:
+        return -(-numel // self.bucket_len(numel))
+
+    def nbytes(self, numel: int) -> int:
+        """Wire bytes of a tensor of ``numel`` elements (codes + padding + scales)."""
+        return packing.packed_nbytes(numel, self.bits) + self.num_buckets(numel) * self.scales_per_bucket * 4
+
+    def compression_ratio(self, numel: int) -> float:
+        """nbytes / fp32 bytes."""
+        return self.nbytes(numel) / (4 * numel)
+
+    # ------------------------------------------------------------------ math hooks
+    @abstractmethod
+    def _scales(self, xb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Wire scales (nb, scales_per_bucket) from the zero-padded buckets ``xb`` (nb, B) and the
+        number of real elements per bucket."""
+
+    @abstractmethod
+    def _encode_params(self, scales: torch.Tensor) -> torch.Tensor:
+        """Per-bucket fp32 parameters (nb, P) the element-wise quantizer multiplies / adds with."""
+
+    @abstractmethod
+    def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
+        """Per-bucket fp32 parameters (nb, P) the element-wise dequantizer uses."""
+
+    @abstractmethod
+    def _quantize(self, x: torch.Tensor, params: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+        """Codes (int64, in [0, 2**bits)) of x (n,) given per-element params (n, P) and uniforms u."""
+
+    @abstractmethod
+    def _dequantize(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        """fp32 values of int64 codes (n,) given per-element params (n, P)."""
+
+    def kernel_config(self) -> dict:
+        """Compile-time constants the Triton kernel needs besides bits (overridden where used)."""
+        return {}
+
+    # ------------------------------------------------------------------ public API
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"x must be a floating tensor ({', '.join(str(d) for d in FLOAT_DTYPES)}), got dtype {x.dtype}"
+            )
+        if x.numel() == 0:
+            raise ValueError(f"x must be non-empty, got shape {tuple(x.shape)}")
+
+    def _buckets(self, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = xf.numel()
+        blen = self.bucket_len(n)
+        nb = -(-n // blen)
+        xb = torch.nn.functional.pad(xf, (0, nb * blen - n)).view(nb, blen)
+        counts = torch.full((nb,), blen, dtype=torch.float32, device=xf.device)
+        counts[-1] = n - (nb - 1) * blen
+        return xb, counts
+
+    def _finite_mask(self, xb: torch.Tensor) -> torch.Tensor:
+        return torch.isfinite(xb).all(dim=1, keepdim=True)
+
+    def per_element(self, params: torch.Tensor, numel: int) -> torch.Tensor:
+        blen = self.bucket_len(numel)
+        return params.repeat_interleave(blen, dim=0)[:numel]
+
+    def encode(self, x: torch.Tensor, seed: int = 0) -> Packed:
+        """Compress ``x`` (any shape, fp32/fp16/bf16/fp64). ``seed`` keys the random bits (see
+        ``rng.derive_seed`` to fold in step, rank and tensor id)."""
+        self._check_input(x)
+        xf = x.detach().reshape(-1).to(torch.float32)
+        xb, counts = self._buckets(xf)
+        scales = self._scales(xb, counts)
+        scales = torch.where(self._finite_mask(xb), scales, torch.full_like(scales, float("nan")))
+        enc_params = self._encode_params(scales)
+        from lightning_qcomm.codecs import dispatch
+
+        if dispatch.use_triton(xf):
+            codes = dispatch.triton_encode(self, xf, enc_params, seed)
+        else:
+            codes = self.encode_reference(xf, enc_params, seed)
+        return Packed(codes=codes, scales=scales.contiguous(), shape=x.shape, dtype=x.dtype)
+
+    def encode_reference(self, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torch.Tensor:
+        """Torch reference of the element-wise encode: packed uint8 codes of flat fp32 ``xf``."""
+        n = xf.numel()
+        u = rng.uniform(seed, n, xf.device) if self.stochastic else None
+        pe = self.per_element(enc_params, n)
+        codes = self._quantize(xf, pe, u)
+        # Non-finite inputs (and every element of their bucket, whose params are NaN) get code 0:
+        # the NaN scale already makes their decode non-finite, and the codes stay deterministic.
+        ok = torch.isfinite(xf) & torch.isfinite(pe).all(dim=1)
+        codes = torch.where(ok, codes, torch.zeros_like(codes))
+        return packing.pack_bits(codes.to(torch.uint8), self.bits)
+
+    def decode(self, p: Packed) -> torch.Tensor:
+        """Rebuild a tensor of ``p.shape`` and ``p.dtype``."""
+        if not isinstance(p, Packed):
+            raise TypeError(f"p must be a Packed, got {type(p).__name__}")
+        n = p.numel
+        dec_params = self._decode_params(p.scales)
+        from lightning_qcomm.codecs import dispatch
+
+        if dispatch.use_triton(p.codes):
+            out = dispatch.triton_decode(self, p.codes, dec_params, n)
+        else:
+            out = self.decode_reference(p.codes, dec_params, n)
+        return out.to(p.dtype).reshape(p.shape)
+
+    def decode_reference(self, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
+        """Torch reference of the element-wise decode: flat fp32 values."""
+        c = packing.unpack_bits(codes, self.bits, numel).to(torch.int64)
+        return self._dequantize(c, self.per_element(dec_params, numel))
+
+    def from_bytes(self, buf: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> Packed:
+        """Inverse of ``Packed.to_bytes`` for a tensor of the given shape (sizes follow ``nbytes``)."""
+        shape = torch.Size(shape)
+        n = 1
+        for s in shape:
+            n *= s
+        ncodes = packing.packed_nbytes(n, self.bits)
+        nb = self.num_buckets(n)
+        if buf.numel() != self.nbytes(n):
+            raise ValueError(
+                f"buf has {buf.numel()} bytes, codec {self.name} expects {self.nbytes(n)} for {n} elements"
+            )
+        codes = buf[:ncodes]
+        scales = buf[ncodes:].contiguous().view(torch.float32).reshape(nb, self.scales_per_bucket)
+        return Packed(codes=codes, scales=scales, shape=shape, dtype=dtype)
+
+    def roundtrip(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+        """decode(encode(x)): what the receiver sees."""
+        return self.decode(self.encode(x, seed))

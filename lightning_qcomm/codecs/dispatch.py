@@ -1,0 +1,52 @@
+"""Choose between the Triton kernels and the torch reference for the element-wise codec work.
+
+CUDA tensors go to ``lightning_qcomm.kernels`` when Triton is importable; everything else (CPU, or a
+machine without Triton) uses the torch reference. Falling back when a GPU tensor could have used a
+kernel is logged once. ``LIGHTNING_QCOMM_DISABLE_TRITON=1`` forces the reference everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _log_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg)
+
+
+def triton_available() -> bool:
+    try:
+        from lightning_qcomm import kernels
+    except ImportError:
+        return False
+    return bool(getattr(kernels, "HAS_TRITON", False))
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernels should handle this tensor."""
+    if not t.is_cuda or os.environ.get("LIGHTNING_QCOMM_DISABLE_TRITON") == "1":
+        return False
+    if not triton_available():
+        _log_once("no-triton", "lightning_qcomm: Triton is not available; CUDA tensors use the torch reference codecs")
+        return False
+    return True
+
+
+def triton_encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torch.Tensor:
+    from lightning_qcomm import kernels
+
+    return kernels.encode(codec, xf, enc_params, seed)
+
+
+def triton_decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
+    from lightning_qcomm import kernels
+
+    return kernels.decode(codec, codes, dec_params, numel)

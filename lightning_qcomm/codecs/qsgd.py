@@ -1,0 +1,135 @@
+"""QSGD, QSGDinf and NUQSGD: norm-scaled sign/magnitude stochastic quantizers, 2..8 bits.
+
+A b-bit code is a sign bit (bit b-1, set for x < 0) and a (b-1)-bit magnitude index. Per bucket the
+only scale on the wire is a norm n (4 bytes). With r = |x| / n in [0, 1] and u ~ U[0, 1):
+
+QSGD / QSGDinf (Alistarh et al. 2017), n = ||x||_2 or ||x||_inf, s = 2^(b-1) - 1 uniform levels:
+    l = floor(r s),  level = l + [u < r s - l],   decode = sign * level * n / s
+    E[decode] = x;  E||Q(x) - x||^2 <= min(B / s^2, sqrt(B) / s) ||x||^2   (QSGD, bucket length B)
+
+NUQSGD (Ramezani-Kebrya et al. 2019), n = ||x||_2, L = 2^(b-1) levels {0} U {2^-k : k = 0..L-2}:
+    l_j <= r < l_{j+1}  ->  round up with probability (r - l_j) / (l_{j+1} - l_j)
+The bracketing level comes from r's binary exponent (exact bit arithmetic), and every division is by a
+power of two, so the torch reference and the Triton kernel agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_qcomm.codecs.base import Codec
+
+
+def float_exponent(r: torch.Tensor) -> torch.Tensor:
+    """floor(log2 r) for positive normal fp32 r, read from the exponent bits (-127 for 0/subnormal)."""
+    return ((r.view(torch.int32) >> 23) & 0xFF).to(torch.int64) - 127
+
+
+def exp2_int(e: torch.Tensor) -> torch.Tensor:
+    """2**e as fp32, exactly, for integer e in [-126, 127], built from the exponent bits."""
+    return ((e + 127).to(torch.int32) << 23).view(torch.float32)
+
+
+class _NormCodec(Codec):
+    """Shared layout: sign bit + magnitude index, one norm per bucket."""
+
+    scales_per_bucket = 1
+    min_bits = 2
+    max_bits = 8
+
+    def __init__(self, bits: int = 4, bucket_size: int | None = 512) -> None:
+        super().__init__(bits, bucket_size)
+        self.sign_bit = 1 << (bits - 1)
+
+    def _norm(self, xb: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(xb, ord=2, dim=1)
+
+    def _scales(self, xb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self._norm(xb)[:, None]
+
+    def _signed(self, x: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+        return torch.where(x < 0, magnitude | self.sign_bit, magnitude)
+
+    def _sign_of(self, codes: torch.Tensor) -> torch.Tensor:
+        return 1.0 - 2.0 * ((codes & self.sign_bit) != 0).to(torch.float32)
+
+
+class QSGDCodec(_NormCodec):
+    name = "qsgd"
+
+    @property
+    def s(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def _encode_params(self, scales: torch.Tensor) -> torch.Tensor:
+        n = scales[:, :1]
+        return torch.where(n > 0, self.s / n, torch.where(torch.isfinite(n), torch.zeros_like(n), n))
+
+    def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
+        return scales[:, :1] / self.s
+
+    def _quantize(self, x: torch.Tensor, params: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+        r = torch.nan_to_num(x.abs() * params[:, 0], nan=0.0)
+        lower = torch.floor(r)
+        up = (u < (r - lower)) if u is not None else (r - lower) >= 0.5
+        level = (lower + up.to(torch.float32)).clamp_(0, self.s).to(torch.int64)
+        return self._signed(x, level)
+
+    def _dequantize(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        level = (codes & (self.sign_bit - 1)).to(torch.float32)
+        return self._sign_of(codes) * level * params[:, 0]
+
+    def variance_bound(self, bucket_len: int) -> float:
+        """QSGD's bound on E||Q(x)-x||^2 / ||x||^2 for one bucket of length B (L2 norm only)."""
+        s = self.s
+        return min(bucket_len / s**2, bucket_len**0.5 / s)
+
+
+class QSGDInfCodec(QSGDCodec):
+    name = "qsgdinf"
+
+    def _norm(self, xb: torch.Tensor) -> torch.Tensor:
+        return xb.abs().amax(dim=1)
+
+
+class NUQSGDCodec(_NormCodec):
+    name = "nuqsgd"
+
+    @property
+    def num_levels(self) -> int:
+        return 1 << (self.bits - 1)
+
+    @property
+    def min_exponent(self) -> int:
+        """Exponent of the smallest nonzero level, 2^-(L-2)."""
+        return -(self.num_levels - 2)
+
+    def _encode_params(self, scales: torch.Tensor) -> torch.Tensor:
+        n = scales[:, :1]
+        return torch.where(n > 0, 1.0 / n, torch.where(torch.isfinite(n), torch.zeros_like(n), n))
+
+    def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
+        return scales[:, :1]
+
+    def _quantize(self, x: torch.Tensor, params: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+        r = torch.nan_to_num(x.abs() * params[:, 0], nan=0.0).clamp_(0.0, 1.0)
+        emin = self.min_exponent
+        e = float_exponent(r)
+        below = e < emin  # r in [0, 2^emin): between level 0 and the smallest level
+        e_floor = torch.where(below, torch.full_like(e, emin), e).clamp_(max=0)
+        # p = (r - l_j) / (l_{j+1} - l_j): every factor is a power of two, so this is exact.
+        p = torch.where(below, r * exp2_int(-e_floor), r * exp2_int(-e_floor) - 1.0)
+        idx_lower = torch.where(below, torch.zeros_like(e), e_floor - emin + 1)
+        up = (u < p) if u is not None else p >= 0.5
+        level = (idx_lower + up.to(torch.int64)).clamp_(0, self.num_levels - 1)
+        return self._signed(x, level)
+
+    def _dequantize(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        idx = codes & (self.sign_bit - 1)
+        value = torch.where(
+            idx > 0, exp2_int((idx - (self.num_levels - 1)).clamp(min=-126)), torch.zeros_like(idx, dtype=torch.float32)
+        )
+        return self._sign_of(codes) * value * params[:, 0]
+
+    def kernel_config(self) -> dict:
+        return {"NUM_LEVELS": self.num_levels, "EMIN": self.min_exponent}
