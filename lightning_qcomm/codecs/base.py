@@ -218,7 +218,8 @@ class Codec(ABC):
                 f"buf has {buf.numel()} bytes, codec {self.name} expects {self.nbytes(n)} for {n} elements"
             )
         codes = buf[:ncodes]
-        scales = buf[ncodes:].contiguous().view(torch.float32).reshape(nb, self.scales_per_bucket)
+        # clone: a view at a byte offset that is not a multiple of 4 cannot be reinterpreted as fp32
+        scales = buf[ncodes:].clone().view(torch.float32).reshape(nb, self.scales_per_bucket)
         return Packed(codes=codes, scales=scales, shape=shape, dtype=dtype)
 
     def roundtrip(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
