@@ -1,5 +1,13 @@
 """Compressed collectives over torch.distributed and the CommLedger (DESIGN §1, §3)."""
 
+from lightning_qcomm.comm.collectives import (
+    onebit_all_reduce,
+    onebit_server_error_numel,
+    quantized_all_gather,
+    quantized_all_reduce,
+    quantized_reduce_scatter,
+    wire_bytes_formula,
+)
 from lightning_qcomm.comm.ledger import (
     CommLedger,
     CommRecord,
@@ -10,4 +18,18 @@ from lightning_qcomm.comm.ledger import (
     set_ledger,
 )
 
-__all__ = ["CommLedger", "CommRecord", "NullLedger", "OpTotals", "ensure_ledger", "get_ledger", "set_ledger"]
+__all__ = [
+    "CommLedger",
+    "CommRecord",
+    "NullLedger",
+    "OpTotals",
+    "ensure_ledger",
+    "get_ledger",
+    "onebit_all_reduce",
+    "onebit_server_error_numel",
+    "quantized_all_gather",
+    "quantized_all_reduce",
+    "quantized_reduce_scatter",
+    "set_ledger",
+    "wire_bytes_formula",
+]

@@ -1,0 +1,503 @@
+"""Compressed collectives over torch.distributed (DESIGN §2 "precision-preserving all-reduce", "1-bit").
+
+This module owns the process logic that moves codec payloads between ranks; the math of each
+codec lives in ``lightning_qcomm.codecs`` and the byte accounting in ``comm.ledger``.
+
+Wire format: every payload is the flat uint8 buffer ``Packed.to_bytes()`` (codes, then fp32 scales).
+Its size is ``codec.nbytes(numel)``, a pure function of the length, so no rank ever exchanges sizes.
+Only two torch primitives carry payloads: ``all_to_all_single`` (gloo has no list ``all_to_all``) and
+``all_gather_into_tensor``; both run on gloo and NCCL.
+
+Notation: d = elements of the logical tensor, N = world size, r = this rank, P = payload bytes of one
+chunk. Chunked collectives split a flat tensor into N chunks of c = ceil(d / N) elements, zero-padding
+the tail (padding travels and is counted in the ledger; it is never written to the output).
+
+Seeds: a caller passes ``seed`` (fold step and tensor id into it with ``codecs.derive_seed``). Internally
+the chunk rank r encodes for rank j in phase 1 uses ``derive_seed(seed, 1, r, j)`` and the reduced chunk
+j (encoded by rank j) uses ``derive_seed(seed, 2, j)``; the all-gather shard of rank r uses
+``derive_seed(seed, r)``. Every rank decodes every chunk, its own included, from the same bytes, so the
+results of ``quantized_all_gather``, ``quantized_all_reduce`` and ``onebit_all_reduce`` are bit-identical
+on all ranks.
+
+Consistency check (``check=True``, the default): before moving data, the ranks all-gather a 64-byte
+int64 row (op, numel, dtype, codec, ...) and every rank raises the same ``ValueError`` if the rows
+differ, instead of hanging or garbling memory. It costs one tiny all_gather (one network latency);
+hot paths whose shapes are fixed by construction (DDP buckets, FSDP shards) may pass ``check=False``.
+Its bytes are recorded in the ledger as an ``all_gather`` with the same tag and a zero fp32 baseline
+(the uncompressed collective would not send them).
+
+World size 1 (or torch.distributed not initialised, which is treated as a world of one): no
+torch.distributed call is made, the ledger records zero wire bytes, and the result is exactly what N
+ranks would compute with one rank: the quantized round trip(s) of the input (codec=None: the input).
+
+Non-finite input: a codec bucket holding NaN/Inf decodes entirely to NaN, so a non-finite element on
+any rank makes the corresponding output chunk non-finite on every rank. Error-feedback buffers are
+only updated where the new residual is finite, so a skipped step does not poison later ones.
+
+Every call records one entry (plus the check's entry) into ``get_ledger()``: ``payload_bytes`` = bytes
+of the tensors this rank hands to torch.distributed, ``collective_bytes`` per the ledger convention, and
+the fp32 baseline = 4 bytes per logical element of the same collective.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from lightning_qcomm.codecs import Codec, Packed, derive_seed, get_codec
+from lightning_qcomm.codecs.base import FLOAT_DTYPES
+from lightning_qcomm.comm.ledger import get_ledger
+
+REDUCE_OPS = ("sum", "avg")
+FP32_BYTES = 4
+
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+_OP_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "onebit_all_reduce": 4}
+_META_FIELDS = ("collective", "numel", "dtype", "codec", "reduce_op", "world_size", "aux", "version")
+_META_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank in group, group size); (0, 1) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("group was given but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_tensor(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor ({', '.join(map(str, FLOAT_DTYPES))}), got {t.dtype}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} must be non-empty, got shape {tuple(t.shape)}")
+
+
+def _check_codec(codec: Codec | None) -> None:
+    if codec is not None and not isinstance(codec, Codec):
+        raise TypeError(f"codec must be a Codec from get_codec(...) or None, got {type(codec).__name__}")
+
+
+def _check_reduce_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+def _codec_code(codec: Codec | None) -> int:
+    return 0 if codec is None else zlib.crc32(repr(codec).encode()) + 1
+
+
+def _check_consistent(
+    collective: str,
+    group: dist.ProcessGroup | None,
+    world: int,
+    tag: str,
+    *,
+    numel: int,
+    dtype: torch.dtype,
+    codec: Codec | None,
+    reduce_op: str = "sum",
+    aux: int = 0,
+    device: torch.device,
+) -> None:
+    """All-gather one int64 row of metadata and raise the same ValueError on every rank if rows differ."""
+    row = torch.tensor(
+        [
+            _OP_CODES[collective],
+            numel,
+            _DTYPE_CODES[dtype],
+            _codec_code(codec),
+            REDUCE_OPS.index(reduce_op),
+            world,
+            aux,
+            _META_VERSION,
+        ],
+        dtype=torch.int64,
+        device=device,
+    )
+    rows = torch.empty(world * row.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(rows, row, group=group)
+    get_ledger().record("all_gather", rows.numel() * 8, 0, world, payload_bytes=row.numel() * 8, tag=tag)
+    table = rows.view(world, -1).cpu()
+    if bool((table == table[0]).all()):
+        return
+    diffs = [
+        f"{field}: " + ", ".join(f"rank{r}={int(table[r, i])}" for r in range(world))
+        for i, field in enumerate(_META_FIELDS)
+        if not bool((table[:, i] == table[0, i]).all())
+    ]
+    raise ValueError(
+        f"{collective}: ranks disagree on the input ({'; '.join(diffs)}); every rank must pass the same "
+        f"numel, dtype, codec and op (dtype codes {dict((str(k), v) for k, v in _DTYPE_CODES.items())})"
+    )
+
+
+def _chunk_len(numel: int, world: int) -> int:
+    return -(-numel // world)
+
+
+def _encode_bytes(codec: Codec, x: torch.Tensor, seed: int) -> torch.Tensor:
+    return codec.encode(x, seed=seed).to_bytes()
+
+
+def _from_bytes(codec: Codec, buf: torch.Tensor, numel: int) -> Packed:
+    """``codec.from_bytes`` for a payload that may start anywhere in a larger buffer.
+
+    ``Codec.from_bytes`` views the scale bytes as fp32 in place, which needs a 4-byte aligned storage
+    offset; payload slices of a gathered buffer (and any ncodes % 4 != 0) are not, so the scales are
+    copied out first in that case."""
+    ncodes = buf.numel() - codec.num_buckets(numel) * codec.scales_per_bucket * FP32_BYTES
+    if (buf.storage_offset() + ncodes) % FP32_BYTES == 0:
+        return codec.from_bytes(buf, (numel,), torch.float32)
+    if buf.numel() != codec.nbytes(numel):
+        raise ValueError(f"payload has {buf.numel()} bytes, codec {codec.name} expects {codec.nbytes(numel)}")
+    scales = buf[ncodes:].clone().view(torch.float32).reshape(-1, codec.scales_per_bucket)
+    return Packed(codes=buf[:ncodes], scales=scales, shape=torch.Size((numel,)), dtype=torch.float32)
+
+
+def _decode_bytes(codec: Codec, buf: torch.Tensor, numel: int) -> torch.Tensor:
+    """fp32 flat values of one payload."""
+    return codec.decode(_from_bytes(codec, buf, numel))
+
+
+def _decode_rows(codec: Codec, buf: torch.Tensor, rows: int, numel: int) -> torch.Tensor:
+    """Decode ``rows`` consecutive payloads of ``numel`` elements each into a (rows, numel) fp32 tensor."""
+    p = codec.nbytes(numel)
+    return torch.stack([_decode_bytes(codec, buf[i * p : (i + 1) * p], numel) for i in range(rows)])
+
+
+def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group, world: int) -> None:
+    if world == 1:
+        recv.copy_(send)
+    else:
+        dist.all_to_all_single(recv, send, group=group)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, world: int) -> None:
+    if world == 1:
+        out.copy_(inp)
+    else:
+        dist.all_gather_into_tensor(out, inp, group=group)
+
+
+def _payload(nbytes: int, world: int) -> int:
+    """Bytes handed to torch.distributed (none when a world of one skips the call)."""
+    return nbytes if world > 1 else 0
+
+
+def _update_error(err: torch.Tensor, new: torch.Tensor) -> None:
+    """err <- new where new is finite (keeps the previous residual where a step was non-finite)."""
+    new = new.reshape(err.shape)
+    err.copy_(torch.where(torch.isfinite(new), new, err.to(new.dtype)).to(err.dtype))
+
+
+# ---------------------------------------------------------------------------------------------- all-gather
+def quantized_all_gather(
+    out: torch.Tensor,
+    shard: torch.Tensor,
+    codec: Codec | None,
+    group: dist.ProcessGroup | None = None,
+    seed: int = 0,
+    tag: str = "weights",
+    check: bool = True,
+) -> torch.Tensor:
+    """out[r*s:(r+1)*s] = decode(encode(shard_r, derive_seed(seed, r))) for every rank r, on every rank.
+
+    ``out`` has N * shard.numel() elements (any shape, contiguous); ``shard`` any shape. Each rank's own
+    slice is decoded from its own payload too, so all ranks hold identical data. codec=None gathers the
+    raw values (cast to ``out.dtype``) with ``all_gather_into_tensor``.
+    Ledger: all_gather, collective = N * P (P = codec.nbytes(s), or s * itemsize), baseline N * s * 4.
+    """
+    _check_tensor("out", out)
+    _check_tensor("shard", shard)
+    _check_codec(codec)
+    rank, world = _rank_world(group)
+    s = shard.numel()
+    if out.numel() != world * s:
+        raise ValueError(f"out must have world_size * shard.numel() = {world} * {s} elements, got {out.numel()}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if check and world > 1:
+        _check_consistent("all_gather", group, world, tag, numel=s, dtype=shard.dtype, codec=codec, device=shard.device)
+    flat_out = out.view(-1)
+    if codec is None:
+        src = shard.detach().reshape(-1).to(out.dtype)
+        _all_gather(flat_out, src, group, world)
+        p = src.numel() * src.element_size()
+    else:
+        mine = _encode_bytes(codec, shard.detach().reshape(-1), derive_seed(seed, rank))
+        p = mine.numel()
+        buf = torch.empty(world * p, dtype=torch.uint8, device=shard.device)
+        _all_gather(buf, mine, group, world)
+        flat_out.copy_(_decode_rows(codec, buf, world, s).view(-1))
+    get_ledger().record("all_gather", world * p, world * s * FP32_BYTES, world, _payload(p, world), tag)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reduce-scatter
+def quantized_reduce_scatter(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    codec: Codec | None,
+    group: dist.ProcessGroup | None = None,
+    op: str = "sum",
+    seed: int = 0,
+    tag: str = "grads",
+    check: bool = True,
+) -> torch.Tensor:
+    """out = sum_i decode(Q(inp_i[row r])) (or that / N for op="avg"), summed in fp32 in rank order.
+
+    ``inp`` has N * out.numel() elements; row j = inp.flatten()[j*s:(j+1)*s] goes to rank j, encoded
+    with ``derive_seed(seed, 1, r, j)``. codec=None is ``reduce_scatter_tensor`` (SUM or AVG).
+    Ledger: reduce_scatter, collective = payload = N * P, baseline N * s * 4.
+    """
+    _check_tensor("out", out)
+    _check_tensor("inp", inp)
+    _check_codec(codec)
+    _check_reduce_op(op)
+    rank, world = _rank_world(group)
+    s = out.numel()
+    if inp.numel() != world * s:
+        raise ValueError(f"inp must have world_size * out.numel() = {world} * {s} elements, got {inp.numel()}")
+    if check and world > 1:
+        _check_consistent(
+            "reduce_scatter", group, world, tag, numel=s, dtype=inp.dtype, codec=codec, reduce_op=op, device=inp.device
+        )
+    rows = inp.detach().reshape(world, s)
+    if codec is None:
+        src = rows.reshape(-1).to(out.dtype).contiguous()
+        dst = out.view(-1) if out.is_contiguous() else torch.empty(s, dtype=out.dtype, device=out.device)
+        if world == 1:
+            dst.copy_(src)
+        else:
+            red = dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM
+            dist.reduce_scatter_tensor(dst, src, op=red, group=group)
+        if dst.data_ptr() != out.data_ptr():
+            out.copy_(dst.view(out.shape))
+        p = s * src.element_size()
+    else:
+        p = codec.nbytes(s)
+        send = torch.cat([_encode_bytes(codec, rows[j], derive_seed(seed, 1, rank, j)) for j in range(world)])
+        recv = torch.empty_like(send)
+        _all_to_all(recv, send, group, world)
+        acc = _decode_rows(codec, recv, world, s).sum(dim=0)
+        if op == "avg":
+            acc /= world
+        out.copy_(acc.view(out.shape))
+    get_ledger().record("reduce_scatter", world * p, world * s * FP32_BYTES, world, _payload(world * p, world), tag)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- all-reduce
+def quantized_all_reduce(
+    x: torch.Tensor,
+    codec: Codec | None,
+    group: dist.ProcessGroup | None = None,
+    op: str = "sum",
+    error_feedback: torch.Tensor | None = None,
+    seed: int = 0,
+    tag: str = "grads",
+    check: bool = True,
+) -> torch.Tensor:
+    """Precision-preserving compressed all-reduce, in place (also returned). Any length, any N.
+
+    With y_r = x_r + e_r (e_r = ``error_feedback``, 0 if None) zero-padded to N*c, c = ceil(d/N):
+
+    1. rank r encodes chunk j of y_r (seed ``derive_seed(seed, 1, r, j)``) and sends it to rank j
+       (``all_to_all_single``);
+    2. rank j decodes the N chunks to fp32 and sums them in rank order: S_j = sum_r D(Q(y_r[j]))
+       (op="avg": S_j / N) -- no low-precision accumulation;
+    3. rank j re-encodes S_j (seed ``derive_seed(seed, 2, j)``); ``all_gather_into_tensor`` of the N codes;
+    4. every rank decodes all N chunks from the gathered bytes: x <- D(Q(S))[:d], identical on all ranks.
+
+    Error feedback (``error_feedback`` = e_r, updated in place): e_r is everything rank r meant to
+    contribute that the output does not contain, so that nothing is lost over steps:
+
+        e_r <- (y_r - D(Q(y_r)))  +  k * [chunk r] (S_r - D(Q(S_r))),      k = 1 (sum) or N (avg)
+
+    The first term is the DESIGN formula e <- (x + e) - decode (this rank's phase-1 residual); the
+    second is the requantization residual of the reduced chunk that rank r itself encoded in step 3
+    (written into the chunk-r slice of e_r only). Summed over ranks, sum_r e_r = sum_r y_r - k * x_out,
+    hence over steps t = 1..T (e = 0 at the start, exact up to fp32 rounding, for any codec, biased
+    or not):
+
+        k * sum_t x_out,t = sum_t sum_r x_r,t - sum_r e_r,T
+
+    codec=None is ``dist.all_reduce`` (SUM or AVG) of x + e, and e is zeroed.
+    Ledger: all_reduce, collective = N*P (P = codec.nbytes(c)), payload = (N+1)*P (all_to_all input plus
+    all-gather input), baseline 4*d; wire = 2(N-1)/N * N*P = 2(N-1)*P.
+    """
+    _check_tensor("x", x)
+    _check_codec(codec)
+    _check_reduce_op(op)
+    if error_feedback is not None:
+        _check_tensor("error_feedback", error_feedback)
+        if error_feedback.numel() != x.numel():
+            raise ValueError(f"error_feedback must have x.numel()={x.numel()} elements, got {error_feedback.numel()}")
+    rank, world = _rank_world(group)
+    d = x.numel()
+    if check and world > 1:
+        _check_consistent(
+            "all_reduce", group, world, tag, numel=d, dtype=x.dtype, codec=codec, reduce_op=op, device=x.device
+        )
+    ledger = get_ledger()
+    if codec is None:
+        buf = x if x.is_contiguous() else x.contiguous()
+        if error_feedback is not None:
+            buf.add_(error_feedback.reshape(buf.shape).to(buf.dtype))
+            error_feedback.zero_()
+        if world > 1:
+            dist.all_reduce(buf, op=dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM, group=group)
+        if buf.data_ptr() != x.data_ptr():
+            x.copy_(buf)
+        nb = d * x.element_size()
+        ledger.record("all_reduce", nb, d * FP32_BYTES, world, _payload(nb, world), tag)
+        return x
+
+    c = _chunk_len(d, world)
+    p = codec.nbytes(c)
+    y = torch.zeros(world * c, dtype=torch.float32, device=x.device)
+    y[:d] = x.detach().reshape(-1)
+    if error_feedback is not None:
+        y[:d] += error_feedback.detach().reshape(-1).to(torch.float32)
+    chunks = y.view(world, c)
+    send = torch.cat([_encode_bytes(codec, chunks[j], derive_seed(seed, 1, rank, j)) for j in range(world)])
+    residual = None
+    if error_feedback is not None:
+        residual = y - _decode_rows(codec, send, world, c).view(-1)
+    recv = torch.empty_like(send)
+    _all_to_all(recv, send, group, world)
+    reduced = _decode_rows(codec, recv, world, c).sum(dim=0)
+    if op == "avg":
+        reduced /= world
+    mine = _encode_bytes(codec, reduced, derive_seed(seed, 2, rank))
+    gathered = torch.empty(world * p, dtype=torch.uint8, device=x.device)
+    _all_gather(gathered, mine, group, world)
+    out = _decode_rows(codec, gathered, world, c)
+    if residual is not None:
+        k = world if op == "avg" else 1
+        residual.view(world, c)[rank] += k * (reduced - out[rank])
+        _update_error(error_feedback, residual[:d])
+    x.copy_(out.view(-1)[:d].view(x.shape))
+    ledger.record("all_reduce", world * p, d * FP32_BYTES, world, _payload((world + 1) * p, world), tag)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------- 1-bit
+_SIGN1: Codec | None = None
+
+
+def _sign_codec() -> Codec:
+    global _SIGN1
+    if _SIGN1 is None:
+        _SIGN1 = get_codec("sign1", bits=1, bucket_size=None)
+    return _SIGN1
+
+
+def onebit_server_error_numel(numel: int, group: dist.ProcessGroup | None = None) -> int:
+    """Length of ``server_error`` for ``onebit_all_reduce`` of a tensor of ``numel`` elements: ceil(numel/N)."""
+    if not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"numel must be a positive int, got {numel!r}")
+    return _chunk_len(numel, _rank_world(group)[1])
+
+
+def onebit_all_reduce(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    tag: str = "momentum",
+    check: bool = True,
+) -> torch.Tensor:
+    """Error-compensated 1-bit average over ranks (1-bit Adam, DESIGN §2), in place on a flat fused buffer.
+
+    C(v) = (||v||_2 / sqrt(len v)) * sign(v), sign(0) = +1, applied per chunk of c = ceil(d/N) elements
+    (the ``sign1`` codec with one bucket per chunk; the zero tail padding of the last chunk counts in its
+    length). With e_w = ``worker_error`` (d elements) and e_s = ``server_error`` (c elements, see
+    ``onebit_server_error_numel``):
+
+    worker r:  y = x + e_w (zero-padded to N*c); send C(y[chunk j]) to rank j; e_w <- y - C(y)  (d elements)
+    server j:  z = (1/N) sum_r C(y_r[chunk j]) + e_s  (padding positions of z set to 0);
+               send C(z) to all; e_s <- z - C(z)  (padding positions kept 0)
+    all:       x <- concat_j C(z_j)[:d], identical on every rank.
+
+    Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1) bytes of scales (1/32 of an fp32 ring all-reduce).
+    Ledger: all_reduce, collective = N*P with P = ceil(c/8) + 4, payload (N+1)*P, baseline 4*d.
+    """
+    _check_tensor("x", x)
+    _check_tensor("worker_error", worker_error)
+    _check_tensor("server_error", server_error)
+    rank, world = _rank_world(group)
+    d = x.numel()
+    c = _chunk_len(d, world)
+    if worker_error.numel() != d:
+        raise ValueError(f"worker_error must have x.numel()={d} elements, got {worker_error.numel()}")
+    if server_error.numel() != c:
+        raise ValueError(f"server_error must have ceil(x.numel()/world_size)={c} elements, got {server_error.numel()}")
+    if check and world > 1:
+        _check_consistent("onebit_all_reduce", group, world, tag, numel=d, dtype=x.dtype, codec=None, device=x.device)
+    sign = _sign_codec()
+    p = sign.nbytes(c)
+
+    y = torch.zeros(world * c, dtype=torch.float32, device=x.device)
+    y[:d] = x.detach().reshape(-1) + worker_error.detach().reshape(-1).to(torch.float32)
+    chunks = y.view(world, c)
+    send = torch.cat([_encode_bytes(sign, chunks[j], 0) for j in range(world)])
+    _update_error(worker_error, y[:d] - _decode_rows(sign, send, world, c).view(-1)[:d])
+    recv = torch.empty_like(send)
+    _all_to_all(recv, send, group, world)
+
+    valid = min(c, d - rank * c)  # real (unpadded) elements of this rank's chunk; may be <= 0 on tail ranks
+    z = _decode_rows(sign, recv, world, c).sum(dim=0) / world
+    z += server_error.detach().reshape(-1).to(torch.float32)
+    if valid < c:
+        z[max(valid, 0) :] = 0.0
+    mine = _encode_bytes(sign, z, 0)
+    new_es = z - _decode_bytes(sign, mine, c)
+    if valid < c:
+        new_es[max(valid, 0) :] = 0.0
+    _update_error(server_error, new_es)
+
+    gathered = torch.empty(world * p, dtype=torch.uint8, device=x.device)
+    _all_gather(gathered, mine, group, world)
+    x.copy_(_decode_rows(sign, gathered, world, c).view(-1)[:d].view(x.shape))
+    get_ledger().record("all_reduce", world * p, d * FP32_BYTES, world, _payload((world + 1) * p, world), tag)
+    return x
+
+
+def wire_bytes_formula(
+    collective: str, numel: int, world_size: int, codec: Codec | None = None, itemsize: int = FP32_BYTES
+) -> float:
+    """Ledger wire estimate (bytes this rank sends) of one call, for benchmarks and docs.
+
+    ``collective`` is "all_gather" (numel = shard length), "reduce_scatter" (numel = output length),
+    "all_reduce" or "onebit_all_reduce" (numel = d). Excludes the consistency check's 8*8*N bytes.
+    """
+    n = world_size
+    if collective == "onebit_all_reduce":
+        return 2 * (n - 1) * _sign_codec().nbytes(_chunk_len(numel, n))
+    if collective == "all_reduce":
+        per = itemsize * numel / n if codec is None else codec.nbytes(_chunk_len(numel, n))
+        return 2 * (n - 1) * per
+    if collective in ("all_gather", "reduce_scatter"):
+        per = itemsize * numel if codec is None else codec.nbytes(numel)
+        return (n - 1) * per
+    raise ValueError(
+        f"collective must be all_gather, reduce_scatter, all_reduce or onebit_all_reduce, got {collective!r}"
+    )
+
+
+__all__ = [
+    "REDUCE_OPS",
+    "onebit_all_reduce",
+    "onebit_server_error_numel",
+    "quantized_all_gather",
+    "quantized_all_reduce",
+    "quantized_reduce_scatter",
+    "wire_bytes_formula",
+]

@@ -1,0 +1,502 @@
+"""Compressed collectives on real gloo process groups (2 ranks, and 3 where chunking depends on N).
+
+One spawn per world size runs every check; each check's outcome (ok / traceback) is written per rank
+to a JSON file and turned into one pytest case per (world size, check). Oracles recompute the math in
+a single process from every rank's inputs, which each rank regenerates from the per-rank seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_qcomm.codecs import derive_seed, get_codec
+from lightning_qcomm.comm import (
+    CommLedger,
+    get_ledger,
+    onebit_all_reduce,
+    onebit_server_error_numel,
+    quantized_all_gather,
+    quantized_all_reduce,
+    quantized_reduce_scatter,
+    set_ledger,
+    wire_bytes_formula,
+)
+
+D = 1001  # not divisible by 2, 3, the bucket (64) or 8
+BUCKET = 64
+
+
+def make_input(case: int, rank: int, numel: int = D, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * case + rank)
+    return torch.randn(numel, generator=g) * scale
+
+
+def uniform_unit(x: torch.Tensor, bits: int) -> float:
+    """Upper bound of every bucket's quantization step (global range / levels)."""
+    return float(x.max() - x.min()) / (2**bits - 1)
+
+
+# ------------------------------------------------------------------------------------------ oracles
+def oracle_all_reduce(codec, inputs: list[torch.Tensor], seed: int, op: str) -> torch.Tensor:
+    n, d = len(inputs), inputs[0].numel()
+    c = -(-d // n)
+    padded = [torch.nn.functional.pad(x, (0, n * c - d)).view(n, c) for x in inputs]
+    out = []
+    for j in range(n):
+        parts = [codec.roundtrip(padded[r][j], derive_seed(seed, 1, r, j)) for r in range(n)]
+        s = torch.stack(parts).sum(dim=0)
+        if op == "avg":
+            s = s / n
+        out.append(codec.roundtrip(s, derive_seed(seed, 2, j)))
+    return torch.cat(out)[:d]
+
+
+def sign_c(v: torch.Tensor) -> torch.Tensor:
+    """1-bit Adam's C(v) = ||v||_2 / sqrt(len v) * sign(v), sign(0) = +1, written independently of the codec."""
+    scale = torch.linalg.vector_norm(v) / (v.numel() ** 0.5)
+    return torch.where(v < 0, -scale, scale)
+
+
+def oracle_onebit(xs, ews, ess):
+    """One step of the worker/server math for all ranks; returns (out, new e_w per rank, new e_s per rank)."""
+    n, d = len(xs), xs[0].numel()
+    c = -(-d // n)
+    ys = [torch.nn.functional.pad(x + e, (0, n * c - d)) for x, e in zip(xs, ews)]
+    cys = [torch.cat([sign_c(y[j * c : (j + 1) * c]) for j in range(n)]) for y in ys]
+    new_ew = [(y - cy)[:d] for y, cy in zip(ys, cys)]
+    out, new_es = [], []
+    for j in range(n):
+        z = torch.stack([cy[j * c : (j + 1) * c] for cy in cys]).sum(dim=0) / n + ess[j]
+        valid = max(min(c, d - j * c), 0)
+        z[valid:] = 0.0
+        cz = sign_c(z)
+        es = z - cz
+        es[valid:] = 0.0
+        out.append(cz)
+        new_es.append(es)
+    return torch.cat(out)[:d], new_ew, new_es
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def gather_all(t: torch.Tensor) -> list[torch.Tensor]:
+    """Exact fp32 all_gather of a tensor (to compare results across ranks)."""
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def assert_same_on_all_ranks(t: torch.Tensor) -> None:
+    for r, other in enumerate(gather_all(t)):
+        assert torch.equal(other, t), f"rank {r} holds a different result"
+
+
+class CountingDist:
+    """Wraps the torch.distributed calls the collectives use and sums the input bytes handed to them."""
+
+    NAMES = {"all_to_all_single": 1, "all_gather_into_tensor": 1, "all_reduce": 0, "reduce_scatter_tensor": 1}
+
+    def __init__(self):
+        self.bytes = 0
+        self.calls = 0
+        self._orig = {}
+
+    def __enter__(self):
+        for name, arg in self.NAMES.items():
+            orig = getattr(dist, name)
+            self._orig[name] = orig
+
+            def wrapped(*args, _orig=orig, _arg=arg, **kw):
+                t = args[_arg]
+                self.bytes += t.numel() * t.element_size()
+                self.calls += 1
+                return _orig(*args, **kw)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self._orig.items():
+            setattr(dist, name, orig)
+
+
+# ------------------------------------------------------------------------------------------ checks
+def check_fp32_equals_torch(rank, n):
+    x = make_input(1, rank)
+    for op, red in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+        ref = x.clone()
+        dist.all_reduce(ref, op=red)
+        got = quantized_all_reduce(x.clone(), None, op=op)
+        assert torch.equal(got, ref), f"all_reduce {op}"
+        inp = make_input(2, rank, n * 37)
+        ref = torch.empty(37)
+        dist.reduce_scatter_tensor(ref, inp.clone(), op=red)
+        got = quantized_reduce_scatter(torch.empty(37), inp, None, op=op)
+        assert torch.equal(got, ref), f"reduce_scatter {op}"
+    ref = torch.empty(n * D)
+    dist.all_gather_into_tensor(ref, x)
+    got = quantized_all_gather(torch.empty(n * D), x, None)
+    assert torch.equal(got, ref), "all_gather"
+    # error feedback with codec=None: x + e is reduced, e is emptied
+    e = make_input(3, rank)
+    ref = x + e
+    dist.all_reduce(ref)
+    got = quantized_all_reduce(x.clone(), None, error_feedback=e)
+    assert torch.equal(got, ref) and not e.any()
+
+
+def check_all_gather_codec(rank, n):
+    for name, bits in (("uniform", 4), ("qsgd", 8)):
+        codec = get_codec(name, bits, BUCKET)
+        shards = [make_input(4, r) for r in range(n)]
+        out = quantized_all_gather(torch.empty(n * D), shards[rank], codec, seed=7)
+        assert_same_on_all_ranks(out)
+        expect = torch.cat([codec.roundtrip(s, derive_seed(7, r)) for r, s in enumerate(shards)])
+        assert torch.equal(out, expect), f"{name}: differs from the single-process oracle"
+        if name == "uniform":
+            for r in range(n):
+                err = (out[r * D : (r + 1) * D] - shards[r]).abs().max()
+                assert err <= uniform_unit(shards[r], bits) * (1 + 1e-5), f"error {err} beyond one step"
+    # bf16 output, own slice decoded like the others
+    out = quantized_all_gather(torch.empty(n * D, dtype=torch.bfloat16), make_input(4, rank), get_codec("uniform", 8))
+    assert_same_on_all_ranks(out.float())
+
+
+def check_reduce_scatter_codec(rank, n):
+    codec = get_codec("uniform", 4, BUCKET)
+    s = 333
+    inputs = [make_input(5, r, n * s) for r in range(n)]
+    for op in ("sum", "avg"):
+        out = quantized_reduce_scatter(torch.empty(s), inputs[rank], codec, op=op, seed=3)
+        rows = [codec.roundtrip(inputs[r][rank * s : (rank + 1) * s], derive_seed(3, 1, r, rank)) for r in range(n)]
+        expect = torch.stack(rows).sum(dim=0) / (n if op == "avg" else 1)
+        assert torch.equal(out, expect), f"{op}: differs from the oracle"
+        exact = sum(inputs[r][rank * s : (rank + 1) * s] for r in range(n)) / (n if op == "avg" else 1)
+        bound = sum(uniform_unit(inputs[r], 4) for r in range(n)) / (n if op == "avg" else 1)
+        assert (out - exact).abs().max() <= bound * (1 + 1e-5)
+
+
+def check_all_reduce_codec(rank, n):
+    for name, bits, op in (("uniform", 4, "sum"), ("uniform", 8, "avg"), ("nuqsgd", 4, "avg"), ("fp8_e4m3", 8, "sum")):
+        codec = get_codec(name, bits, BUCKET)
+        inputs = [make_input(6, r) for r in range(n)]
+        out = quantized_all_reduce(inputs[rank].clone(), codec, op=op, seed=11)
+        assert_same_on_all_ranks(out)
+        expect = oracle_all_reduce(codec, inputs, 11, op)
+        assert torch.equal(out, expect), f"{name}{bits} {op}: differs from the oracle"
+        if name == "uniform":
+            k = n if op == "avg" else 1
+            exact = sum(inputs) / k
+            # phase 1: one step of each rank's input; phase 2: one step of the reduced values' range
+            b1 = sum(uniform_unit(x, bits) for x in inputs) / k
+            b2 = (float(exact.max() - exact.min()) + b1 * 2) / (2**bits - 1)
+            assert (out - exact).abs().max() <= (b1 + b2) * (1 + 1e-5)
+    # fp16 input, shape kept, in place
+    x = make_input(6, rank).half().view(7, 143)
+    y = quantized_all_reduce(x, get_codec("uniform", 8))
+    assert y is x and x.dtype == torch.float16 and x.shape == (7, 143)
+    assert_same_on_all_ranks(x.float())
+
+
+def check_onebit_oracle(rank, n):
+    c = onebit_server_error_numel(D)
+    assert c == -(-D // n)
+    xs_all = [[make_input(20 + t, r, scale=0.1 + t) for r in range(n)] for t in range(5)]
+    ew, es = torch.zeros(D), torch.zeros(c)
+    o_ew, o_es = [torch.zeros(D) for _ in range(n)], [torch.zeros(c) for _ in range(n)]
+    for t, xs in enumerate(xs_all):
+        out = onebit_all_reduce(xs[rank].clone(), ew, es)
+        assert_same_on_all_ranks(out)
+        expect, o_ew, o_es = oracle_onebit(xs, o_ew, o_es)
+        torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-7, msg=f"step {t}: output")
+        torch.testing.assert_close(ew, o_ew[rank], rtol=1e-6, atol=1e-6, msg=f"step {t}: worker error")
+        torch.testing.assert_close(es, o_es[rank], rtol=1e-6, atol=1e-6, msg=f"step {t}: server error")
+    # wrong server_error length names the expected size
+    try:
+        onebit_all_reduce(torch.ones(D), torch.zeros(D), torch.zeros(c + 1))
+    except ValueError as exc:
+        assert "server_error" in str(exc) and str(c) in str(exc)
+    else:
+        raise AssertionError("wrong server_error size accepted")
+
+
+def check_error_feedback(rank, n):
+    """Deterministic 2-bit rounding (biased): with EF the running sum tracks the inputs exactly up to the
+    residual, the residual stays within one quantization step per phase, and without EF the bias accumulates."""
+    bits, steps = 2, 100
+    codec = get_codec("uniform", bits, BUCKET, stochastic=False)
+    base = make_input(30, rank)  # a persistent component: rounding it the same way every step is a bias
+    e = torch.zeros(D)
+    sum_in_all = torch.zeros(D)
+    sum_out = torch.zeros(D, dtype=torch.float64)
+    sum_out_noef = torch.zeros(D, dtype=torch.float64)
+    for t in range(steps):
+        xs = [make_input(30, r) + 0.05 * make_input(100 + t, r) for r in range(n)]
+        sum_in_all += sum(xs)
+        y = xs[rank] + e
+        out = quantized_all_reduce(xs[rank].clone(), codec, op="avg", error_feedback=e, seed=t)
+        sum_out += out.double()
+        sum_out_noef += quantized_all_reduce(xs[rank].clone(), codec, op="avg", seed=t).double()
+        # |y - D(Q(y))| <= unit1 / 2, and N * |S - D(Q(S))| <= N * unit2 / 2 with unit2 <= range(out) / (2^b - 2)
+        bound = uniform_unit(y, bits) / 2 + n * float(out.max() - out.min()) / (2 * (2**bits - 2))
+        assert e.abs().max() <= bound * (1 + 1e-5), f"step {t}: residual {e.abs().max()} > {bound}"
+    assert torch.isfinite(base).all()
+    sum_e = sum(gather_all(e))
+    # k * sum_t out_t = sum_t sum_r x_r,t - sum_r e_r,T   (k = N for avg), up to fp32 rounding
+    identity = (n * sum_out - sum_in_all.double() + sum_e.double()).abs().max()
+    assert identity <= 1e-3 * float(sum_in_all.abs().max()), f"telescoping identity off by {identity}"
+    drift_ef = (n * sum_out - sum_in_all.double()).abs().mean()
+    drift_noef = (n * sum_out_noef - sum_in_all.double()).abs().mean()
+    assert drift_ef * 10 < drift_noef, f"EF drift {drift_ef} not well below no-EF drift {drift_noef}"
+
+
+def check_ledger_bytes(rank, n):
+    codec = get_codec("qsgd", 4, BUCKET)
+    ledger = CommLedger(keep_records=True)
+    prev = set_ledger(ledger)
+    s = 250
+    calls = [
+        ("all_reduce", D, codec, lambda k: quantized_all_reduce(make_input(7, rank), codec, seed=1, check=k)),
+        ("all_reduce", D, None, lambda k: quantized_all_reduce(make_input(7, rank), None, check=k)),
+        (
+            "all_gather",
+            s,
+            codec,
+            lambda k: quantized_all_gather(torch.empty(n * s), make_input(8, rank, s), codec, check=k),
+        ),
+        (
+            "all_gather",
+            s,
+            None,
+            lambda k: quantized_all_gather(torch.empty(n * s), make_input(8, rank, s), None, check=k),
+        ),
+        (
+            "reduce_scatter",
+            s,
+            codec,
+            lambda k: quantized_reduce_scatter(torch.empty(s), make_input(9, rank, n * s), codec, check=k),
+        ),
+        (
+            "reduce_scatter",
+            s,
+            None,
+            lambda k: quantized_reduce_scatter(torch.empty(s), make_input(9, rank, n * s), None, check=k),
+        ),
+        (
+            "onebit_all_reduce",
+            D,
+            None,
+            lambda k: onebit_all_reduce(make_input(7, rank), torch.zeros(D), torch.zeros(-(-D // n)), check=k),
+        ),
+    ]
+    try:
+        for kind, numel, cod, fn in calls:
+            for check in (True, False):
+                ledger.next_step()
+                with CountingDist() as counter:
+                    fn(check)
+                recs = ledger.records
+                assert sum(r.payload_bytes for r in recs) == counter.bytes, (kind, cod, check, recs, counter.bytes)
+                meta = [r for r in recs if r.baseline_bytes == 0]  # the consistency check's metadata row
+                main = [r for r in recs if r.baseline_bytes > 0]
+                assert main[0].op == ("all_reduce" if kind == "onebit_all_reduce" else kind)
+                assert len(main) == 1 and len(meta) == (1 if check else 0), (kind, recs)
+                assert main[0].wire_bytes == pytest.approx(wire_bytes_formula(kind, numel, n, cod), rel=1e-12)
+                logical = numel * (n if kind in ("all_gather", "reduce_scatter") else 1)
+                factor = 2 * (n - 1) / n if kind.endswith("all_reduce") else (n - 1) / n
+                assert main[0].baseline_bytes == pytest.approx(factor * 4 * logical, rel=1e-12)
+                if check:
+                    assert meta[0].op == "all_gather" and meta[0].payload_bytes == 64 and meta[0].baseline_bytes == 0
+    finally:
+        set_ledger(prev)
+
+
+def _expect_error_everywhere(fn, words):
+    try:
+        fn()
+    except ValueError as exc:
+        msg = str(exc)
+        assert all(w in msg for w in words), msg
+    else:
+        raise AssertionError("mismatched input was accepted")
+
+
+def check_bad_input(rank, n):
+    codec = get_codec("uniform", 4)
+    bad_len = D + rank
+    _expect_error_everywhere(lambda: quantized_all_reduce(torch.ones(bad_len), codec), ["numel", "rank0", "rank1"])
+    _expect_error_everywhere(lambda: quantized_all_reduce(torch.ones(bad_len), None), ["numel"])
+    dtype = torch.float32 if rank == 0 else torch.float16
+    _expect_error_everywhere(
+        lambda: quantized_all_gather(torch.empty(n * 5), torch.ones(5, dtype=dtype), codec), ["dtype"]
+    )
+    other = codec if rank == 0 else get_codec("uniform", 8)
+    _expect_error_everywhere(lambda: quantized_reduce_scatter(torch.empty(5), torch.ones(5 * n), other), ["codec"])
+    op = "sum" if rank == 0 else "avg"
+    _expect_error_everywhere(lambda: quantized_all_reduce(torch.ones(D), codec, op=op), ["reduce_op"])
+    _expect_error_everywhere(
+        lambda: onebit_all_reduce(torch.ones(bad_len), torch.zeros(bad_len), torch.zeros(-(-bad_len // n))), ["numel"]
+    )
+    # the group still works after the errors
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), float(n)))
+    # local argument errors name the argument
+    for fn, word in (
+        (lambda: quantized_all_reduce(torch.ones(4), codec, op="max"), "op"),
+        (lambda: quantized_all_reduce(torch.ones(4), codec, error_feedback=torch.zeros(3)), "error_feedback"),
+        (lambda: quantized_all_gather(torch.empty(3), torch.ones(2), codec), "out"),
+        (lambda: quantized_reduce_scatter(torch.empty(2), torch.ones(3), codec), "inp"),
+    ):
+        try:
+            fn()
+        except ValueError as exc:
+            assert word in str(exc), str(exc)
+        else:
+            raise AssertionError(f"bad {word} accepted")
+    try:
+        quantized_all_reduce(torch.ones(4, dtype=torch.int32), codec)
+    except TypeError as exc:
+        assert "x" in str(exc)
+    else:
+        raise AssertionError("int tensor accepted")
+
+
+def check_nan(rank, n):
+    codec = get_codec("uniform", 4, BUCKET)
+    x = make_input(40, rank)
+    if rank == 0:
+        x[5] = float("nan")
+        x[D - 1] = float("inf")
+    for cod in (codec, None):
+        e = torch.zeros(D)
+        out = quantized_all_reduce(x.clone(), cod, error_feedback=e)
+        assert not torch.isfinite(out[:BUCKET]).all() and not torch.isfinite(out[-1])
+        assert torch.isfinite(e).all(), "error feedback poisoned"
+    out = quantized_all_gather(torch.empty(n * D), x, codec)
+    assert not torch.isfinite(out[5]) and torch.isfinite(out[D + 5])
+    # reduce_scatter: a non-finite value in every row of rank 0
+    inp = make_input(41, rank, n * 10)
+    if rank == 0:
+        inp[::10] = float("nan")
+    out = quantized_reduce_scatter(torch.empty(10), inp, codec)
+    assert not torch.isfinite(out).all()
+    ew, es = torch.zeros(D), torch.zeros(-(-D // n))
+    out = onebit_all_reduce(x.clone(), ew, es)
+    c = -(-D // n)
+    assert not torch.isfinite(out[:c]).any() and not torch.isfinite(out[-1]), "NaN chunk decoded as finite"
+    assert torch.isfinite(ew).all() and torch.isfinite(es).all(), "1-bit error buffers poisoned"
+
+
+CHECKS_2 = [
+    check_fp32_equals_torch,
+    check_all_gather_codec,
+    check_reduce_scatter_codec,
+    check_all_reduce_codec,
+    check_onebit_oracle,
+    check_error_feedback,
+    check_ledger_bytes,
+    check_bad_input,
+    check_nan,
+]
+CHECKS_3 = [
+    check_fp32_equals_torch,
+    check_all_gather_codec,
+    check_reduce_scatter_codec,
+    check_all_reduce_codec,
+    check_onebit_oracle,
+    check_ledger_bytes,
+    check_bad_input,
+]
+
+
+def _worker(rank: int, world: int, port: int, outdir: str, names: list[str]) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    checks = {fn.__name__: fn for fn in CHECKS_2 + CHECKS_3}
+    try:
+        for name in names:
+            try:
+                checks[name](rank, world)
+                results[name] = "ok"
+            except Exception:
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(world: int, checks, tmp_path_factory) -> dict:
+    outdir = str(tmp_path_factory.mktemp(f"coll{world}"))
+    names = [fn.__name__ for fn in checks]
+    mp.spawn(_worker, args=(world, _free_port(), outdir, names), nprocs=world, join=True)
+    per_rank = []
+    for r in range(world):
+        with open(os.path.join(outdir, f"rank{r}.json")) as f:
+            per_rank.append(json.load(f))
+    return {name: [res.get(name, "not run") for res in per_rank] for name in names}
+
+
+@pytest.fixture(scope="module")
+def results2(tmp_path_factory):
+    return _run(2, CHECKS_2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def results3(tmp_path_factory):
+    return _run(3, CHECKS_3, tmp_path_factory)
+
+
+def _assert_ok(outcomes: list[str]) -> None:
+    bad = [f"rank {r}:\n{o}" for r, o in enumerate(outcomes) if o != "ok"]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS_2])
+def test_two_ranks(results2, name):
+    _assert_ok(results2[name])
+
+
+@pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS_3])
+def test_three_ranks(results3, name):
+    _assert_ok(results3[name])
+
+
+# ------------------------------------------------------------------------------------------ world of one
+def test_world_one_without_process_group():
+    """No process group: exactly the quantized round trips, no wire bytes."""
+    assert not dist.is_initialized()
+    ledger = CommLedger(keep_records=True)
+    prev = set_ledger(ledger)
+    try:
+        codec = get_codec("uniform", 4, BUCKET)
+        x = make_input(50, 0)
+        assert torch.equal(quantized_all_reduce(x.clone(), None), x)
+        assert torch.equal(quantized_all_reduce(x.clone(), codec, seed=5), oracle_all_reduce(codec, [x], 5, "sum"))
+        out = quantized_all_gather(torch.empty(D), x, codec, seed=2)
+        assert torch.equal(out, codec.roundtrip(x, derive_seed(2, 0)))
+        ew, es = torch.zeros(D), torch.zeros(D)
+        expect, _, _ = oracle_onebit([x], [torch.zeros(D)], [torch.zeros(D)])
+        torch.testing.assert_close(onebit_all_reduce(x.clone(), ew, es), expect, rtol=1e-6, atol=1e-7)
+        assert all(r.wire_bytes == 0 and r.payload_bytes == 0 for r in ledger.records)
+        assert len(ledger.records) == 4
+    finally:
+        set_ledger(prev)
+    assert get_ledger() is prev
