@@ -308,7 +308,16 @@ def check_ledger_bytes(rank, n):
                 main = [r for r in recs if r.baseline_bytes > 0]
                 assert main[0].op == ("all_reduce" if kind == "onebit_all_reduce" else kind)
                 assert len(main) == 1 and len(meta) == (1 if check else 0), (kind, recs)
-                assert main[0].wire_bytes == pytest.approx(wire_bytes_formula(kind, numel, n, cod), rel=1e-12)
+                # the formula, written out: bytes of one chunk's payload times the per-op factor
+                if kind == "onebit_all_reduce":
+                    chunk = -(-D // n)
+                    expect_wire = 2 * (n - 1) * (-(-chunk // 8) + 4)
+                elif kind == "all_reduce":
+                    expect_wire = 2 * (n - 1) * (cod.nbytes(-(-D // n)) if cod else 4 * D / n)
+                else:
+                    expect_wire = (n - 1) * (cod.nbytes(s) if cod else 4 * s)
+                assert main[0].wire_bytes == pytest.approx(expect_wire, rel=1e-12), (kind, cod, main[0])
+                assert wire_bytes_formula(kind, numel, n, cod) == pytest.approx(expect_wire, rel=1e-12)
                 logical = numel * (n if kind in ("all_gather", "reduce_scatter") else 1)
                 factor = 2 * (n - 1) / n if kind.endswith("all_reduce") else (n - 1) / n
                 assert main[0].baseline_bytes == pytest.approx(factor * 4 * logical, rel=1e-12)

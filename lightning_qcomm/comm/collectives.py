@@ -46,7 +46,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec, Packed, derive_seed, get_codec
+from lightning_qcomm.codecs import Codec, derive_seed, get_codec
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
 from lightning_qcomm.comm.ledger import get_ledger
 
@@ -145,24 +145,9 @@ def _encode_bytes(codec: Codec, x: torch.Tensor, seed: int) -> torch.Tensor:
     return codec.encode(x, seed=seed).to_bytes()
 
 
-def _from_bytes(codec: Codec, buf: torch.Tensor, numel: int) -> Packed:
-    """``codec.from_bytes`` for a payload that may start anywhere in a larger buffer.
-
-    ``Codec.from_bytes`` views the scale bytes as fp32 in place, which needs a 4-byte aligned storage
-    offset; payload slices of a gathered buffer (and any ncodes % 4 != 0) are not, so the scales are
-    copied out first in that case."""
-    ncodes = buf.numel() - codec.num_buckets(numel) * codec.scales_per_bucket * FP32_BYTES
-    if (buf.storage_offset() + ncodes) % FP32_BYTES == 0:
-        return codec.from_bytes(buf, (numel,), torch.float32)
-    if buf.numel() != codec.nbytes(numel):
-        raise ValueError(f"payload has {buf.numel()} bytes, codec {codec.name} expects {codec.nbytes(numel)}")
-    scales = buf[ncodes:].clone().view(torch.float32).reshape(-1, codec.scales_per_bucket)
-    return Packed(codes=buf[:ncodes], scales=scales, shape=torch.Size((numel,)), dtype=torch.float32)
-
-
 def _decode_bytes(codec: Codec, buf: torch.Tensor, numel: int) -> torch.Tensor:
     """fp32 flat values of one payload."""
-    return codec.decode(_from_bytes(codec, buf, numel))
+    return codec.decode(codec.from_bytes(buf, (numel,), torch.float32))
 
 
 def _decode_rows(codec: Codec, buf: torch.Tensor, rows: int, numel: int) -> torch.Tensor:
