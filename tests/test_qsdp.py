@@ -1,0 +1,448 @@
+"""QSDPStrategy on 2 CPU ranks (gloo): one spawn runs every Trainer, the tests below check its results.
+
+The workers are started with ``torch.multiprocessing.spawn`` and given Lightning's environment variables, so
+each Trainer(accelerator="cpu", devices=2) in them joins the same gloo process group (no re-launch per
+fit). Bytes are counted by wrapping the torch.distributed functions FSDP2 and the QSDP comms call, so the
+ratios below are what was actually handed to torch.distributed, not what the ledger assumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_qcomm.strategies.qsdp import QSDPStrategy, register_qsdp_strategies
+
+VOCAB, DIM, HEADS, SEQ, LAYERS = 128, 128, 4, 32, 2
+N_SEQ, BATCH = 64, 4  # per rank: 32 sequences -> 8 optimizer steps per epoch
+COUNTED = (
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+)
+
+
+# --------------------------------------------------------------------------- model and data
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.fc, self.out = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(SEQ, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def token_data(n: int = N_SEQ) -> torch.Tensor:
+    """Sequences of an affine recurrence mod VOCAB with 10% random tokens: learnable, not trivial."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.empty(n, SEQ + 1, dtype=torch.long)
+    x[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
+    for t in range(SEQ):
+        x[:, t + 1] = (5 * x[:, t] + 3) % VOCAB
+    noise = torch.rand(n, SEQ + 1, generator=g) < 0.1
+    return torch.where(noise, torch.randint(0, VOCAB, x.shape, generator=g), x)
+
+
+def _build_module_classes():
+    import lightning.pytorch as pl
+
+    class GPTModule(pl.LightningModule):
+        """No configure_model: QSDPStrategy shards it itself."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TinyGPT()
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            (seq,) = batch
+            logits = self.model(seq[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), seq[:, 1:].reshape(-1))
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
+
+        def train_dataloader(self):
+            ds = torch.utils.data.TensorDataset(token_data())
+            return torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=False)
+
+    class GPTModuleFSDP(GPTModule):
+        """The user's own configure_model with fully_shard (same grouping as the automatic policy)."""
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for blk in self.model.blocks:
+                fully_shard(blk, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    class EmptyModule(GPTModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Identity()
+
+        def configure_optimizers(self):
+            return None
+
+    return GPTModule, GPTModuleFSDP, EmptyModule
+
+
+# --------------------------------------------------------------------------- worker helpers
+class ByteCounter:
+    """Wraps the torch.distributed functions that move FSDP buffers and sums the input bytes handed to them."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.bytes = dict.fromkeys(COUNTED, 0)
+        for name in COUNTED:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                setattr(dist, name, self._wrap(name, fn))
+
+    def _wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            inp = kwargs.get("input_tensor", kwargs.get("input"))
+            if inp is None:
+                inp = args[1]
+            self.bytes[name] += inp.numel() * inp.element_size()
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def reset(self) -> None:
+        self.bytes = dict.fromkeys(COUNTED, 0)
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().float().clone().numpy().tobytes()).hexdigest()  # clone: numpy pins storage
+
+
+def lattice_error(w: torch.Tensor, bits: int, bucket: int = 1024) -> float:
+    """Max distance of (w - lo)/unit from an integer over the buckets of a flat tensor (0 on the lattice)."""
+    w = w.detach().double().reshape(-1)
+    w = w[: (w.numel() // bucket) * bucket].view(-1, bucket)
+    lo, hi = w.min(dim=1, keepdim=True).values, w.max(dim=1, keepdim=True).values
+    t = (w - lo) / ((hi - lo).clamp_min(1e-30) / ((1 << bits) - 1))
+    return float((t - t.round()).abs().max())
+
+
+class WeightProbe:
+    """Records digests of blocks[0].fc's gathered weight in forward and backward, and its lattice error."""
+
+    def __init__(self, module: nn.Module, rank: int, bits: int) -> None:
+        self.fwd: list[str] = []
+        self.bwd: list[str] = []
+        self.lattice = -1.0
+        self.full_shape = None
+        rows = 4 * DIM // 2
+
+        def fwd_hook(mod, args):
+            w = mod.weight
+            self.full_shape = tuple(w.shape)
+            self.fwd.append(_digest(w))
+            if self.lattice < 0:  # this rank's own slice, as it came back from the all-gather
+                self.lattice = lattice_error(w[rank * rows : (rank + 1) * rows], bits)
+
+        def bwd_hook(mod, grad_out):
+            self.bwd.append(_digest(mod.weight))
+
+        module.register_forward_pre_hook(fwd_hook)
+        module.register_full_backward_pre_hook(bwd_hook)
+
+
+def _set_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        OMP_NUM_THREADS="1",
+    )
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    import warnings
+
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+
+    from lightning_qcomm.comm.ledger import CommLedger, set_ledger
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    register_qsdp_strategies(StrategyRegistry)
+    GPTModule, GPTModuleFSDP, EmptyModule = _build_module_classes()
+    counter = ByteCounter()
+    res: dict = {}
+
+    def fit(name, strategy, module_cls=GPTModule, epochs=2, precision="32-true", probe_bits=8, ckpt_path=None):
+        _set_env(rank, world, port)
+        counter.reset()
+        ledger = CommLedger()
+        set_ledger(ledger)
+        module = module_cls()
+        probe = WeightProbe(module.model.blocks[0].fc, rank, probe_bits) if world > 1 else None
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            precision=precision,
+            max_epochs=epochs,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(module, ckpt_path=ckpt_path)
+        totals = ledger.summarize(ledger.cumulative, by="op")
+        out = {
+            "losses": module.losses,
+            "bytes": dict(counter.bytes),
+            "bytes_total": counter.total(),
+            "ledger_payload": {k: v.payload_bytes for k, v in totals.items()},
+            "ledger_ratio": {k: v.ratio for k, v in totals.items()},
+            "global_step": trainer.global_step,
+        }
+        if isinstance(trainer.strategy, QSDPStrategy):
+            out["rng_step"] = trainer.strategy.comm_state.step
+        if probe is not None:
+            out.update(fwd=probe.fwd, bwd=probe.bwd, lattice=probe.lattice)
+        res[name] = out
+        return trainer, module
+
+    if world == 1:
+        fit("w1", QSDPStrategy(bits=8), epochs=1)
+        try:
+            fit("empty", QSDPStrategy(bits=8), module_cls=EmptyModule, epochs=1)
+            res["empty_error"] = ""
+        except ValueError as err:
+            res["empty_error"] = str(err)
+    else:
+        fit("plain", ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), GPTModuleFSDP)
+        fit("q32", QSDPStrategy(bits=32))
+        fit("w8g8", "qsdp")
+        fit("w4g4", "qsdp_w4g4", probe_bits=4)
+        fit("user_cm", QSDPStrategy(bits=8), GPTModuleFSDP)
+        # checkpoint: one epoch, save (sharded / full), fresh Trainer resumes to two epochs
+        for kind, distributed in (("sharded", True), ("full", False)):
+            path = os.path.join(outdir, f"ckpt_{kind}" + ("" if distributed else ".ckpt"))
+            trainer, _ = fit(f"{kind}_a", QSDPStrategy(bits=8, save_distributed_checkpoint=distributed), epochs=1)
+            trainer.save_checkpoint(path)
+            fit(f"{kind}_b", QSDPStrategy(bits=8, save_distributed_checkpoint=distributed), epochs=2, ckpt_path=path)
+        trainer, _ = fit("master_bf16", QSDPStrategy(bits=8, quantize_master=True), precision="bf16-mixed", epochs=1)
+        errs = []
+        for m in trainer.strategy._fsdp_modules:
+            for fp in m._get_fsdp_state()._fsdp_param_groups[0].fsdp_params:
+                if len(fp._orig_size) >= 2 and fp._orig_size.numel() >= 1024:
+                    errs.append(lattice_error(fp._sharded_param_data, 8))
+        res["master_bf16"]["master_lattice"] = max(errs)
+        # every rank's view of the gathered weights, for the cross-rank identity check
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, {k: (v.get("fwd"), v.get("bwd")) for k, v in res.items()})
+        res["digests_all_ranks"] = gathered
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, tmp_path) -> list[dict]:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _spawn(2, tmp_path_factory.mktemp("qsdp2"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    return _spawn(1, tmp_path_factory.mktemp("qsdp1"))
+
+
+# --------------------------------------------------------------------------- tests on the 2-rank results
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def _final(losses: list[float], k: int = 4) -> float:
+    return sum(losses[-k:]) / k
+
+
+@pytest.mark.slow
+def test_trains_and_unquantized_equals_plain_fsdp2(two_ranks):
+    for r in two_ranks:
+        plain = r["plain"]["losses"]
+        assert len(plain) == 16 and r["plain"]["global_step"] == 16
+        assert _final(plain) < 0.6 * plain[0], plain  # the task is learnable
+        q32 = r["q32"]["losses"]
+        assert len(q32) == len(plain)
+        for a, b in zip(q32, plain):
+            assert _rel(a, b) < 1e-5, (q32, plain)
+        assert r["q32"]["lattice"] > 0.05  # unquantized weights are not on an 8-bit lattice
+
+
+@pytest.mark.slow
+def test_w8g8_loss_close_to_fsdp2_and_w4g4_trains(two_ranks):
+    for r in two_ranks:
+        plain, w8 = r["plain"]["losses"], r["w8g8"]["losses"]
+        assert w8 != plain  # quantization happened
+        assert _rel(_final(w8), _final(plain)) < 0.02, (w8, plain)
+        w4 = r["w4g4"]["losses"]
+        assert all(math.isfinite(x) for x in w4) and _final(w4) < 0.8 * w4[0], w4
+
+
+@pytest.mark.slow
+def test_bytes_handed_to_torch_distributed(two_ranks):
+    for r in two_ranks:
+        base = r["plain"]["bytes_total"]
+        assert base > 0 and r["plain"]["bytes"]["reduce_scatter_single"] > 0
+        assert r["q32"]["bytes_total"] == base  # unquantized path: same bytes as FSDP2 fp32
+        for name, limit in (("w8g8", 0.27), ("w4g4", 0.14)):
+            counted = r[name]["bytes_total"]
+            assert counted / base <= limit, (name, counted / base)
+            # the ledger's payload is exactly what was handed over (all-gather input + all-to-all input)
+            led = r[name]["ledger_payload"]
+            assert led["all_gather"] + led["reduce_scatter"] == counted
+            assert r[name]["bytes"]["reduce_scatter_single"] == 0  # grads went through the quantized all-to-all
+
+
+@pytest.mark.slow
+def test_gathered_weights_identical_and_consistent(two_ranks):
+    for name in ("w8g8", "w4g4", "user_cm"):
+        per_rank = two_ranks[0]["digests_all_ranks"]
+        fwd0, bwd0 = per_rank[0][name]
+        fwd1, bwd1 = per_rank[1][name]
+        assert fwd0 == fwd1 and bwd0 == bwd1  # every rank computes with the same weights
+        assert len(fwd0) == 16 and len(bwd0) == 16
+        assert fwd0 == bwd0  # the backward re-gather sees the forward's quantized weights
+        assert len(set(fwd0)) == 16  # and they change every step
+        for r in two_ranks:
+            assert r[name]["lattice"] < 1e-3, (name, r[name]["lattice"])  # weights travelled quantized
+
+
+@pytest.mark.slow
+def test_user_configure_model_gets_quantized_comms(two_ranks):
+    for r in two_ranks:
+        # same grouping and group ids as the automatic policy -> the same seeds and bit-identical losses
+        assert r["user_cm"]["losses"] == r["w8g8"]["losses"]
+        assert r["user_cm"]["bytes_total"] == r["w8g8"]["bytes_total"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_checkpoint_resume_continues_trajectory(two_ranks, kind):
+    for r in two_ranks:
+        ref = r["w8g8"]["losses"]
+        first, resumed = r[f"{kind}_a"]["losses"], r[f"{kind}_b"]["losses"]
+        assert first == ref[:8]
+        assert len(resumed) == 8 and r[f"{kind}_b"]["global_step"] == 16 and r[f"{kind}_b"]["rng_step"] == 16
+        for a, b in zip(resumed, ref[8:]):
+            assert _rel(a, b) < 1e-6, (resumed, ref[8:])
+
+
+@pytest.mark.slow
+def test_bf16_mixed_with_quantize_master(two_ranks):
+    for r in two_ranks:
+        losses = r["master_bf16"]["losses"]
+        assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+        assert _final(losses) < 0.9 * losses[0]
+        assert r["master_bf16"]["master_lattice"] < 1e-3  # master shards sit on the 8-bit lattice
+
+
+# --------------------------------------------------------------------------- world size 1, bad input
+@pytest.mark.slow
+def test_world_size_one_and_model_without_parameters(one_rank):
+    (r,) = one_rank
+    losses = r["w1"]["losses"]
+    assert len(losses) == 16 and all(math.isfinite(x) for x in losses)
+    assert "no parameters" in r["empty_error"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"bits": 9}, "weight_bits=9"),
+        ({"weight_bits": 0}, "weight_bits=0"),
+        ({"grad_bits": 16}, "grad_bits=16"),
+        ({"grad_codec": "qsgd", "grad_bits": 1}, "grad_bits=1"),
+        ({"weight_codec": "lz4"}, "weight_codec='lz4'"),
+        ({"grad_codec": "nope"}, "grad_codec='nope'"),
+        ({"bucket_size": 0}, "bucket_size"),
+        ({"min_quant_numel": -1}, "min_quant_numel"),
+        ({"start_method": "thread"}, "start_method"),
+        ({"bits": 32, "quantize_master": True}, "quantize_master"),
+        ({"layer_classes": " , "}, "layer_classes"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QSDPStrategy(**kwargs)
+
+
+def test_bits_resolution_and_registry():
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+
+    s = QSDPStrategy(bits=4, grad_bits=8)
+    assert (s.weight_codec.bits, s.grad_codec.bits) == (4, 8)
+    s = QSDPStrategy(bits=32)
+    assert s.weight_codec is None and s.grad_codec is None
+    s = QSDPStrategy()
+    assert (s.weight_codec.bits, s.grad_codec.bits, s.weight_codec.bucket_size) == (8, 8, 1024)
+    with pytest.raises(TypeError, match="bits"):
+        QSDPStrategy(bits=8.0)
+    reg = _StrategyRegistry()
+    register_qsdp_strategies(reg)
+    register_qsdp_strategies(reg)  # idempotent
+    assert {"qsdp", "qsdp_w8g8", "qsdp_w4g4"} <= set(reg)
+    w4 = reg.get("qsdp_w4g4")
+    assert isinstance(w4, QSDPStrategy) and (w4.weight_bits, w4.grad_bits) == (4, 4)
