@@ -1,0 +1,156 @@
+"""Parameter averaging for Local SGD: flatten tensors into buckets and average them over ranks.
+
+``TensorAverager`` owns a fixed, ordered list of same-role tensors (parameters, floating buffers or
+optimizer-state tensors). ``average(round_idx)`` packs them into flat buckets of at most
+``bucket_numel`` elements per (dtype, device), averages each bucket with
+``comm.quantized_all_reduce(..., op="avg", tag=tag)`` and writes the result back:
+
+    x_i <- (1/N) * sum_r x_i^(r)                                  (codec None: fp32 all-reduce)
+    x_i <- a_i + D(Q(1/N * sum_r D(Q(x_i^(r) - a_i))))            (codec set, ``delta=True``)
+
+With a codec the values sent are the *changes since the last average* (``delta=True``, the default
+with a codec): the anchor a_i is the averaged value from the previous round, identical on all ranks,
+kept as one fp32 copy per bucket. Deltas are small and centred, so a b-bit bucket quantizer resolves
+them far better than the raw weights (the same reason DiLoCo and torchft average pseudo-gradients).
+``delta=False`` quantizes the values themselves. Either way every rank ends with identical tensors
+(``quantized_all_reduce`` decodes the same bytes everywhere). Every call records into the ledger.
+
+No Lightning here: the strategy decides *when*, this module decides *how*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_qcomm.codecs import Codec, derive_seed
+from lightning_qcomm.comm.collectives import quantized_all_reduce
+
+DEFAULT_BUCKET_NUMEL = 25 * 1024 * 1024 // 4  # 25 MiB of fp32 per flat bucket, like DDP's bucket_cap_mb
+
+
+@dataclass
+class _Bucket:
+    tensors: list[torch.Tensor]
+    numel: int
+    anchor: torch.Tensor | None = None  # fp32 flat copy of the last average (delta mode)
+
+
+def _plan_buckets(tensors: Sequence[torch.Tensor], bucket_numel: int) -> list[_Bucket]:
+    """Group tensors (in order) into buckets of one dtype and device, each <= bucket_numel elements
+    unless a single tensor is larger (it then gets a bucket of its own)."""
+    buckets: list[_Bucket] = []
+    open_by_key: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
+    for t in tensors:
+        n = t.numel()
+        if n == 0:
+            continue
+        key = (t.dtype, t.device)
+        b = open_by_key.get(key)
+        if b is None or b.numel + n > bucket_numel:
+            b = _Bucket([], 0)
+            buckets.append(b)
+            open_by_key[key] = b
+        b.tensors.append(t)
+        b.numel += n
+    return buckets
+
+
+class TensorAverager:
+    """Averages a fixed list of tensors in place over ``group`` (see module docstring).
+
+    Args:
+        tensors: the tensors to average; their number, order and shapes must be the same on every rank.
+        codec: None for a plain fp32 all-reduce, else the codec for ``quantized_all_reduce``.
+        group: process group (None = world).
+        bucket_numel: maximum elements per flat bucket (> 0).
+        seed: base seed; round r, bucket k use ``derive_seed(seed, r, k)``.
+        tag: ledger tag ("param_average", "buffers", ...).
+        delta: with a codec, quantize the change since the last average instead of the values.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        codec: Codec | None = None,
+        group: dist.ProcessGroup | None = None,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        seed: int = 0,
+        tag: str = "param_average",
+        delta: bool = True,
+    ) -> None:
+        if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be an int >= 1, got {bucket_numel!r}")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise TypeError(f"tensors[{i}] must be floating point to be averaged, got dtype {t.dtype}")
+        self.codec = codec
+        self.group = group
+        self.seed = int(seed)
+        self.tag = tag
+        self.delta = bool(delta) and codec is not None
+        self._buckets = _plan_buckets(list(tensors), bucket_numel)
+        self._checked = False
+        if self.delta:
+            self.reset_anchor()
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self._buckets)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @staticmethod
+    def _flatten(b: _Bucket) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in b.tensors])
+
+    @staticmethod
+    def _unflatten(b: _Bucket, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for t in b.tensors:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+
+    def reset_anchor(self) -> None:
+        """Take the current values as the common reference point (they must be equal on all ranks,
+        e.g. right after the rank-0 broadcast at setup or after loading a checkpoint)."""
+        if self.codec is None:
+            return
+        for b in self._buckets:
+            b.anchor = self._flatten(b).to(torch.float32)
+
+    @torch.no_grad()
+    def average(self, round_idx: int = 0, check: bool | None = None) -> None:
+        """Average every tensor over the group, in place; identical results on all ranks.
+
+        ``check``: run ``quantized_all_reduce``'s cross-rank layout check (one small all-gather per
+        bucket); None = on this averager's first call only, since its layout is fixed.
+        """
+        if check is None:
+            check = not self._checked
+        for k, b in enumerate(self._buckets):
+            seed = derive_seed(self.seed, round_idx, k)
+            flat = self._flatten(b)
+            if self.codec is None:
+                quantized_all_reduce(flat, None, group=self.group, op="avg", seed=seed, tag=self.tag, check=check)
+            elif self.delta:
+                assert b.anchor is not None
+                diff = flat.to(torch.float32) - b.anchor
+                quantized_all_reduce(diff, self.codec, group=self.group, op="avg", seed=seed, tag=self.tag, check=check)
+                b.anchor.add_(diff)
+                flat = b.anchor
+            else:
+                vals = flat.to(torch.float32)
+                quantized_all_reduce(vals, self.codec, group=self.group, op="avg", seed=seed, tag=self.tag, check=check)
+                flat = vals
+            self._unflatten(b, flat)
+        self._checked = True
