@@ -1,0 +1,186 @@
+"""Triton kernels (``lightning_qcomm.kernels``) against the torch reference codecs, under TRITON_INTERPRET=1.
+
+Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a kernel, i.e. when
+``lightning_qcomm.kernels`` is first imported; the rest of the suite may already have imported it in
+this process. So one subprocess (this file run as a script, with the variable set) goes through every
+case on CPU tensors and reports per codec; the tests below assert on that report:
+
+- encode: packed codes bit-identical to ``Codec.encode_reference`` (dispatch forced to the kernels, so
+  the kernels get exactly the per-bucket parameters the reference gets), for every codec and bit width,
+  default and odd bucket sizes (buckets straddling the 8-element packing groups), lengths that are not
+  multiples of 8 or of the bucket, several seeds (64-bit ones too), NaN/+-Inf inputs, constant and zero
+  buckets, a bucket whose L2 norm overflows, and once more with int64 element indexing forced;
+- decode: kernel decode of those codes, and of random bytes (every code value, FP8 NaN/Inf patterns
+  included), equal to ``Codec.decode_reference`` element for element (NaN where the reference is NaN);
+- the comparison can fail: a different seed changes the kernel's codes of every stochastic codec.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+# (id, name, bits, opts)
+CODECS = [
+    *[(f"uniform{b}", "uniform", b, {}) for b in range(1, 9)],
+    ("uniform4_nearest", "uniform", 4, {"stochastic": False}),
+    *[(f"qsgd{b}", "qsgd", b, {}) for b in (2, 4, 8)],
+    ("qsgdinf4", "qsgdinf", 4, {}),
+    *[(f"nuqsgd{b}", "nuqsgd", b, {}) for b in (2, 3, 4, 8)],
+    ("sign1", "sign1", 1, {}),
+    ("fp8_e4m3_nearest", "fp8_e4m3", 8, {"rounding": "nearest"}),
+    ("fp8_e4m3_stochastic", "fp8_e4m3", 8, {"rounding": "stochastic"}),
+    ("fp8_e5m2_nearest", "fp8_e5m2", 8, {"rounding": "nearest"}),
+    ("fp8_e5m2_stochastic", "fp8_e5m2", 8, {"rounding": "stochastic"}),
+]
+BUCKETS = (None, 37)  # codec default (512; sign1: whole tensor), and one that is odd and straddles groups
+LENGTHS = (1, 13, 1000, 2051)  # 2051 spans three programs of 1024 elements
+INT64_CASES = ("uniform3", "nuqsgd4", "fp8_e4m3_stochastic", "sign1")
+WORKER_TIMEOUT_S = 240  # a safety net; the worker takes ~20 s of CPU
+
+
+def _inputs(n: int, gen):
+    """A test vector of length n: Gaussian plus heavy-tailed entries, with special buckets where n allows."""
+    import torch
+
+    x = torch.randn(n, generator=gen) * 3.0
+    if n >= 13:
+        x[1::5] = torch.randn(len(x[1::5]), generator=gen) / (torch.rand(len(x[1::5]), generator=gen) + 0.05)
+        x[3] = float("nan")
+        x[11] = float("inf") if n < 100 else x[11]
+    if n >= 1000:
+        x[100:140] = 0.0  # zero bucket (norm 0) at bucket 37
+        x[148:185] = 0.75  # constant bucket (uniform unit 0) at bucket 37
+        x[600] = float("-inf")
+        x[700] = float("inf")
+    if n >= 2000:
+        x[1300:1340] = 2.0e37 * torch.randn(40, generator=gen).sign()  # L2 norm overflows to inf
+    return x
+
+
+def _worker() -> dict:
+    """Run every case (TRITON_INTERPRET=1 is set by the parent) and return {case id: result}."""
+    from unittest import mock
+
+    import torch
+
+    from lightning_qcomm import kernels
+    from lightning_qcomm.codecs import Packed, derive_seed, dispatch, get_codec
+
+    codec_kernels = kernels.codec_kernels
+
+    assert kernels.HAS_TRITON and codec_kernels._is_interpreted(), "worker must run with TRITON_INTERPRET=1"
+    seeds = (1, derive_seed(7, 3, 1))  # key words (k1, k2): both >= 2**31, both < 2**31
+    to_kernels = mock.patch.object(dispatch, "use_triton", lambda t: True)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
+
+    def run_case(name: str, bits: int, opts: dict, buckets=BUCKETS, lengths=LENGTHS) -> dict:
+        res = {"checked": 0, "code_mismatch": [], "decode_mismatch": [], "random_decode_mismatch": []}
+        for bucket in buckets:
+            codec = get_codec(name, bits, bucket, **opts)
+            gen = torch.Generator().manual_seed(1234 + bits)
+            for n in lengths:
+                x = _inputs(n, gen)
+                tri_codes = []
+                for seed in seeds:
+                    ref = codec.encode(x, seed)  # CPU tensor: torch reference
+                    with to_kernels:
+                        tri = codec.encode(x, seed)
+                    tri_codes.append(tri.codes)
+                    res["checked"] += 1
+                    if not torch.equal(ref.codes, tri.codes):
+                        bad = (ref.codes != tri.codes).nonzero().flatten()[:5].tolist()
+                        res["code_mismatch"].append(f"bucket={bucket} n={n} seed={seed}: bytes {bad}")
+                # decode of the (identical) codes, and of every byte pattern, with this input's scales
+                noise = torch.randint(0, 256, ref.codes.shape, generator=gen, dtype=torch.uint8)
+                rnd = Packed(codes=noise, scales=ref.scales, shape=ref.shape, dtype=ref.dtype)
+                for packed, key in ((ref, "decode_mismatch"), (rnd, "random_decode_mismatch")):
+                    with to_kernels:
+                        tri_dec = codec.decode(packed)
+                    if not same(codec.decode(packed), tri_dec):
+                        res[key].append(f"bucket={bucket} n={n}")
+                if n == max(lengths):
+                    res["seed_changes_codes"] = not torch.equal(tri_codes[0], tri_codes[1])
+        return res
+
+    report = {}
+    for cid, name, bits, opts in CODECS:
+        report[cid] = run_case(name, bits, opts)
+    with mock.patch.object(codec_kernels, "INT32_INDEX_LIMIT", 0):  # every launch takes the int64 path
+        for cid, name, bits, opts in CODECS:
+            if cid in INT64_CASES:
+                report[f"{cid}_int64"] = run_case(name, bits, opts, buckets=(37,), lengths=(13, 2051))
+    return report
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env.pop("LIGHTNING_QCOMM_DISABLE_TRITON", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WORKER_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, f"kernel worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+CASE_IDS = [c[0] for c in CODECS] + [f"{c}_int64" for c in INT64_CASES]
+
+
+@pytest.mark.parametrize("cid", CASE_IDS)
+def test_codes_bit_identical_to_reference(report, cid):
+    r = report[cid]
+    assert r["checked"] == (2 * 2 if cid.endswith("_int64") else len(BUCKETS) * len(LENGTHS) * 2)
+    assert r["code_mismatch"] == []
+
+
+@pytest.mark.parametrize("cid", CASE_IDS)
+def test_decode_equals_reference(report, cid):
+    assert report[cid]["decode_mismatch"] == []
+    assert report[cid]["random_decode_mismatch"] == []
+
+
+@pytest.mark.parametrize("cid", [c[0] for c in CODECS])
+def test_kernel_codes_depend_on_seed_iff_stochastic(report, cid):
+    from lightning_qcomm.codecs import get_codec
+
+    name, bits, opts = next((n, b, o) for i, n, b, o in CODECS if i == cid)
+    assert report[cid]["seed_changes_codes"] is get_codec(name, bits, **opts).stochastic
+
+
+def test_has_triton_and_bad_input():
+    import torch
+
+    from lightning_qcomm import kernels
+    from lightning_qcomm.codecs import get_codec
+
+    codec_kernels = kernels.codec_kernels
+    assert kernels.HAS_TRITON is True
+    codec = get_codec("uniform", 4)
+    with pytest.raises(TypeError, match="xf"):
+        kernels.encode(codec, torch.zeros(4, dtype=torch.float64), torch.zeros(1, 2), 0)
+    if not codec_kernels._is_interpreted():
+        with pytest.raises(ValueError, match="CUDA"):
+            kernels.encode(codec, torch.zeros(4), torch.zeros(1, 2), 0)
+
+    class Unknown:
+        name = "mystery"
+
+    with pytest.raises(ValueError, match="mystery"):
+        kernels.encode(Unknown(), torch.zeros(4), torch.zeros(1, 2), 0)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker()))
