@@ -93,6 +93,14 @@ def gather_all(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def _all_gather(out, inp):
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp)
+
+
+def _reduce_scatter(out, inp, op):
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp, op=op)
+
+
 def assert_same_on_all_ranks(t: torch.Tensor) -> None:
     for r, other in enumerate(gather_all(t)):
         assert torch.equal(other, t), f"rank {r} holds a different result"
@@ -101,7 +109,14 @@ def assert_same_on_all_ranks(t: torch.Tensor) -> None:
 class CountingDist:
     """Wraps the torch.distributed calls the collectives use and sums the input bytes handed to them."""
 
-    NAMES = {"all_to_all_single": 1, "all_gather_into_tensor": 1, "all_reduce": 0, "reduce_scatter_tensor": 1}
+    NAMES = {
+        "all_to_all_single": 1,
+        "all_gather_single": 1,
+        "all_gather_into_tensor": 1,
+        "all_reduce": 0,
+        "reduce_scatter_single": 1,
+        "reduce_scatter_tensor": 1,
+    }
 
     def __init__(self):
         self.bytes = 0
@@ -110,7 +125,9 @@ class CountingDist:
 
     def __enter__(self):
         for name, arg in self.NAMES.items():
-            orig = getattr(dist, name)
+            orig = getattr(dist, name, None)
+            if orig is None:
+                continue
             self._orig[name] = orig
 
             def wrapped(*args, _orig=orig, _arg=arg, **kw):
@@ -137,11 +154,11 @@ def check_fp32_equals_torch(rank, n):
         assert torch.equal(got, ref), f"all_reduce {op}"
         inp = make_input(2, rank, n * 37)
         ref = torch.empty(37)
-        dist.reduce_scatter_tensor(ref, inp.clone(), op=red)
+        _reduce_scatter(ref, inp.clone(), op=red)
         got = quantized_reduce_scatter(torch.empty(37), inp, None, op=op)
         assert torch.equal(got, ref), f"reduce_scatter {op}"
     ref = torch.empty(n * D)
-    dist.all_gather_into_tensor(ref, x)
+    _all_gather(ref, x)
     got = quantized_all_gather(torch.empty(n * D), x, None)
     assert torch.equal(got, ref), "all_gather"
     # error feedback with codec=None: x + e is reduced, e is emptied

@@ -6,7 +6,7 @@ codec lives in ``lightning_qcomm.codecs`` and the byte accounting in ``comm.ledg
 Wire format: every payload is the flat uint8 buffer ``Packed.to_bytes()`` (codes, then fp32 scales).
 Its size is ``codec.nbytes(numel)``, a pure function of the length, so no rank ever exchanges sizes.
 Only two torch primitives carry payloads: ``all_to_all_single`` (gloo has no list ``all_to_all``) and
-``all_gather_into_tensor``; both run on gloo and NCCL.
+``all_gather_single`` (called ``all_gather_into_tensor`` before torch 2.13); both run on gloo and NCCL.
 
 Notation: d = elements of the logical tensor, N = world size, r = this rank, P = payload bytes of one
 chunk. Chunked collectives split a flat tensor into N chunks of c = ceil(d / N) elements, zero-padding
@@ -60,6 +60,18 @@ _META_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """``all_gather_single`` (torch >= 2.13), else its older name ``all_gather_into_tensor``."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, op, group) -> None:
+    """``reduce_scatter_single`` (torch >= 2.13), else its older name ``reduce_scatter_tensor``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=op, group=group)
+
+
 def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank in group, group size); (0, 1) when torch.distributed is not initialised."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -121,7 +133,7 @@ def _check_consistent(
         device=device,
     )
     rows = torch.empty(world * row.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(rows, row, group=group)
+    _all_gather_single(rows, row, group)
     get_ledger().record("all_gather", rows.numel() * 8, 0, world, payload_bytes=row.numel() * 8, tag=tag)
     table = rows.view(world, -1).cpu()
     if bool((table == table[0]).all()):
@@ -167,7 +179,7 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, world: int) -> None
     if world == 1:
         out.copy_(inp)
     else:
-        dist.all_gather_into_tensor(out, inp, group=group)
+        _all_gather_single(out, inp, group)
 
 
 def _payload(nbytes: int, world: int) -> int:
@@ -195,7 +207,7 @@ def quantized_all_gather(
 
     ``out`` has N * shard.numel() elements (any shape, contiguous); ``shard`` any shape. Each rank's own
     slice is decoded from its own payload too, so all ranks hold identical data. codec=None gathers the
-    raw values (cast to ``out.dtype``) with ``all_gather_into_tensor``.
+    raw values (cast to ``out.dtype``) with ``all_gather_single``.
     Ledger: all_gather, collective = N * P (P = codec.nbytes(s), or s * itemsize), baseline N * s * 4.
     """
     _check_tensor("out", out)
@@ -238,7 +250,7 @@ def quantized_reduce_scatter(
     """out = sum_i decode(Q(inp_i[row r])) (or that / N for op="avg"), summed in fp32 in rank order.
 
     ``inp`` has N * out.numel() elements; row j = inp.flatten()[j*s:(j+1)*s] goes to rank j, encoded
-    with ``derive_seed(seed, 1, r, j)``. codec=None is ``reduce_scatter_tensor`` (SUM or AVG).
+    with ``derive_seed(seed, 1, r, j)``. codec=None is ``reduce_scatter_single`` (SUM or AVG).
     Ledger: reduce_scatter, collective = payload = N * P, baseline N * s * 4.
     """
     _check_tensor("out", out)
@@ -261,7 +273,7 @@ def quantized_reduce_scatter(
             dst.copy_(src)
         else:
             red = dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM
-            dist.reduce_scatter_tensor(dst, src, op=red, group=group)
+            _reduce_scatter_single(dst, src, red, group)
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         p = s * src.element_size()
@@ -297,7 +309,7 @@ def quantized_all_reduce(
        (``all_to_all_single``);
     2. rank j decodes the N chunks to fp32 and sums them in rank order: S_j = sum_r D(Q(y_r[j]))
        (op="avg": S_j / N) -- no low-precision accumulation;
-    3. rank j re-encodes S_j (seed ``derive_seed(seed, 2, j)``); ``all_gather_into_tensor`` of the N codes;
+    3. rank j re-encodes S_j (seed ``derive_seed(seed, 2, j)``); ``all_gather_single`` of the N codes;
     4. every rank decodes all N chunks from the gathered bytes: x <- D(Q(S))[:d], identical on all ranks.
 
     Error feedback (``error_feedback`` = e_r, updated in place): e_r is everything rank r meant to
