@@ -375,7 +375,8 @@ def install_qsdp_comms(root: torch.nn.Module, config: QSDPCommConfig, state: QSD
         module.set_custom_reduce_scatter(
             QuantizedReduceScatter(config.grad_codec, state, gid, params, config.min_quant_numel)
         )
-        module.set_force_sum_reduction_for_comms(True)
+        if hasattr(module, "set_force_sum_reduction_for_comms"):  # else FSDP passes AVG, which the comm also does
+            module.set_force_sum_reduction_for_comms(True)
         installed.append(module)
     return installed
 

@@ -206,6 +206,7 @@ class QSDPStrategy(ModelParallelStrategy):
                     "QSDP: configure_model did not call fully_shard; sharding the model with the default policy"
                 )
             self._auto_shard(self.model)
+        self._check_all_sharded(self.model)
         self._fsdp_modules = install_qsdp_comms(
             self.model,
             QSDPCommConfig(self.weight_codec, self.grad_codec, self.min_quant_numel),
@@ -220,6 +221,17 @@ class QSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_all_sharded(self, root: nn.Module) -> None:
+        """Trainable parameters outside every FSDP group would never have their gradients synchronized."""
+        from torch.distributed.tensor import DTensor
+
+        loose = [n for n, p in root.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if loose:
+            raise ValueError(
+                f"{type(self).__name__}: trainable parameters {loose[:8]}{' ...' if len(loose) > 8 else ''} are not"
+                " sharded by fully_shard (configure_model must also shard the module that holds them, e.g. the root)"
+            )
 
     def _wrap_targets(self, root: nn.Module) -> list[nn.Module]:
         if self.layer_classes is not None:
