@@ -1,0 +1,147 @@
+"""netbench variants: what each benchmark row trains with (the one place to add a method).
+
+Each ``Variant`` names a Lightning strategy (plus callbacks) built by ``build_variant`` inside the
+worker. lightning_qcomm variants are looked up by import path so the harness runs whichever have
+landed and lists the others as skipped. torch's own DDP comm hooks are registered on CPU by
+``CPUHookDDPStrategy`` (Lightning's ``DDPStrategy`` registers them only on CUDA and would silently
+all-reduce in fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One benchmark row. ``family``: "floor", "torch" (torch/Lightning built-ins) or "lq" (ours)."""
+
+    name: str
+    family: str
+    label: str
+    needs: tuple[str, ...] = ()  # "module:Attr" candidates; one must import for the variant to run
+
+
+QSDP = ("lightning_qcomm.strategies:QSDPStrategy", "lightning_qcomm.strategies.qsdp:QSDPStrategy")
+QDDP = ("lightning_qcomm.strategies:QuantDDPStrategy", "lightning_qcomm.strategies.quant_ddp:QuantDDPStrategy")
+LSGD = ("lightning_qcomm.strategies:LocalSGDStrategy", "lightning_qcomm.strategies.local_sgd:LocalSGDStrategy")
+ONEBIT = ("lightning_qcomm.callbacks:OneBitAdamCallback", "lightning_qcomm.callbacks.onebit_adam:OneBitAdamCallback")
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("floor", "floor", "compute floor: DDP with torch's no-op comm hook (same job, no traffic)"),
+    Variant("ddp_fp32", "torch", "DDP fp32 all-reduce (torch allreduce_hook = DDP's built-in reduction)"),
+    Variant("ddp_fp16", "torch", "DDP + torch fp16_compress_hook"),
+    Variant("powersgd_r4", "torch", "DDP + torch PowerSGD rank 4, error feedback, warm start, start iter 2"),
+    Variant("fsdp2", "torch", "FSDP2 fp32 (ModelParallelStrategy; fully_shard per block, then the model)"),
+    Variant("fsdp2_bf16", "torch", "FSDP2 with MixedPrecisionPolicy(param_dtype=reduce_dtype=bf16)"),
+    Variant("post_local_sgd", "torch", "torch post-local SGD: local steps after warm-up, PeriodicModelAverager(4)"),
+    Variant("qsdp_w8g8", "lq", "QSDPStrategy(weight_bits=8, grad_bits=8)", QSDP),
+    Variant("qsdp_w4g4", "lq", "QSDPStrategy(weight_bits=4, grad_bits=4)", QSDP),
+    Variant("qddp_uniform8", "lq", "QuantDDPStrategy(codec='uniform', bits=8)", QDDP),
+    Variant("qddp_fp8_e4m3", "lq", "QuantDDPStrategy(codec='fp8_e4m3', bits=8)", QDDP),
+    Variant("qddp_nuqsgd4", "lq", "QuantDDPStrategy(codec='nuqsgd', bits=4)", QDDP),
+    Variant("qddp_qsgd4", "lq", "QuantDDPStrategy(codec='qsgd', bits=4)", QDDP),
+    Variant("localsgd_qsr", "lq", "LocalSGDStrategy(sync='qsr', h_base=4, alpha=2*peak lr)", LSGD),
+    Variant("localsgd_h4", "lq", "LocalSGDStrategy(sync='constant', period=4)", LSGD),
+    Variant("onebit_adam", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps)", ONEBIT),
+)
+VARIANT_BY_NAME = {v.name: v for v in VARIANTS}
+BASELINE = "ddp_fp32"
+QDDP_CODECS = {
+    "qddp_uniform8": ("uniform", 8),
+    "qddp_fp8_e4m3": ("fp8_e4m3", 8),
+    "qddp_nuqsgd4": ("nuqsgd", 4),
+    "qddp_qsgd4": ("qsgd", 4),
+}
+
+
+def load_symbol(candidates: tuple[str, ...]) -> Any:
+    """The first of ``"module:Attr"`` candidates that imports; ImportError naming all of them otherwise."""
+    errors = []
+    for cand in candidates:
+        mod, _, attr = cand.partition(":")
+        try:
+            return getattr(__import__(mod, fromlist=[attr]), attr)
+        except Exception as e:  # noqa: BLE001 - any import failure means "not landed (yet)"
+            errors.append(f"{cand}: {type(e).__name__}: {e}")
+    raise ImportError("; ".join(errors))
+
+
+def variant_available(v: Variant) -> tuple[bool, str]:
+    """Whether ``v.needs`` imports (lq variants land one by one), and the reason when not."""
+    if not v.needs:
+        return True, ""
+    try:
+        load_symbol(v.needs)
+    except ImportError as e:
+        return False, f"not importable ({e})"
+    return True, ""
+
+
+def build_variant(name: str, *, warmup: int, lr: float, timeout_s: float) -> tuple[Any, type, dict, list]:
+    """(strategy, LightningModule class, extra module kwargs, callbacks) for variant ``name``.
+
+    ``warmup`` is the number of untimed steps: PowerSGD and post-local SGD finish their own
+    uncompressed warm-up inside it, so the timed window sees their steady state.
+    """
+    from bench_model import BenchLM, BenchLMFSDP2
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pls
+
+    timeout = timedelta(seconds=timeout_s)
+
+    class CPUHookDDPStrategy(DDPStrategy):
+        """DDPStrategy that registers its comm hook on CPU too (Lightning registers hooks only on CUDA)."""
+
+        def _register_ddp_hooks(self) -> None:
+            from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+
+            if self._ddp_comm_hook is not None:
+                _register_ddp_comm_hook(
+                    model=self.model,
+                    ddp_comm_state=self._ddp_comm_state,
+                    ddp_comm_hook=self._ddp_comm_hook,
+                    ddp_comm_wrapper=self._ddp_comm_wrapper,
+                )
+
+    def ddp(**kw: Any) -> DDPStrategy:
+        return CPUHookDDPStrategy(process_group_backend="gloo", timeout=timeout, **kw)
+
+    if name == "floor":
+        return ddp(ddp_comm_hook=debugging_hooks.noop_hook), BenchLM, {}, []
+    if name == "ddp_fp32":
+        return ddp(ddp_comm_hook=default_hooks.allreduce_hook), BenchLM, {}, []
+    if name == "ddp_fp16":
+        return ddp(ddp_comm_hook=default_hooks.fp16_compress_hook), BenchLM, {}, []
+    if name == "powersgd_r4":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2, use_error_feedback=True
+        )
+        return ddp(ddp_comm_state=state, ddp_comm_hook=powerSGD_hook.powerSGD_hook), BenchLM, {}, []
+    if name == "post_local_sgd":
+        state = pls.PostLocalSGDState(
+            process_group=None, subgroup=None, start_localSGD_iter=warmup, post_local_gradient_allreduce=False
+        )
+        strat = ddp(ddp_comm_state=state, ddp_comm_hook=pls.post_localSGD_hook, model_averaging_period=4)
+        return strat, BenchLM, {}, []
+    if name in ("fsdp2", "fsdp2_bf16"):
+        strat = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout)
+        return strat, BenchLMFSDP2, {"mp_dtype": "bfloat16" if name == "fsdp2_bf16" else None}, []
+    if name in ("qsdp_w8g8", "qsdp_w4g4"):
+        bits = 8 if name == "qsdp_w8g8" else 4
+        return load_symbol(QSDP)(weight_bits=bits, grad_bits=bits, timeout=timeout), BenchLM, {}, []
+    if name in QDDP_CODECS:
+        codec, bits = QDDP_CODECS[name]
+        strat = load_symbol(QDDP)(codec=codec, bits=bits, process_group_backend="gloo", timeout=timeout)
+        return strat, BenchLM, {}, []
+    if name == "localsgd_qsr":
+        # alpha = 2 * peak lr: H = h_base = 4 while lr >= peak/2, then floor((alpha/lr)^2) as the cosine decays
+        return load_symbol(LSGD)(sync="qsr", h_base=4, alpha=2.0 * lr, timeout=timeout), BenchLM, {}, []
+    if name == "localsgd_h4":
+        return load_symbol(LSGD)(sync="constant", period=4, timeout=timeout), BenchLM, {}, []
+    if name == "onebit_adam":
+        return ddp(), BenchLM, {}, [load_symbol(ONEBIT)(freeze_step=warmup)]
+    raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANT_BY_NAME)}")

@@ -1,0 +1,136 @@
+"""Smoke tests of benchmarks/netbench.py so the harness can't rot (no timing is asserted).
+
+One reduced end-to-end run on loopback (tiny model, 4 steps, a few variants) checks that the report,
+JSON and plot are written and that the byte accounting is exact: torch's fp32 all-reduce hook must
+put exactly 4 bytes per parameter per step into the ledger (wire factor 2(N-1)/N = 1 at N = 2), the
+fp16 hook exactly half, the no-communication floor nothing. Pure functions (schedule, aggregation,
+efficiency) are checked on synthetic numbers; namespace teardown on error is checked when root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import netbench  # noqa: E402
+
+
+def test_schedule_interleaves_and_reverses_odd_repeats():
+    s = netbench.make_schedule(["a", "b", "c"], 2)
+    assert [e["variant"] for e in s] == ["a", "b", "c", "c", "b", "a"]
+    assert [e["repeat"] for e in s] == [0, 0, 0, 1, 1, 1]
+    assert [e["id"] for e in s] == list(range(6))
+
+
+def _row(variant, repeat, rank, step, tx, ledger, loss=2.0, rate=100.0):
+    return {
+        "event": "done",
+        "variant": variant,
+        "repeat": repeat,
+        "rank": rank,
+        "rate_mbit": rate,
+        "step_median_s": step,
+        "step_mean_s": step,
+        "tx_per_step": tx,
+        "ledger_per_step": ledger,
+        "dist_per_step": ledger,
+        "train_loss_last5": loss,
+        "val_loss": loss,
+        "ledger_source": "x",
+    }
+
+
+def test_aggregate_efficiency_speedup_and_floor_check():
+    rate = 100.0  # Mbit/s -> 12.5e6 bytes/s
+    res = []
+    for rep in (0, 1):
+        for rank in (0, 1):
+            res.append(_row("floor", rep, rank, 0.2 + 0.01 * rank, 0.0, 0.0))
+            # slower rank 1.25 s; 12.5e6 bytes on rank 1 -> ideal = 0.21 + 1.0
+            res.append(_row("ddp_fp32", rep, rank, 1.2 + 0.05 * rank, 12.0e6 + 0.5e6 * rank, 12.0e6))
+            res.append(_row("ddp_fp16", rep, rank, 0.8, 6.25e6, 6.0e6))
+    t = netbench.aggregate(res, [rate], ["floor", "ddp_fp32", "ddp_fp16"])["100.0"]
+    rows = t["rows"]
+    assert t["floor_s"] == pytest.approx(0.21)
+    assert t["floor_sound"] is True
+    assert rows["ddp_fp32"]["step_mean_s"] == pytest.approx(1.25)  # the slower rank
+    assert rows["ddp_fp32"]["ideal_s"] == pytest.approx(0.21 + 12.5e6 / 12.5e6)
+    assert rows["ddp_fp32"]["efficiency"] == pytest.approx(1.21 / 1.25)
+    assert rows["ddp_fp16"]["speedup_vs_fp32"] == pytest.approx(1.25 / 0.8)
+    assert rows["ddp_fp16"]["bytes_vs_fp32"] == pytest.approx(6.25 / 12.5)
+    assert rows["ddp_fp32"]["wire_over_ledger"] == pytest.approx(12.25e6 / 12.0e6)
+    # a floor slower than a communicating variant is flagged (fp16 median over 5 repeats becomes 0.1 s)
+    res += [_row("ddp_fp16", rep, rank, 0.1, 6.25e6, 6.0e6) for rep in (2, 3, 4) for rank in (0, 1)]
+    assert netbench.aggregate(res, [rate], ["floor", "ddp_fp32", "ddp_fp16"])["100.0"]["floor_sound"] is False
+
+
+def test_bad_arguments_are_rejected(capsys):
+    for argv in (["--variants", "floor,nope"], ["--rates", "100,fast"], ["--steps", "5", "--warmup", "5"]):
+        with pytest.raises(SystemExit):
+            netbench.main(["--loopback", "--out", "/nonexistent-never-created", *argv])
+        err = capsys.readouterr().err
+        assert "nope" in err or "fast" in err or "warmup" in err
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")
+def test_namespaces_are_torn_down_on_error():
+    net = netbench.NamespaceNet(100.0, prefix="lqnbt")
+    with pytest.raises(RuntimeError, match="boom"), net:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert all(ns in listed for ns in net.ns)
+        net.shape(1000.0)  # re-shaping an existing link works
+        raise RuntimeError("boom")
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(ns in listed for ns in net.ns)
+
+
+@pytest.mark.slow
+def test_reduced_loopback_run(tmp_path):
+    variants = ["floor", "ddp_fp32", "ddp_fp16"]
+    if netbench.variant_available(netbench.VARIANT_BY_NAME["qddp_uniform8"])[0]:
+        variants.append("qddp_uniform8")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "netbench.py"), "--loopback", "--model", "tiny"]
+    cmd += ["--steps", "4", "--warmup", "1", "--repeats", "1", "--variants", ",".join(variants)]
+    cmd += ["--out", str(tmp_path), "--variant-timeout", "120", "--collective-timeout", "120"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "netbench.json").read_text())
+    rows = data["table"]["None"]["rows"]
+    assert set(rows) == set(variants)
+    raw = [r for r in data["raw"] if r.get("event") == "done"]
+    assert {(r["variant"], r["rank"]) for r in raw} == {(v, k) for v in variants for k in (0, 1)}
+    params = raw[0]["params"]
+    for r in raw:
+        assert r["steps_measured"] == 3 and len(r["step_times_s"]) == 3
+        assert r["step_mean_s"] > 0
+        assert 0.0 < r["train_loss_last5"] < 10.0 and r["val_loss"] is not None
+    by = {(r["variant"], r["rank"]): r for r in raw}
+    for rank in (0, 1):
+        assert by[("floor", rank)]["ledger_per_step"] == 0.0
+        assert by[("ddp_fp32", rank)]["ledger_per_step"] == pytest.approx(4.0 * params)
+        assert by[("ddp_fp16", rank)]["ledger_per_step"] == pytest.approx(2.0 * params)
+        assert by[("ddp_fp32", rank)]["ledger_source"] == "torch.distributed call counter"
+        if "qddp_uniform8" in variants:
+            q = by[("qddp_uniform8", rank)]
+            assert q["ledger_source"] == "lightning_qcomm CommLedger"
+            assert 0 < q["ledger_per_step"] < 0.5 * 4.0 * params
+    # ranks start from the same weights and see different data; same seed -> same loss for fp32 and fp16 hook
+    assert rows["ddp_fp16"]["train_loss"] == pytest.approx(rows["ddp_fp32"]["train_loss"], rel=1e-2)
+    md = (tmp_path / "netbench.md").read_text()
+    assert "| variant |" in md and all(f"| {v} |" in md for v in variants)
+    assert "loopback" in md
+    try:
+        import matplotlib  # noqa: F401
+
+        assert (tmp_path / "netbench.png").stat().st_size > 0
+    except ImportError:
+        pass
