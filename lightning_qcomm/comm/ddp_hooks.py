@@ -1,0 +1,282 @@
+"""DDP communication hook that all-reduces gradient buckets with a codec (adapter layer, DESIGN §1-2).
+
+This file owns the glue between ``torch.nn.parallel.DistributedDataParallel`` and
+``quantized_all_reduce``: a state object (``QuantDDPHookState``: codec, step counter, error-feedback
+buffers) and the hook function ``quant_ddp_comm_hook(state, bucket)``. It knows nothing of Lightning.
+
+Per bucket and optimizer step t, with the bucket's flat fp32 gradient g (this rank's local gradient)::
+
+    g_small = elements of tensors with numel < min_quant_numel   -> plain fp32 all-reduce, averaged
+    g_big   = the other elements                                  -> quantized_all_reduce(g_big, codec,
+                                                                     op="avg", error_feedback=e_bucket,
+                                                                     seed=derive_seed(seed, t, bucket, round))
+
+Before ``start_step`` every element takes the plain path (warmup). The plain path is
+``quantized_all_reduce(..., codec=None)``, so it is recorded in the ``CommLedger`` like the rest.
+
+The reduction is precision preserving (reduce-scatter of codes, fp32 sum, requantize, all-gather), so
+every rank ends with the same averaged gradient. The hook computes synchronously and returns an
+already-completed ``Future``: on gloo nothing is lost (gloo's own all-reduce blocks the autograd
+thread as well); on NCCL this forgoes overlapping a bucket's communication with the rest of the
+backward pass.
+
+Canonical order: the quantized elements of a bucket are laid out in a fixed parameter order (reverse
+definition order), not in DDP's bucket order, before chunking and quantization. DDP's first iteration
+uses a different in-bucket order than its rebuilt buckets (and a resumed run starts again from the
+initial one), so this makes the compressed result independent of that order: a resumed run
+reproduces the uninterrupted one bit for bit as long as bucket membership is the same (true when
+the model fits in one bucket; with several buckets the rebuild may move parameters between buckets,
+and the first resumed step then quantizes different chunks). It costs a gather/scatter copy only
+for buckets whose order differs (typically DDP's first iteration).
+
+Error feedback (``error_feedback=True``): one buffer e per bucket (the gradients' dtype), on this rank only, holding
+the compression residual; ``quantized_all_reduce`` sends g + e and sets e <- (g + e) - decode(...).
+Buffers are keyed by bucket index together with the bucket's layout (the names of its quantized
+parameters, in order). DDP rebuilds its buckets after the first iteration, and a resumed run
+starts again from the initial layout, so when a layout changes the buffers are split into
+per-parameter pieces and reassembled for the new layout: no residual is lost or misaligned.
+The canonical, checkpointed form is per parameter name (``ef_state_dict``), independent of bucketing.
+A non-finite gradient stays non-finite through the hook (so GradScaler skips the step), and the
+collective keeps the previous residual wherever the new one is non-finite, so it cannot poison later steps.
+"""
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lightning_qcomm.codecs import Codec, derive_seed, get_codec
+from lightning_qcomm.comm.collectives import quantized_all_reduce
+
+log = logging.getLogger(__name__)
+
+DDP_CODECS = ("qsgd", "qsgdinf", "nuqsgd", "uniform", "fp8_e4m3", "fp8_e5m2", "none")
+"""Codec names the DDP hook accepts; ``"none"`` is the uncompressed fp32 path (through our ledger)."""
+
+
+@dataclass(frozen=True)
+class QuantDDPHookConfig:
+    """What the hook compresses and when.
+
+    Attributes:
+        codec: one of ``DDP_CODECS``.
+        bits: code width (ignored for ``"none"``, which is fp32).
+        bucket_size: elements per codec scale block (not DDP's ``bucket_cap_mb``).
+        error_feedback: keep a per-rank residual buffer per bucket.
+        min_quant_numel: parameters with fewer elements travel uncompressed (biases, norms).
+        start_step: optimizer steps of uncompressed warmup before compression starts.
+        seed: user seed folded with (step, bucket index, round) into the codec's random bits.
+    """
+
+    codec: str = "qsgd"
+    bits: int = 8
+    bucket_size: int = 512
+    error_feedback: bool = False
+    min_quant_numel: int = 0
+    start_step: int = 0
+    seed: int = 0
+
+    def build_codec(self) -> Codec | None:
+        """The codec object (None for ``"none"``); raises ValueError/TypeError on bad combinations."""
+        if self.codec == "none":
+            return None
+        return get_codec(self.codec, bits=self.bits, bucket_size=self.bucket_size)
+
+
+@dataclass
+class _BucketPlan:
+    """How one bucket layout is split: (offset, numel) segments of quantized and plain elements."""
+
+    big: list[tuple[int, int]]
+    small: list[tuple[int, int]]
+    big_names: tuple[str, ...]
+    big_numels: tuple[int, ...]
+    big_numel: int
+    checked: set[bool] = field(default_factory=set)  # modes (compressed or not) already cross-rank checked
+
+
+class QuantDDPHookState:
+    """State of ``quant_ddp_comm_hook`` for one DDP instance on one rank.
+
+    Args:
+        config: ``QuantDDPHookConfig``.
+        param_names: maps each trainable parameter to a stable name (checkpoint keys), in the
+            module's definition order (``named_parameters``).
+        process_group: the DDP process group (None: default group).
+    """
+
+    def __init__(
+        self,
+        config: QuantDDPHookConfig,
+        param_names: dict[torch.nn.Parameter, str],
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = config
+        self.codec = config.build_codec()
+        self.process_group = process_group
+        self._names = {id(p): n for p, n in param_names.items()}
+        self._numel_by_name = {n: p.numel() for p, n in param_names.items()}
+        # Canonical order of quantized elements: reverse definition order (what DDP's rebuilt buckets
+        # usually are, so the common case needs no copy). See "Canonical order" in the module doc.
+        self._canonical = {id(p): -i for i, p in enumerate(param_names)}
+        self.step = 0  # optimizer steps completed; the owner calls ``next_step``
+        self.round = 0  # all-reduce rounds inside the current step (several backward passes per step)
+        self._plans: dict[tuple[int, tuple[int, ...]], _BucketPlan] = {}
+        # bucket index -> (quantized parameter names, flat residual of their elements)
+        self._ef: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}
+        # per-parameter residuals waiting for a bucket (after a layout change or a checkpoint load)
+        self._pending: dict[str, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------- step bookkeeping
+    def next_step(self) -> None:
+        """Call once per optimizer step (after it)."""
+        self.step += 1
+        self.round = 0
+
+    def compressing(self) -> bool:
+        return self.codec is not None and self.step >= self.config.start_step
+
+    # ---------------------------------------------------------------- layout
+    def plan(self, bucket: dist.GradBucket) -> _BucketPlan:
+        params = bucket.parameters()
+        key = (bucket.index(), tuple(id(p) for p in params))
+        plan = self._plans.get(key)
+        if plan is None:
+            small: list[tuple[int, int]] = []
+            quant: list[tuple[int, int, torch.nn.Parameter]] = []  # (canonical rank, offset, param)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                if n >= self.config.min_quant_numel:
+                    quant.append((self._canonical[id(p)], offset, p))
+                else:
+                    _append_segment(small, offset, n)
+                offset += n
+            big: list[tuple[int, int]] = []
+            for _, off, p in sorted(quant, key=lambda t: t[0]):
+                _append_segment(big, off, p.numel())
+            names = tuple(self._names[id(p)] for _, _, p in sorted(quant, key=lambda t: t[0]))
+            numels = tuple(self._numel_by_name[n] for n in names)
+            plan = _BucketPlan(big, small, names, numels, sum(numels))
+            self._plans[key] = plan
+        return plan
+
+    # ---------------------------------------------------------------- error feedback
+    def _explode(self) -> None:
+        """Move every bucket's residual into per-parameter pieces (``_pending``)."""
+        for names, buf in self._ef.values():
+            numels = [self._numel_by_name[n] for n in names]
+            for name, piece in zip(names, torch.split(buf, numels)):
+                self._pending[name] = piece.clone()
+        self._ef.clear()
+
+    def error_buffer(self, bucket_index: int, plan: _BucketPlan, like: torch.Tensor) -> torch.Tensor:
+        """The residual buffer of this bucket layout, rebuilt from per-parameter pieces if needed."""
+        entry = self._ef.get(bucket_index)
+        if entry is not None and entry[0] == plan.big_names:
+            return entry[1]
+        if entry is not None:  # layout changed (DDP rebuilt its buckets): re-key every residual
+            log.debug("quant_ddp: bucket %d layout changed; re-assembling error-feedback buffers", bucket_index)
+            self._explode()
+        pieces = []
+        for name, n in zip(plan.big_names, plan.big_numels):
+            piece = self._pending.pop(name, None)
+            if piece is None or piece.numel() != n:
+                if piece is not None:
+                    log.warning(
+                        "quant_ddp: error-feedback residual of %r has %d elements, expected %d; reset to 0",
+                        name,
+                        piece.numel(),
+                        n,
+                    )
+                piece = torch.zeros(n, dtype=like.dtype, device=like.device)
+            pieces.append(piece.reshape(-1).to(device=like.device, dtype=like.dtype))
+        buf = torch.cat(pieces) if pieces else torch.zeros(0, dtype=like.dtype, device=like.device)
+        self._ef[bucket_index] = (plan.big_names, buf)
+        return buf
+
+    def ef_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's residuals per parameter name (CPU fp32), independent of DDP's bucketing."""
+        out = {name: t.detach().cpu().clone() for name, t in self._pending.items()}
+        for names, buf in self._ef.values():
+            numels = [self._numel_by_name[n] for n in names]
+            for name, piece in zip(names, torch.split(buf, numels)):
+                out[name] = piece.detach().cpu().clone()
+        return out
+
+    def load_ef_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace this rank's residuals; they are placed into buckets when each bucket next runs."""
+        self._ef.clear()
+        self._pending = {str(k): v.detach().reshape(-1).to(torch.float32).clone() for k, v in state.items()}
+
+    def state_dict(self) -> dict:
+        """Everything this rank needs to continue: step counter and residuals."""
+        return {"step": self.step, "error_feedback": self.ef_state_dict() if self.config.error_feedback else {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.round = 0
+        if self.config.error_feedback:
+            self.load_ef_state_dict(state.get("error_feedback", {}))
+
+
+def _append_segment(segments: list[tuple[int, int]], offset: int, numel: int) -> None:
+    """Add [offset, offset + numel) to a list of segments, merging with the last one if adjacent."""
+    if segments and segments[-1][0] + segments[-1][1] == offset:
+        segments[-1] = (segments[-1][0], segments[-1][1] + numel)
+    else:
+        segments.append((offset, numel))
+
+
+def _gather(buf: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+    if len(segments) == 1:
+        off, n = segments[0]
+        return buf[off : off + n]
+    return torch.cat([buf[off : off + n] for off, n in segments])
+
+
+def _scatter(buf: torch.Tensor, segments: list[tuple[int, int]], flat: torch.Tensor) -> None:
+    pos = 0
+    for off, n in segments:
+        dst = buf[off : off + n]
+        if dst.data_ptr() != flat[pos : pos + n].data_ptr():
+            dst.copy_(flat[pos : pos + n])
+        pos += n
+
+
+def quant_ddp_comm_hook(state: QuantDDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket over ranks, compressing large tensors with ``state.codec``.
+
+    Register with ``ddp_model.register_comm_hook(state, quant_ddp_comm_hook)``. Returns a completed
+    future holding the bucket buffer, averaged in place.
+    """
+    buf = bucket.buffer()
+    group = state.process_group
+    plan = state.plan(bucket)
+    compress = state.compressing() and plan.big_numel > 0
+    # Bucket shapes agree across ranks by construction; verify once per layout, then skip the check.
+    check = compress not in plan.checked
+    plan.checked.add(compress)
+    if not compress:
+        quantized_all_reduce(buf, None, group=group, op="avg", tag="grads", check=check)
+    else:
+        seed = derive_seed(state.config.seed, state.step, bucket.index(), state.round)
+        if plan.small:
+            plain = _gather(buf, plan.small)
+            quantized_all_reduce(plain, None, group=group, op="avg", tag="grads", check=check)
+            _scatter(buf, plan.small, plain)
+        big = _gather(buf, plan.big)
+        ef = state.error_buffer(bucket.index(), plan, buf) if state.config.error_feedback else None
+        quantized_all_reduce(
+            big, state.codec, group=group, op="avg", error_feedback=ef, seed=seed, tag="grads", check=check
+        )
+        _scatter(buf, plan.big, big)
+    if bucket.is_last():
+        state.round += 1
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+__all__ = ["DDP_CODECS", "QuantDDPHookConfig", "QuantDDPHookState", "quant_ddp_comm_hook"]

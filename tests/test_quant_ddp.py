@@ -1,0 +1,428 @@
+"""QuantDDPStrategy and the DDP comm hook: argument validation, registry, hook plumbing (one process),
+and 2-process Lightning training on CPU/gloo.
+
+Cost control: the Lightning runs of many configurations share ONE pair of processes started with
+``torch.multiprocessing`` spawn; inside them each ``Trainer(accelerator="cpu", devices=2)`` sees
+``LOCAL_RANK`` and runs in-process (Lightning's "processes created externally" mode), so each extra
+configuration costs a fit, not a process launch. One more test goes through Lightning's own spawn
+launcher with ``start_method="spawn"``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_qcomm.comm.ddp_hooks import QuantDDPHookConfig, QuantDDPHookState, quant_ddp_comm_hook
+from lightning_qcomm.strategies.quant_ddp import CHECKPOINT_KEY, QuantDDPStrategy, register_quant_ddp_strategies
+
+# ---------------------------------------------------------------------------------------------- tiny problem
+N_SAMPLES, N_FEAT, N_HID, N_CLS = 1024, 64, 64, 8
+BATCH = 32  # per rank; 1024 / 2 ranks / 32 = 16 optimizer steps per epoch
+STEPS = 48  # 3 epochs
+LR = 0.05
+
+
+def _dataset() -> torch.utils.data.TensorDataset:
+    """Teacher-labelled Gaussian inputs with 10% label noise (the loss has a floor well above 0)."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(N_SAMPLES, N_FEAT, generator=g)
+    teacher = torch.randn(N_FEAT, N_CLS, generator=g)
+    y = (x @ teacher).argmax(dim=1)
+    flip = torch.rand(N_SAMPLES, generator=g) < 0.1
+    y = torch.where(flip, torch.randint(0, N_CLS, (N_SAMPLES,), generator=g), y)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+class _Net(pl.LightningModule):
+    def __init__(self, unused_param: bool = False) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(N_FEAT, N_HID), torch.nn.Tanh(), torch.nn.Linear(N_HID, N_CLS))
+        self.unused = torch.nn.Linear(N_FEAT, 4) if unused_param else None
+
+    def forward(self, x):
+        return self.body(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_dataset(), batch_size=BATCH, shuffle=True)
+
+
+def _make_module(unused_param: bool = False) -> _Net:
+    return _Net(unused_param)
+
+
+def _full_loss(model) -> float:
+    ds = _dataset()
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(ds.tensors[0]), ds.tensors[1]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------- worker
+def _fit(rank: int, port: int, strategy, max_steps: int = STEPS, ckpt_path=None, callbacks=(), unused=False, **tkw):
+    """One in-process Lightning fit on this rank; returns (trainer, module, ledger)."""
+    import lightning.pytorch as pl
+
+    from lightning_qcomm.comm.ledger import CommLedger, set_ledger
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
+    os.environ["LOCAL_RANK"] = str(rank)
+    ledger = CommLedger()
+    set_ledger(ledger)
+    pl.seed_everything(0, verbose=False)
+    module = _make_module(unused)
+    kw = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    kw.update(tkw)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps, callbacks=list(callbacks), **kw
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    set_ledger(None)
+    return trainer, module, ledger
+
+
+def _params_identical_across_ranks(module) -> bool:
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat)
+    return bool(torch.equal(both[0], both[1]))
+
+
+def _grad_totals(ledger):
+    t = ledger.cumulative.get(("all_reduce", "grads"))
+    return None if t is None else (t.calls, t.wire_bytes, t.baseline_bytes)
+
+
+MATRIX = {
+    # name: QuantDDPStrategy kwargs (None = plain Lightning DDPStrategy)
+    "ddp": None,
+    "none": {"codec": "none"},
+    "warmup_only": {"codec": "uniform", "bits": 8, "start_step": 10**9},
+    "uniform8": {"codec": "uniform", "bits": 8, "min_quant_numel": 0},
+    "fp8_e4m3": {"codec": "fp8_e4m3", "bits": 8},
+    "fp8_e5m2": {"codec": "fp8_e5m2", "bits": 8},
+    "qsgd8": {"codec": "qsgd", "bits": 8},
+    "qsgdinf8": {"codec": "qsgdinf", "bits": 8},
+    "nuqsgd8": {"codec": "nuqsgd", "bits": 8, "start_step": 4},
+    "nuqsgd4": {"codec": "nuqsgd", "bits": 4, "min_quant_numel": 0},
+    "qsgd4": {"codec": "qsgd", "bits": 4},
+    "qsgd2": {"codec": "qsgd", "bits": 2, "min_quant_numel": 0},
+    "qsgd2_ef": {"codec": "qsgd", "bits": 2, "min_quant_numel": 0, "error_feedback": True},
+}
+RESUME_CFG = "qsgd2_ef"
+RESUME_AT = 32  # two full epochs, so the resumed data order equals the uninterrupted run's
+
+
+def _worker(rank: int, port: int, outdir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    res: dict = {"init_loss": _full_loss(_seeded_module())}
+    for name, kw in MATRIX.items():
+        strategy = DDPStrategy() if kw is None else QuantDDPStrategy(**kw)
+        trainer, module, ledger = _fit(rank, port, strategy)
+        res[name] = {
+            "loss": _full_loss(module),
+            "params": [p.detach().clone() for p in module.parameters()],
+            "identical": _params_identical_across_ranks(module),
+            "grads": _grad_totals(ledger),
+            "step": None if kw is None else trainer.strategy.hook_state.step,
+        }
+
+    # gradient accumulation (no_sync) + find_unused_parameters with an unused parameter
+    strategy = QuantDDPStrategy(codec="nuqsgd", bits=4, min_quant_numel=0, find_unused_parameters=True)
+    trainer, module, ledger = _fit(rank, port, strategy, max_steps=12, accumulate_grad_batches=2, unused=True)
+    res["accum"] = {
+        "loss": _full_loss(module),
+        "step": trainer.strategy.hook_state.step,
+        "global_step": trainer.global_step,
+        "grads": _grad_totals(ledger),
+        "identical": _params_identical_across_ranks(module),
+    }
+
+    # resume: EF run interrupted at RESUME_AT, checkpointed, resumed to STEPS
+    ckpt = os.path.join(outdir, "ef.ckpt")
+    trainer, module, _ = _fit(rank, port, QuantDDPStrategy(**MATRIX[RESUME_CFG]), max_steps=RESUME_AT)
+    saved_ef = trainer.strategy.hook_state.ef_state_dict()
+    saved_step = trainer.strategy.hook_state.step
+    trainer.save_checkpoint(ckpt)
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["ef"] = trainer.strategy.hook_state.ef_state_dict()
+            seen["step"] = trainer.strategy.hook_state.step
+
+    _, module, _ = _fit(rank, port, QuantDDPStrategy(**MATRIX[RESUME_CFG]), ckpt_path=ckpt, callbacks=[Probe()])
+    import torch.distributed as dist
+
+    other = [None, None]
+    dist.all_gather_object(other, saved_ef)
+    res["resume"] = {
+        "ef_keys": sorted(saved_ef),
+        "ef_restored_equal": sorted(seen["ef"]) == sorted(saved_ef)
+        and all(torch.equal(seen["ef"][k], saved_ef[k]) for k in saved_ef),
+        "ef_nonzero": all(bool(v.abs().sum() > 0) for v in saved_ef.values()),
+        "ef_differs_between_ranks": any(not torch.equal(other[0][k], other[1][k]) for k in saved_ef),
+        "step_saved": saved_step,
+        "step_restored": seen["step"],
+        "params": [p.detach().clone() for p in module.parameters()],
+    }
+    if rank == 0:
+        res["resume"]["ckpt_world"] = torch.load(ckpt, weights_only=True)[CHECKPOINT_KEY]["world_size"]
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(res, f)
+
+
+def _seeded_module():
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0, verbose=False)
+    return _make_module()
+
+
+@pytest.fixture(scope="module")
+def matrix_results():
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_worker, args=(_free_port(), d), nprocs=2, start_method="spawn", join=True)
+        out = []
+        for r in range(2):
+            with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
+                out.append(pickle.load(f))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- 2-process tests
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def test_identity_paths_equal_plain_ddp_exactly(matrix_results):
+    r0 = matrix_results[0]
+    for name in ("none", "warmup_only"):
+        for p, q in zip(r0[name]["params"], r0["ddp"]["params"]):
+            assert torch.equal(p, q), f"{name}: parameters differ from plain DDP"
+
+
+@pytest.mark.parametrize("name", [k for k in MATRIX if k != "ddp"])
+def test_each_config_trains_and_ranks_agree(matrix_results, name):
+    for r in matrix_results:
+        assert r[name]["identical"], f"{name}: ranks ended with different parameters"
+        assert r[name]["step"] == STEPS, f"{name}: hook step counter {r[name]['step']} != optimizer steps {STEPS}"
+    r0 = matrix_results[0]
+    assert r0[name]["loss"] < 0.7 * r0["init_loss"], (name, r0["init_loss"], r0[name]["loss"])
+
+
+@pytest.mark.parametrize("name", ["uniform8", "fp8_e4m3", "fp8_e5m2", "qsgd8", "qsgdinf8", "nuqsgd8"])
+def test_8bit_final_loss_within_1pct_of_ddp(matrix_results, name):
+    r0 = matrix_results[0]
+    assert _rel(r0[name]["loss"], r0["ddp"]["loss"]) <= 0.01, (name, r0[name]["loss"], r0["ddp"]["loss"])
+
+
+def test_nuqsgd4_final_loss_within_3pct_of_ddp(matrix_results):
+    r0 = matrix_results[0]
+    assert _rel(r0["nuqsgd4"]["loss"], r0["ddp"]["loss"]) <= 0.03, (r0["nuqsgd4"]["loss"], r0["ddp"]["loss"])
+
+
+@pytest.mark.parametrize("name,bits,k", [("uniform8", 8, 2), ("nuqsgd4", 4, 1), ("qsgd2", 2, 1)])
+def test_ledger_gradient_bytes_match_formula(matrix_results, name, bits, k):
+    """Wire bytes of the gradient all-reduce / fp32 ring all-reduce ~ (b + 32 k / B) / 32."""
+    calls, wire, base = matrix_results[0][name]["grads"]
+    assert calls == STEPS  # one bucket, one quantized all-reduce per optimizer step
+    expected = (bits + 32 * k / 512) / 32
+    assert abs(wire / base - expected) <= 0.05 * expected, (name, wire / base, expected)
+
+
+def test_ledger_counts_uncompressed_path_as_fp32(matrix_results):
+    calls, wire, base = matrix_results[0]["none"]["grads"]
+    assert calls == STEPS and wire == base
+
+
+def test_error_feedback_improves_2bit_loss(matrix_results):
+    r0 = matrix_results[0]
+    print(
+        f"2-bit QSGD final loss: no EF {r0['qsgd2']['loss']:.4f}, EF {r0['qsgd2_ef']['loss']:.4f}, "
+        f"DDP {r0['ddp']['loss']:.4f}"
+    )
+    assert r0["qsgd2_ef"]["loss"] < r0["qsgd2"]["loss"]
+
+
+def test_gradient_accumulation_and_unused_parameters(matrix_results):
+    for r in matrix_results:
+        acc = r["accum"]
+        assert acc["identical"]
+        assert acc["step"] == acc["global_step"] == 12
+        # no_sync micro-batches issue no all-reduce: one compressed all-reduce per optimizer step
+        assert acc["grads"][0] == 12
+    assert matrix_results[0]["accum"]["loss"] < matrix_results[0]["init_loss"]
+
+
+def test_resume_restores_error_feedback_per_rank(matrix_results):
+    for rank, r in enumerate(matrix_results):
+        res = r["resume"]
+        assert res["ef_keys"], "no error-feedback residuals were saved"
+        assert res["ef_nonzero"]
+        assert res["ef_restored_equal"], f"rank {rank}: restored residuals differ from the ones saved"
+        assert res["ef_differs_between_ranks"], "residuals must be per rank"
+        assert res["step_saved"] == res["step_restored"] == RESUME_AT
+    assert matrix_results[0]["resume"]["ckpt_world"] == 2
+    # the resumed run continues exactly like the uninterrupted one (residuals, step counter, seeds restored)
+    for p, q in zip(matrix_results[0]["resume"]["params"], matrix_results[0][RESUME_CFG]["params"]):
+        assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------------------------------------- Lightning's launcher
+def test_lightning_spawn_launcher_registers_hook_on_cpu():
+    import lightning.pytorch as pl
+
+    class Record(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            state = trainer.strategy.hook_state
+            assert state is not None and state.step == 4
+            assert trainer.strategy.model._get_ddp_logging_data().get("comm_hook") == "quant_ddp_comm_hook"
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=QuantDDPStrategy(codec="nuqsgd", bits=4, start_method="spawn"),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record()],
+    )
+    trainer.fit(_make_module())
+    assert trainer.global_step == 4
+
+
+# ---------------------------------------------------------------------------------------------- single process
+class _FakeBucket:
+    """Just enough of ``dist.GradBucket`` for the hook."""
+
+    def __init__(self, index, params, last=True):
+        self._i, self._p, self._last = index, params, last
+        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def buffer(self):
+        return self._buf
+
+    def index(self):
+        return self._i
+
+    def parameters(self):
+        return self._p
+
+    def is_last(self):
+        return self._last
+
+
+def _params(*numels):
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in numels]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+    return ps
+
+
+def test_hook_small_tensors_travel_uncompressed_world1():
+    ps = _params(2000, 10, 3000)
+    state = QuantDDPHookState(QuantDDPHookConfig("uniform", 2, 512, False, 100), {p: f"p{i}" for i, p in enumerate(ps)})
+    bucket = _FakeBucket(0, ps)
+    before = bucket.buffer().clone()
+    out = quant_ddp_comm_hook(state, bucket).value()
+    assert out.data_ptr() == bucket.buffer().data_ptr()
+    assert torch.equal(out[2000:2010], before[2000:2010])  # 10 < min_quant_numel: exact
+    assert not torch.equal(out[:2000], before[:2000])  # 2-bit quantized
+
+
+def test_hook_error_feedback_survives_bucket_relayout():
+    ps = _params(700, 300, 1200)
+    names = {p: f"p{i}" for i, p in enumerate(ps)}
+    state = QuantDDPHookState(QuantDDPHookConfig("qsgd", 2, 128, True, 0), names)
+    quant_ddp_comm_hook(state, _FakeBucket(0, ps))
+    saved = state.ef_state_dict()
+    assert set(saved) == {"p0", "p1", "p2"} and all(v.abs().sum() > 0 for v in saved.values())
+    # DDP rebuilt its buckets: new order, split in two buckets
+    b0, b1 = _FakeBucket(0, [ps[2]]), _FakeBucket(1, [ps[1], ps[0]])
+    for b in (b0, b1):
+        state.error_buffer(b.index(), state.plan(b), b.buffer())
+    after = state.ef_state_dict()
+    assert all(torch.equal(saved[k], after[k]) for k in saved)
+    # round trip through state_dict
+    other = QuantDDPHookState(QuantDDPHookConfig("qsgd", 2, 128, True, 0), names)
+    other.load_state_dict(state.state_dict())
+    assert all(torch.equal(other.ef_state_dict()[k], saved[k]) for k in saved)
+
+
+# ---------------------------------------------------------------------------------------------- validation, registry
+@pytest.mark.parametrize(
+    "kwargs,exc,words",
+    [
+        ({"codec": "topk"}, ValueError, ["codec='topk'", "nuqsgd"]),
+        ({"codec": "sign1", "bits": 1}, ValueError, ["codec='sign1'"]),
+        ({"codec": "nuqsgd", "bits": 1}, ValueError, ["codec='nuqsgd'", "bits=1"]),
+        ({"codec": "fp8_e4m3", "bits": 4}, ValueError, ["fp8_e4m3", "bits=4"]),
+        ({"codec": "uniform", "bits": 9}, ValueError, ["bits=9"]),
+        ({"codec": "none", "bits": 8}, ValueError, ["codec='none'", "bits=8"]),
+        ({"bits": True}, TypeError, ["bits"]),
+        ({"bits": 4.0}, TypeError, ["bits"]),
+        ({"bucket_size": 0}, ValueError, ["bucket_size=0"]),
+        ({"bucket_size": "512"}, TypeError, ["bucket_size"]),
+        ({"min_quant_numel": -1}, ValueError, ["min_quant_numel=-1"]),
+        ({"start_step": -3}, ValueError, ["start_step=-3"]),
+        ({"seed": -1}, ValueError, ["seed=-1"]),
+        ({"error_feedback": 1}, TypeError, ["error_feedback"]),
+        ({"ddp_comm_hook": print}, ValueError, ["ddp_comm_hook"]),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        QuantDDPStrategy(**kwargs)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_registry_presets_and_idempotence():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    register_quant_ddp_strategies(StrategyRegistry)
+    register_quant_ddp_strategies(StrategyRegistry)  # second call is a no-op, not an error
+    expected = {
+        "quant_ddp": ("qsgd", 8),
+        "quant_ddp_nuqsgd4": ("nuqsgd", 4),
+        "quant_ddp_qsgd4": ("qsgd", 4),
+        "quant_ddp_uniform8": ("uniform", 8),
+        "quant_ddp_fp8": ("fp8_e4m3", 8),
+    }
+    for name, (codec, bits) in expected.items():
+        s = StrategyRegistry.get(name)
+        assert isinstance(s, QuantDDPStrategy)
+        assert (s.hook_config.codec, s.hook_config.bits) == (codec, bits)
+    assert StrategyRegistry.get("ddp").__class__.__name__ == "DDPStrategy"  # untouched
