@@ -30,6 +30,14 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
     return ((e + 127).to(torch.int32) << 23).view(torch.float32)
 
 
+def l2_norm_rows(xb: torch.Tensor) -> torch.Tensor:
+    """||row||_2 of each row of fp32 ``xb`` as amax * ||row / amax||_2, so the squares neither
+    underflow (|x| < ~1e-19 would give norm 0) nor overflow (|x| > ~1e18 would give inf) in fp32."""
+    amax = xb.abs().amax(dim=1, keepdim=True)
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    return torch.linalg.vector_norm(xb / amax, ord=2, dim=1) * amax[:, 0]
+
+
 class _NormCodec(Codec):
     """Shared layout: sign bit + magnitude index, one norm per bucket."""
 
@@ -42,7 +50,7 @@ class _NormCodec(Codec):
         self.sign_bit = 1 << (bits - 1)
 
     def _norm(self, xb: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.vector_norm(xb, ord=2, dim=1)
+        return l2_norm_rows(xb)
 
     def _scales(self, xb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return self._norm(xb)[:, None]

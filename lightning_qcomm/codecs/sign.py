@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from lightning_qcomm.codecs.base import Codec
+from lightning_qcomm.codecs.qsgd import l2_norm_rows
 
 
 class SignCodec(Codec):
@@ -25,7 +26,7 @@ class SignCodec(Codec):
         super().__init__(bits, bucket_size)
 
     def _scales(self, xb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return (torch.linalg.vector_norm(xb, ord=2, dim=1) / counts.sqrt())[:, None]
+        return (l2_norm_rows(xb) / counts.sqrt())[:, None]
 
     def _encode_params(self, scales: torch.Tensor) -> torch.Tensor:
         return scales
