@@ -27,6 +27,7 @@ from lightning_qcomm.codecs import packing, rng
 log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_PIECE = 1 << 16  # elements per piece of the reference's element-wise work (see Codec._pieces)
 
 
 @dataclass(frozen=True)
@@ -174,17 +175,41 @@ class Codec(ABC):
             codes = self.encode_reference(xf, enc_params, seed)
         return Packed(codes=codes, scales=scales.contiguous(), shape=x.shape, dtype=x.dtype)
 
+    def _pieces(self, numel: int):
+        """Split 0..numel into pieces ``(start, rows, length, first_bucket)`` of whole buckets, or of parts
+        of one bucket, about ``_PIECE`` elements each: the element-wise work runs piece by piece on
+        (rows, length) views with per-bucket parameters broadcast along a row, so it stays in cache and
+        never materialises per-element parameters."""
+        blen = self.bucket_len(numel)
+        full = numel // blen
+        if blen <= _PIECE:
+            step = _PIECE // blen
+            for b in range(0, full, step):
+                rows = min(step, full - b)
+                yield b * blen, rows, blen, b
+        else:
+            for b in range(full):
+                for s in range(0, blen, _PIECE):
+                    yield b * blen + s, 1, min(_PIECE, blen - s), b
+        tail = numel - full * blen
+        for s in range(0, tail, _PIECE):
+            yield full * blen + s, 1, min(_PIECE, tail - s), full
+
     def encode_reference(self, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torch.Tensor:
         """Torch reference of the element-wise encode: packed uint8 codes of flat fp32 ``xf``."""
         n = xf.numel()
-        u = rng.uniform(seed, n, xf.device) if self.stochastic else None
-        pe = self.per_element(enc_params, n)
-        codes = self._quantize(xf, pe, u)
-        # Non-finite inputs (and every element of their bucket, whose params are NaN) get code 0:
-        # the NaN scale already makes their decode non-finite, and the codes stay deterministic.
-        ok = torch.isfinite(xf) & torch.isfinite(pe).all(dim=1)
-        codes = torch.where(ok, codes, torch.zeros_like(codes))
-        return packing.pack_bits(codes.to(torch.uint8), self.bits)
+        codes = torch.zeros(packing.packed_nbytes(n, 8), dtype=torch.uint8, device=xf.device)  # zero padding
+        for start, rows, length, b in self._pieces(n):
+            end = start + rows * length
+            x = xf[start:end].reshape(rows, length)
+            params = enc_params[b : b + rows].unsqueeze(-1)  # (rows, P, 1): params[:, k] broadcasts over a row
+            u = rng.uniform(seed, end - start, xf.device, offset=start).view(rows, length) if self.stochastic else None
+            c = self._quantize(x, params, u)
+            # Non-finite inputs (and every element of their bucket, whose params are NaN) get code 0:
+            # the NaN scale already makes their decode non-finite, and the codes stay deterministic.
+            ok = torch.isfinite(x) & torch.isfinite(params).all(dim=1)
+            codes[start:end].view(rows, length).copy_(c.masked_fill_(~ok, 0))
+        return packing.pack_bits(codes, self.bits)
 
     def decode(self, p: Packed) -> torch.Tensor:
         """Rebuild a tensor of ``p.shape`` and ``p.dtype``."""
@@ -202,8 +227,13 @@ class Codec(ABC):
 
     def decode_reference(self, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
         """Torch reference of the element-wise decode: flat fp32 values."""
-        c = packing.unpack_bits(codes, self.bits, numel).to(torch.int64)
-        return self._dequantize(c, self.per_element(dec_params, numel))
+        c_all = packing.unpack_bits(codes, self.bits, numel)
+        out = torch.empty(numel, dtype=torch.float32, device=codes.device)
+        for start, rows, length, b in self._pieces(numel):
+            end = start + rows * length
+            c = c_all[start:end].view(rows, length).to(torch.int64)
+            out[start:end].view(rows, length).copy_(self._dequantize(c, dec_params[b : b + rows].unsqueeze(-1)))
+        return out
 
     def from_bytes(self, buf: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> Packed:
         """Inverse of ``Packed.to_bytes`` for a tensor of the given shape (sizes follow ``nbytes``)."""

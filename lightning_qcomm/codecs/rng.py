@@ -60,28 +60,73 @@ def seed_to_key(seed: int) -> tuple[int, int]:
     return k1, k2
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 x in [0, 2**32), without ever overflowing int64."""
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & MASK32
+# The torch hash runs in int32 (the same 32 bits as uint32, which torch cannot shift or multiply):
+# multiplication wraps mod 2**32 on every torch backend, and the logical right shift of uint32 is the
+# arithmetic shift masked to the low 32-k bits. Work proceeds in chunks that stay in cache.
+_CHUNK = 1 << 16
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, MIX_C1)
-    x = x ^ (x >> 15)
-    x = _mul32(x, MIX_C2)
-    return x ^ (x >> 16)
+def _as_int32(word: int) -> int:
+    """The int32 with the same 32 bits as the uint32 ``word``."""
+    return word - (1 << 32) if word >= (1 << 31) else word
+
+
+_C1_I32 = _as_int32(MIX_C1)
+_C2_I32 = _as_int32(MIX_C2)
+
+
+def _xorshift_(x: torch.Tensor, k: int, tmp: torch.Tensor) -> None:
+    """x ^= x >>> k (logical shift of the uint32 bits) on int32 x, in place."""
+    torch.bitwise_right_shift(x, k, out=tmp)
+    tmp &= (1 << (32 - k)) - 1
+    x ^= tmp
+
+
+def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> None:
+    """lowbias32 on the uint32 bits of int32 ``x``, in place."""
+    _xorshift_(x, 16, tmp)
+    x *= _C1_I32
+    _xorshift_(x, 15, tmp)
+    x *= _C2_I32
+    _xorshift_(x, 16, tmp)
+
+
+def _counters(start: int, numel: int, device: torch.device | str) -> torch.Tensor:
+    """int32 tensor holding the uint32 bits of (start .. start+numel-1) mod 2**32."""
+    if 0 <= start and start + numel <= (1 << 31):
+        return torch.arange(start, start + numel, dtype=torch.int32, device=device)
+    idx = torch.arange(start, start + numel, dtype=torch.int64, device=device) & MASK32
+    return torch.where(idx >= (1 << 31), idx - (1 << 32), idx).to(torch.int32)
+
+
+def _hash_into(out: torch.Tensor, seed: int, offset: int, finish) -> torch.Tensor:
+    """Fill ``out`` chunk by chunk with ``finish(h, out_chunk)`` of the int32 hashes of its counters."""
+    k1, k2 = (_as_int32(k) for k in seed_to_key(seed))
+    numel = out.numel()
+    for s in range(0, numel, _CHUNK):
+        e = min(numel, s + _CHUNK)
+        h = _counters(offset + s, e - s, out.device)
+        tmp = torch.empty_like(h)
+        h ^= k1
+        _mix32_(h, tmp)
+        h ^= k2
+        _mix32_(h, tmp)
+        finish(h, out[s:e])
+    return out
 
 
 def hash_u32(seed: int, numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
     """32-bit hashes (as int64 in [0, 2**32)) of the counters offset .. offset+numel-1."""
-    k1, k2 = seed_to_key(seed)
-    idx = torch.arange(offset, offset + numel, dtype=torch.int64, device=device) & MASK32
-    return _mix32(_mix32(idx ^ k1) ^ k2)
+    out = torch.empty(numel, dtype=torch.int64, device=device)
+    return _hash_into(out, seed, offset, lambda h, o: torch.bitwise_and(h.to(torch.int64), MASK32, out=o))
+
+
+def _to_uniform(h: torch.Tensor, out: torch.Tensor) -> None:
+    h >>= 8
+    h &= 0xFFFFFF  # (hash >>> 8) < 2**24: exact in fp32
+    torch.mul(h, INV_2_24, out=out)
 
 
 def uniform(seed: int, numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
     """float32 uniforms in [0, 1) on a 2**-24 grid: ``(hash >> 8) * 2**-24``."""
-    return (hash_u32(seed, numel, device, offset) >> 8).to(torch.float32) * INV_2_24
+    return _hash_into(torch.empty(numel, dtype=torch.float32, device=device), seed, offset, _to_uniform)
