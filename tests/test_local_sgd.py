@@ -127,12 +127,25 @@ def flat_buffers(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat(bufs) if bufs else torch.zeros(0)
 
 
+def flat_optimizer_state(optimizers) -> torch.Tensor:
+    vals = [
+        v.detach().reshape(-1).clone()
+        for opt in optimizers
+        for group in opt.param_groups
+        for p in group["params"]
+        for _, v in sorted(opt.state.get(p, {}).items())
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 1
+    ]
+    return torch.cat(vals) if vals else torch.zeros(0)
+
+
 class Recorder(L.Callback):
     """Runs in every worker; writes ``{out}/{tag}_rank{r}.pt``."""
 
     def __init__(self, out: str, tag: str, reference_period: int = 0) -> None:
         self.out, self.tag, self.reference_period = out, tag, reference_period
         self.rec: dict = {"sync_steps": [], "sync_params": {}, "sync_buffers": {}, "sync_calls": {}, "lrs": {}}
+        self.rec["sync_optstate"] = {}
         self.rec.update({"nonsync_calls": {}, "nonsync_params": {}, "val_params": {}, "val_buffers": {}})
         self._start = 0
         self._syncs = 0
@@ -155,6 +168,7 @@ class Recorder(L.Callback):
             self.rec["sync_params"][step] = flat_params(pl_module)
             self.rec["sync_buffers"][step] = flat_buffers(pl_module)
             self.rec["sync_calls"][step] = list(calls)
+            self.rec["sync_optstate"][step] = flat_optimizer_state(trainer.optimizers)
         else:
             self.rec["nonsync_calls"][step] = list(calls)
             self.rec["nonsync_params"][step] = flat_params(pl_module)
@@ -171,6 +185,7 @@ class Recorder(L.Callback):
         self.rec["final_params"] = flat_params(pl_module)
         self.rec["numel"] = sum(p.numel() for p in pl_module.parameters())
         self.rec["ledger"] = {k: (v.calls, v.payload_bytes) for k, v in get_ledger().cumulative.items()}
+        self.rec["ledger_wire"] = {k: (v.wire_bytes, v.baseline_bytes) for k, v in get_ledger().cumulative.items()}
         self.rec["num_syncs"] = trainer.strategy.num_syncs
         self.rec["num_forced_syncs"] = trainer.strategy.num_forced_syncs
         if self.reference_period:
@@ -189,12 +204,18 @@ class Recorder(L.Callback):
         net = make_net(bn=False)
         opt = torch.optim.SGD(net.parameters(), lr=PEAK_LR, momentum=0.9)
         averager = PeriodicModelAverager(period=p, warmup_steps=p - 1)
-        x, y = make_data().tensors
-        rank, world = trainer.global_rank, trainer.world_size
-        idx = torch.arange(rank, len(x), world)  # DistributedSampler(shuffle=False) shard
-        batches = [(x[idx[i : i + 4]], y[idx[i : i + 4]]) for i in range(0, len(idx), 4)]
+        from torch.utils.data import DistributedSampler
+
+        # Lightning gives training loaders DistributedSampler(shuffle=True, seed=0) and calls set_epoch(epoch).
+        data = make_data()
+        sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, seed=0)
+        batches = []
+        for epoch in range(math.ceil(trainer.global_step / STEPS_PER_EPOCH)):
+            sampler.set_epoch(epoch)
+            idx = torch.tensor(list(sampler))
+            batches += [data[idx[i : i + 4]] for i in range(0, len(idx), 4)]
         for step in range(trainer.global_step):
-            bx, by = batches[step % len(batches)]
+            bx, by = batches[step]
             opt.zero_grad()
             torch.nn.functional.mse_loss(net(bx).squeeze(-1), by).backward()
             opt.step()
@@ -323,6 +344,40 @@ def test_constant_period_matches_torch_periodic_model_averager(tmp_path):
         assert not torch.equal(rec["final_params"], flat_params(make_net(bn=False)))  # it trained
         assert rec["ledger"][("all_reduce", "param_average")] == (4, 4 * rec["numel"] * 4)
         assert {tag for (_, tag) in rec["ledger"]} == {"param_average"}
+
+
+@pytest.mark.slow
+def test_post_local_quantized_with_optimizer_state(tmp_path):
+    """post_local: data-parallel (gradient all-reduce) for 3 steps, then 8-bit quantized parameter averaging
+    every 2 steps, with AdamW moments and BatchNorm buffers averaged too."""
+    strategy = LocalSGDStrategy(
+        sync="post_local",
+        switch_step=3,
+        period=2,
+        codec="uniform",
+        bits=8,
+        average_optimizer_state=True,
+        start_method="spawn",
+    )
+    _trainer(strategy, [Recorder(str(tmp_path), "D")], str(tmp_path), max_steps=9, limit_val_batches=0).fit(
+        Regressor(bn=True, optim="adamw")
+    )
+    d0, d1 = _load(str(tmp_path), "D")
+    assert d0["sync_steps"] == [1, 2, 3, 5, 7, 9] == d1["sync_steps"]
+    for step in d0["sync_steps"]:
+        assert torch.equal(d0["sync_params"][step], d1["sync_params"][step]), step
+        assert torch.equal(d0["sync_buffers"][step], d1["sync_buffers"][step]), step
+        assert d0["sync_optstate"][step].numel() > 0
+        assert torch.equal(d0["sync_optstate"][step], d1["sync_optstate"][step]), step
+    for step in (4, 6, 8):
+        assert d0["nonsync_calls"][step] == [] and not torch.equal(
+            d0["nonsync_params"][step], d1["nonsync_params"][step]
+        )
+    ledger = d0["ledger"]
+    assert ledger[("all_reduce", "grads")][0] == 3  # one gradient bucket per data-parallel step
+    assert ledger[("all_reduce", "param_average")][0] == 3 * 2  # 3 local rounds x (parameters + optimizer state)
+    wire, baseline = d0["ledger_wire"][("all_reduce", "param_average")]
+    assert wire < baseline  # the parameters travelled as 8-bit codes
 
 
 # ---------------------------------------------------------------------- TensorAverager (plain torch.multiprocessing)

@@ -149,7 +149,6 @@ class LocalSGDStrategy(DDPStrategy):
             raise ValueError(f"comm_bucket_mb must be a float > 0, got {comm_bucket_mb!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
-        self._codec_name = codec
         self._codec = None if codec is None else get_codec(codec, bits=bits, bucket_size=bucket_size)
         self.average_buffers = bool(average_buffers)
         self.average_optimizer_state = bool(average_optimizer_state)
@@ -293,7 +292,10 @@ class LocalSGDStrategy(DDPStrategy):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if sched.end_step():
             if data_parallel:
+                # Parameters are already identical (same averaged gradients): only buffers need averaging,
+                # and the quantization anchor moves to the common parameters.
                 self._average(params=False)
+                self._param_averager.reset_anchor()
             else:
                 self._average(params=True)
         else:
