@@ -115,9 +115,12 @@ def test_reduced_loopback_run(tmp_path):
         assert 0.0 < r["train_loss_last5"] < 10.0 and r["val_loss"] is not None
     by = {(r["variant"], r["rank"]): r for r in raw}
     for rank in (0, 1):
-        assert by[("floor", rank)]["ledger_per_step"] == 0.0
-        assert by[("ddp_fp32", rank)]["ledger_per_step"] == pytest.approx(4.0 * params)
-        assert by[("ddp_fp16", rank)]["ledger_per_step"] == pytest.approx(2.0 * params)
+        # the floor sends only Lightning's own control collectives (a few bytes per step); the hooks add
+        # exactly one fp32 (fp16) gradient all-reduce per step on top of the same control traffic
+        control = by[("floor", rank)]["ledger_per_step"]
+        assert 0.0 <= control < 64.0
+        assert by[("ddp_fp32", rank)]["ledger_per_step"] - control == pytest.approx(4.0 * params)
+        assert by[("ddp_fp16", rank)]["ledger_per_step"] - control == pytest.approx(2.0 * params)
         assert by[("ddp_fp32", rank)]["ledger_source"] == "torch.distributed call counter"
         if "qddp_uniform8" in variants:
             q = by[("qddp_uniform8", rank)]
