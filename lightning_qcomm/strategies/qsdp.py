@@ -174,7 +174,7 @@ class QSDPStrategy(ModelParallelStrategy):
         if self._start_method == "popen":
             super()._configure_launcher()
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _FullStateLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         # 1-D data parallelism over all processes: mesh (world, 1) named ("data_parallel", "tensor_parallel").
@@ -313,6 +313,31 @@ class QSDPStrategy(ModelParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_qsdp_strategies(strategy_registry)
+
+
+class _FullStateLauncher(_MultiProcessingLauncher):
+    """Multiprocessing launcher that hands the main process a *full* state dict: Lightning's default pickles
+    ``state_dict()`` of the sharded module (DTensors), which the main process cannot load."""
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        import os
+        import tempfile
+
+        from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        cb = trainer.checkpoint_callback
+        best_model_path = getattr(cb, "best_model_path", None) if cb else None
+        full = get_model_state_dict(  # collective: every rank takes part
+            trainer.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(full, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
 def register_qsdp_strategies(registry: Any) -> None:
