@@ -1,4 +1,4 @@
-"""QSDPStrategy on 2 CPU ranks (gloo): one spawn runs every Trainer, the tests below check its results.
+"""QSDPStrategy on 2 CPU ranks (gloo): one spawn runs the 2-rank Trainers, the tests below check its results.
 
 The workers are started with ``torch.multiprocessing.spawn`` and given Lightning's environment variables, so
 each Trainer(accelerator="cpu", devices=2) in them joins the same gloo process group (no re-launch per
