@@ -30,8 +30,11 @@ class QCommCLI(LightningCLI):
         parser.set_defaults({"model": {"class_path": DEMO_MODEL}, "data": {"class_path": DEMO_DATA}})
 
 
-def main(args: list[str] | None = None) -> QCommCLI:
-    """Run the CLI (``args`` defaults to ``sys.argv[1:]``); returns the CLI object (its ``trainer``, ``model``)."""
+def make_cli(args: list[str] | None = None, run: bool = True) -> QCommCLI:
+    """Build (and with ``run`` execute) the CLI; returns it, so callers can read ``cli.trainer``, ``cli.model``.
+
+    ``args`` defaults to ``sys.argv[1:]``; ``run=False`` only parses and instantiates (no subcommand in ``args``).
+    """
     import lightning_qcomm.demo  # noqa: F401  (demo classes resolvable by short name too)
 
     return QCommCLI(
@@ -40,5 +43,11 @@ def main(args: list[str] | None = None) -> QCommCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=args,
+        run=run,
         save_config_kwargs={"overwrite": True},
     )
+
+
+def main(args: list[str] | None = None) -> None:
+    """Console-script entry point (``lightning-qcomm``); returns None so the exit status is 0 on success."""
+    make_cli(args)
