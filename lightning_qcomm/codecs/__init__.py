@@ -19,12 +19,13 @@ CODEC_NAMES = ("uniform", "qsgd", "qsgdinf", "nuqsgd", "sign1", "fp8_e4m3", "fp8
 _DEFAULT_BUCKET = 512
 
 
-def get_codec(name: str, bits: int = 8, bucket_size: int | None = None, **opts) -> Codec:
+def get_codec(name: str, bits: int | None = None, bucket_size: int | None = None, **opts) -> Codec:
     """Build a codec by name.
 
     Args:
         name: one of ``CODEC_NAMES``.
-        bits: code width; uniform 1..8, qsgd/qsgdinf/nuqsgd 2..8, sign1 1, fp8_* 8.
+        bits: code width; uniform 1..8, qsgd/qsgdinf/nuqsgd 2..8, sign1 1, fp8_* 8. None picks the
+            codec's default (1 for sign1, else 8).
         bucket_size: elements per scale block; None picks the codec default (512, or the whole
             tensor for sign1).
         opts: ``stochastic`` (uniform: False rounds to nearest), ``rounding`` (fp8: "nearest" |
@@ -39,6 +40,8 @@ def get_codec(name: str, bits: int = 8, bucket_size: int | None = None, **opts) 
     extra = set(opts) - allowed
     if extra:
         raise TypeError(f"codec {key!r} got unexpected option(s) {sorted(extra)}; allowed: {sorted(allowed)}")
+    if bits is None:
+        bits = 1 if key == "sign1" else 8
     if key == "sign1":
         return SignCodec(bits, bucket_size)
     bucket = _DEFAULT_BUCKET if bucket_size is None else bucket_size
