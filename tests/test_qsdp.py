@@ -280,7 +280,12 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     for kind, distributed in (("sharded", True), ("full", False)):
         strategy = QSDPStrategy(bits=8, save_distributed_checkpoint=distributed)
         fit(f"{kind}_b", strategy, epochs=2, ckpt_path=ckpt_paths[kind])
-    trainer, _ = fit("master_bf16", QSDPStrategy(bits=8, quantize_master=True), precision="bf16-mixed", epochs=1)
+    trainer, _ = fit(
+        "master_bf16",
+        QSDPStrategy(bits=8, quantize_master=True, layer_classes="Block"),
+        precision="bf16-mixed",
+        epochs=1,
+    )
     errs = []
     for m in trainer.strategy._fsdp_modules:
         for fp in m._get_fsdp_state()._fsdp_param_groups[0].fsdp_params:
@@ -483,6 +488,16 @@ def test_model_without_parameters_is_rejected():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         QSDPStrategy(**kwargs)
+
+
+def test_auto_shard_targets():
+    model = TinyGPT()
+    assert QSDPStrategy()._wrap_targets(model) == list(model.blocks)  # default: ModuleList elements with params
+    assert QSDPStrategy(layer_classes="Block, LayerNorm")._wrap_targets(model) == [
+        m for m in model.modules() if isinstance(m, (Block, nn.LayerNorm))
+    ]
+    with pytest.raises(ValueError, match="Attention"):
+        QSDPStrategy(layer_classes="Block,Attention")._wrap_targets(model)
 
 
 def test_bits_resolution_and_registry():
