@@ -33,11 +33,18 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_qcomm.comm.ddp_hooks import DDP_CODECS, QuantDDPHookConfig, QuantDDPHookState, quant_ddp_comm_hook
+from lightning_qcomm.comm.ddp_hooks import (
+    DDP_CODECS,
+    QuantDDPHookConfig,
+    QuantDDPHookState,
+    quant_ddp_comm_hook,
+    relative_compression_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +148,20 @@ class QuantDDPStrategy(DDPStrategy):
             seed=seed,
         )
         try:
-            config.build_codec()
+            built = config.build_codec()
         except (ValueError, TypeError) as err:
             raise type(err)(
                 f"QuantDDPStrategy(codec={codec!r}, bits={bits}, bucket_size={bucket_size}): {err}"
             ) from err
+        if error_feedback and built is not None:
+            rho = relative_compression_error(built)
+            if rho >= 1.0:
+                rank_zero_warn(
+                    f"QuantDDPStrategy(codec={codec!r}, bits={bits}, bucket_size={bucket_size}, error_feedback=True): "
+                    f"this codec is not contractive (relative error ||Q(x)-x||^2/||x||^2 = {rho:.2f} >= 1 on "
+                    "Gaussian data), and error feedback then typically diverges. Use more bits, codec='uniform' "
+                    "or 'qsgdinf', or error_feedback=False."
+                )
         return config
 
     # ------------------------------------------------------------------ hook registration
