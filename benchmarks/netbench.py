@@ -289,7 +289,7 @@ def run_schedule(
                 procs.append(
                     subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                 )
-        failed, seen, last_progress = None, 0, time.time()
+        failed, seen, printed, last_progress = None, 0, 0, time.time()
         try:
             while True:
                 time.sleep(0.5)
@@ -297,13 +297,14 @@ def run_schedule(
                 n = len(rows0) + len(_read_jsonl(res_paths[1]))
                 if n != seen:
                     seen, last_progress = n, time.time()
-                    last = rows0[-1] if rows0 else {}
-                    if last.get("event") == "done":
+                for r in rows0[printed:]:
+                    if r.get("event") == "done":
                         print(
-                            f"[netbench] {rate} Mbit/s  {last['variant']:<15} rep {last['repeat']}  "
-                            f"step {last['step_mean_s'] * 1e3:8.1f} ms  tx {last['tx_per_step'] / 1e6:7.3f} MB/step",
+                            f"[netbench] {rate} Mbit/s  {r['variant']:<15} rep {r['repeat']}  "
+                            f"step {r['step_mean_s'] * 1e3:8.1f} ms  tx {r['tx_per_step'] / 1e6:7.3f} MB/step",
                             flush=True,
                         )
+                printed = len(rows0)
                 codes = [p.poll() for p in procs]
                 if all(c == 0 for c in codes):
                     break
@@ -361,9 +362,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results", help="output folder (default benchmarks/results)")
     p.add_argument("--name", default="netbench", help="output file stem: NAME.md, NAME.json, NAME.png")
     p.add_argument("--note", default="", help="a line shown at the top of the report (e.g. PRELIMINARY ...)")
-    p.add_argument("--variant-timeout", type=float, default=300.0, help="kill a pair without progress (s)")
+    p.add_argument("--variant-timeout", type=float, default=600.0, help="kill a pair without progress (s)")
     p.add_argument("--collective-timeout", type=float, default=240.0, help="gloo collective timeout (s)")
     p.add_argument("--verbose", action="store_true", help="print worker tracebacks; keep the work folder")
+    p.add_argument("--render", metavar="JSON", help="only re-render NAME.md/.png in --out from a previous run's JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -395,12 +397,39 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def write_report(
+    results: list[dict], rates: list[float | None], names: list[str], meta: dict, out: Path, name: str
+) -> int:
+    """Aggregate, write NAME.md / NAME.json / NAME.png under ``out``, print the markdown."""
+    table = aggregate(results, rates, names)
+    md = render_markdown(table, meta, names)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(md)
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "table": table, "raw": results}, indent=1))
+    plotted = plot(table, names, out / f"{name}.png")
+    print(md, flush=True)
+    print(f"[netbench] wrote {out / name}.md, .json" + (", .png" if plotted else ""), flush=True)
+    return 0
+
+
+def rerender(path: Path, out: Path, name: str) -> int:
+    """Rebuild the report from a previous run's JSON (after a change to the report code)."""
+    data = json.loads(path.read_text())
+    meta, raw = data["meta"], data["raw"]
+    rates = [None if k == "None" else float(k) for k in data["table"]]
+    present = {r["variant"] for r in raw}
+    names = meta.get("variants") or [v.name for v in VARIANTS if v.name in present]
+    return write_report(raw, rates, names, meta, out, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         from netbench_worker import worker_main
 
         return worker_main(args.spec, args.rank, args.results)
+    if args.render:
+        return rerender(Path(args.render), Path(args.out), args.name)
     names, skipped = [], {}
     for n in args.variant_list:
         ok, why = variant_available(VARIANT_BY_NAME[n])
@@ -466,14 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": time.time() - t_start,
         "skipped": skipped,
         "link_checks": link_checks,
+        "variants": names,
     }
-    table = aggregate(results, rates, names)
-    md = render_markdown(table, meta, names)
-    (out / f"{args.name}.md").write_text(md)
-    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "table": table, "raw": results}, indent=1))
-    plotted = plot(table, names, out / f"{args.name}.png")
-    print(md, flush=True)
-    print(f"[netbench] wrote {out / args.name}.md, .json" + (", .png" if plotted else ""), flush=True)
+    write_report(results, rates, names, meta, out, args.name)
     failed = [r for r in results if r.get("event") == "error"]
     return 1 if (interrupted or failed) else 0
 

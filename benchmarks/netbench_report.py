@@ -157,6 +157,11 @@ def render_markdown(table: dict, meta: dict, names: list[str]) -> str:
         "Ledger sources: lightning_qcomm variants report their own `CommLedger`; torch's hooks, FSDP2 and the "
         "post-local SGD averager are counted by wrapping the `torch.distributed` collectives in the worker. "
         "Wire bytes are whole frames: TCP/IP/Ethernet headers and the ACKs for the peer's traffic are included.",
+        "",
+        "Known gap between wire and ledger: gloo (CPU) runs `reduce_scatter` as a full all-reduce - a 16 MB "
+        "`reduce_scatter_tensor` between two namespaces sends 16.0 MB per rank where the bandwidth-optimal "
+        "(ledger) figure is (N-1)/N x 16 = 8 MB - so FSDP2's gradient reduce-scatter costs twice its textbook "
+        "bytes here and the fsdp2 rows show wire/ledger ~1.4. NCCL does not have this overhead.",
     ]
     if meta.get("link_checks"):
         checks = "; ".join(f"{k} Mbit/s -> {v.get('goodput_mbit')} Mbit/s" for k, v in meta["link_checks"].items())
