@@ -60,16 +60,18 @@ class FP8Codec(Codec):
 
     def _quantize(self, x: torch.Tensor, params: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
         a = torch.nan_to_num(x.abs() * params[:, 0], nan=0.0).clamp_(0.0, self.fmax)
-        e = float_exponent(a).clamp_(min=self.emin)
+        # Integer work in int32 (exponents, significands < 2^5): the same values as int64, half the bytes.
+        e = float_exponent(a, torch.int32).clamp_(min=self.emin)
         t = a * exp2_int(self.mbits - e)  # |v| / spacing, exact
         f = torch.floor(t)
         d = t - f
+        fi = f.to(torch.int32)
         if u is None:
-            odd = torch.remainder(f, 2.0) == 1.0
+            odd = (fi & 1) == 1
             up = (d > 0.5) | ((d == 0.5) & odd)
         else:
             up = u < d
-        m = f.to(torch.int64) + up.to(torch.int64)  # significand in units of the spacing
+        m = fi + up.to(torch.int32)  # significand in units of the spacing
         # Normal numbers have m in [2^mbits, 2^(mbits+1)]; m == 2^(mbits+1) carried into the next binade.
         carry = m >> (self.mbits + 1)
         m = m >> carry

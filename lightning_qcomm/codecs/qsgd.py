@@ -20,9 +20,9 @@ import torch
 from lightning_qcomm.codecs.base import Codec
 
 
-def float_exponent(r: torch.Tensor) -> torch.Tensor:
+def float_exponent(r: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """floor(log2 r) for positive normal fp32 r, read from the exponent bits (-127 for 0/subnormal)."""
-    return ((r.view(torch.int32) >> 23) & 0xFF).to(torch.int64) - 127
+    return ((r.view(torch.int32) >> 23) & 0xFF).to(dtype) - 127
 
 
 def exp2_int(e: torch.Tensor) -> torch.Tensor:

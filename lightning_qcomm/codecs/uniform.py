@@ -31,10 +31,13 @@ class UniformCodec(Codec):
         return (1 << self.bits) - 1
 
     def _scales(self, xb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        blen = xb.shape[1]
-        valid = torch.arange(blen, device=xb.device)[None, :] < counts[:, None]
-        lo = torch.where(valid, xb, torch.full_like(xb, float("inf"))).amin(dim=1)
-        hi = torch.where(valid, xb, torch.full_like(xb, float("-inf"))).amax(dim=1)
+        # Only the last bucket can hold zero padding: reduce all rows in one pass, then redo the last one
+        # over its real elements.
+        lo, hi = torch.aminmax(xb, dim=1)
+        valid = torch.arange(xb.shape[1], device=xb.device) < counts[-1]
+        last = xb[-1]
+        lo[-1] = torch.where(valid, last, torch.full_like(last, float("inf"))).amin()
+        hi[-1] = torch.where(valid, last, torch.full_like(last, float("-inf"))).amax()
         unit = (hi - lo) / self.levels
         return torch.stack([lo, unit], dim=1)
 
