@@ -1,13 +1,13 @@
 """Small CPU convergence comparison: data-parallel AdamW (DDP) vs Local AdamW (constant H) vs QSR vs post-local.
 
 Two gloo ranks on CPU, Lightning ``accelerator="cpu", devices=2`` (spawn). Task: classify inputs labelled
-by a fixed random teacher MLP (32 -> 10 classes); student MLP 32-256-256-10 (~77k parameters); AdamW,
+by a fixed random teacher MLP (32 -> 10 classes); student MLP 32-128-128-10 (~22k parameters); AdamW,
 linear warmup (10%) then cosine decay to 0, per-rank batch 32. All runs see the same data in the same
 order; only the synchronization differs. Reported per run: communication rounds (optimizer steps with a
 collective), bytes on the wire per rank (ledger for Local SGD, 2(N-1)/N * 4 * numel per step for DDP),
 final validation loss / accuracy of the averaged model (validation is a sync point), wall time.
 
-    OMP_NUM_THREADS=1 python benchmarks/local_sgd_convergence.py [--steps 600] [--alphas 0.004,0.006]
+    OMP_NUM_THREADS=1 python benchmarks/local_sgd_convergence.py [--steps 400] [--alphas 0.004,0.006]
 
 The wall time on this shared 2-core machine is disturbed by other processes and says nothing about a
 network-bound run (see benchmarks/netbench.py for that); the loss and round counts are what this measures.
@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from lightning_qcomm.comm.ledger import CommLedger, get_ledger, set_ledger  # noqa: E402
 from lightning_qcomm.strategies.local_sgd import LocalSGDStrategy  # noqa: E402
 
-IN, CLASSES, HIDDEN = 32, 10, 256
-N_TRAIN, N_VAL = 16384, 4096
+IN, CLASSES, HIDDEN = 32, 10, 128
+N_TRAIN, N_VAL = 8192, 2048
 BATCH = 32
 
 
@@ -130,7 +130,8 @@ def run(name: str, strategy, steps: int, peak_lr: float, workdir: str) -> dict:
         enable_model_summary=False,
         enable_checkpointing=False,
         num_sanity_val_steps=0,
-        check_val_every_n_epoch=10_000,
+        check_val_every_n_epoch=None,
+        val_check_interval=steps,  # one validation, at the last step, on the averaged model
         callbacks=[Report(path)],
     )
     t0 = time.perf_counter()
@@ -149,7 +150,7 @@ def run(name: str, strategy, steps: int, peak_lr: float, workdir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--peak-lr", type=float, default=3e-3)
     p.add_argument("--alphas", type=str, default="0.004,0.006")
     p.add_argument("--h-base", type=int, default=4)
