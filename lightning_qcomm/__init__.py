@@ -1,13 +1,49 @@
 """lightning_qcomm: communication- and memory-compressed distributed training for PyTorch Lightning.
 
 Public API (re-exported here): codecs (``get_codec``), compressed collectives and the ``CommLedger``
-(``lightning_qcomm.comm``), the strategies ``QSDPStrategy``, ``QuantDDPStrategy``,
-``LocalSGDStrategy`` (registered lowercase with Lightning's strategy registry at import), and the
-callbacks ``OneBitAdamCallback``, ``ActivationQuantization``, ``CommVolumeLogger``.
+(``lightning_qcomm.comm``), the strategies ``QSDPStrategy``, ``QuantDDPStrategy`` and
+``LocalSGDStrategy`` (registered lowercase in Lightning's ``StrategyRegistry`` at import, so
+``Trainer(strategy="qsdp")`` works), and the callback ``CommVolumeLogger``.
 """
 
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_qcomm.callbacks import CommVolumeLogger
 from lightning_qcomm.codecs import CODEC_NAMES, Codec, Packed, derive_seed, get_codec
+from lightning_qcomm.comm import (
+    CommLedger,
+    ensure_ledger,
+    get_ledger,
+    onebit_all_reduce,
+    quantized_all_gather,
+    quantized_all_reduce,
+    quantized_reduce_scatter,
+    set_ledger,
+)
+from lightning_qcomm.strategies import LocalSGDStrategy, QSDPStrategy, QuantDDPStrategy, register_all_strategies
 
 __version__ = "0.1.0"
 
-__all__ = ["CODEC_NAMES", "Codec", "Packed", "__version__", "derive_seed", "get_codec"]
+# Idempotent: names already present (a second import, a user's own registration) are left alone.
+register_all_strategies(StrategyRegistry)
+
+__all__ = [
+    "CODEC_NAMES",
+    "Codec",
+    "CommLedger",
+    "CommVolumeLogger",
+    "LocalSGDStrategy",
+    "Packed",
+    "QSDPStrategy",
+    "QuantDDPStrategy",
+    "__version__",
+    "derive_seed",
+    "ensure_ledger",
+    "get_codec",
+    "get_ledger",
+    "onebit_all_reduce",
+    "quantized_all_gather",
+    "quantized_all_reduce",
+    "quantized_reduce_scatter",
+    "set_ledger",
+]
