@@ -273,14 +273,30 @@ def test_ledger_counts_uncompressed_path_as_fp32(matrix_results):
     assert calls == STEPS and wire == base
 
 
-def test_error_feedback_improves_2bit_loss(matrix_results):
-    """Uniform 2-bit is contractive (E||Q(x) - x||^2 ~ 0.75 ||x||^2 < ||x||^2 on Gaussian buckets), the
-    condition under which error feedback provably helps; see ``test_error_feedback_warns_when_not_contractive``
-    for the codecs where it does not hold."""
+def _distance_to_ddp(r: dict, name: str) -> float:
+    v = torch.cat([p.reshape(-1) for p in r[name]["params"]])
+    ref = torch.cat([p.reshape(-1) for p in r["ddp"]["params"]])
+    return float((v - ref).norm() / ref.norm())
+
+
+def test_error_feedback_2bit_tracks_ddp_and_loss_is_reported(matrix_results):
+    """Error feedback's guarantee: the sum of what was applied tracks the sum of the true gradients, so
+    the EF model stays near the fp32-DDP trajectory while the no-EF one random-walks away from it.
+
+    Uniform 2-bit is used because it is contractive (E||Q(x) - x||^2 ~ 0.75 ||x||^2 < ||x||^2), the
+    condition under which EF converges; see ``test_error_feedback_warns_when_not_contractive``.
+    Measured over quantization seeds 0/1/2 on this problem: relative distance to DDP's parameters
+    0.47/0.49/0.47 without EF vs 0.12/0.11/0.12 with EF; final loss (DDP 0.7968) 0.8115/0.7966/0.8044
+    without vs 0.8034/0.8012/0.8005 with EF -- better on 2 of 3 seeds, so only the distance is asserted.
+    """
     r0 = matrix_results[0]
+    d_no, d_ef = _distance_to_ddp(r0, "uniform2"), _distance_to_ddp(r0, "uniform2_ef")
     no_ef, ef, ddp = r0["uniform2"]["loss"], r0["uniform2_ef"]["loss"], r0["ddp"]["loss"]
-    print(f"uniform 2-bit final loss: no EF {no_ef:.4f}, EF {ef:.4f}, DDP fp32 {ddp:.4f}")
-    assert ef < no_ef
+    print(
+        f"uniform 2-bit: final loss no EF {no_ef:.4f}, EF {ef:.4f}, DDP fp32 {ddp:.4f}; "
+        f"relative parameter distance to DDP: no EF {d_no:.3f}, EF {d_ef:.3f}"
+    )
+    assert d_ef < d_no
 
 
 def test_gradient_accumulation_and_unused_parameters(matrix_results):
@@ -438,6 +454,29 @@ def test_error_feedback_warns_when_not_contractive():
         QuantDDPStrategy(codec="uniform", bits=2, error_feedback=True)
         QuantDDPStrategy(codec="nuqsgd", bits=4, error_feedback=True)
         QuantDDPStrategy(codec="qsgd", bits=4, error_feedback=False)
+
+
+def test_checkpoint_restore_policies_single_process():
+    """World size unchanged: this rank's entry; changed: step kept, residuals reset (warned); missing
+    entry (a plain-DDP checkpoint): step from global_step (warned). Here world_size is 1, rank 0."""
+    ef = {"body.0.weight": torch.arange(6.0)}
+    same = {CHECKPOINT_KEY: {"world_size": 1, "per_rank": [{"step": 7, "error_feedback": ef}]}}
+    s = QuantDDPStrategy(codec="uniform", bits=2, error_feedback=True)
+    s._restore_from_checkpoint(same)
+    assert s._pending_state["step"] == 7 and torch.equal(
+        s._pending_state["error_feedback"]["body.0.weight"], ef["body.0.weight"]
+    )
+
+    other = {CHECKPOINT_KEY: {"world_size": 2, "per_rank": [{"step": 9, "error_feedback": ef}] * 2}}
+    s = QuantDDPStrategy(codec="uniform", bits=2, error_feedback=True)
+    with pytest.warns(UserWarning, match="written by 2 ranks"):
+        s._restore_from_checkpoint(other)
+    assert s._pending_state == {"step": 9, "error_feedback": {}}
+
+    s = QuantDDPStrategy(codec="uniform", bits=2, error_feedback=True)
+    with pytest.warns(UserWarning, match="no 'quant_ddp' entry"):
+        s._restore_from_checkpoint({"global_step": 11})
+    assert s._pending_state == {"step": 11, "error_feedback": {}}
 
 
 def test_registry_presets_and_idempotence():

@@ -32,7 +32,7 @@ for buckets whose order differs (typically DDP's first iteration).
 Error feedback (``error_feedback=True``): one buffer e per bucket (the gradients' dtype), on this rank only, holding
 the compression residual; ``quantized_all_reduce`` sends g + e and sets e <- (g + e) - decode(...).
 Buffers are keyed by bucket index together with the bucket's layout (the names of its quantized
-parameters, in order). DDP rebuilds its buckets after the first iteration, and a resumed run
+parameters, in canonical order). DDP rebuilds its buckets after the first iteration, and a resumed run
 starts again from the initial layout, so when a layout changes the buffers are split into
 per-parameter pieces and reassembled for the new layout: no residual is lost or misaligned.
 The canonical, checkpointed form is per parameter name (``ef_state_dict``), independent of bucketing.
@@ -212,11 +212,11 @@ class QuantDDPHookState:
 
     def ef_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's residuals per parameter name (CPU fp32), independent of DDP's bucketing."""
-        out = {name: t.detach().cpu().clone() for name, t in self._pending.items()}
+        out = {name: t.detach().to("cpu", torch.float32).clone() for name, t in self._pending.items()}
         for names, buf in self._ef.values():
             numels = [self._numel_by_name[n] for n in names]
             for name, piece in zip(names, torch.split(buf, numels)):
-                out[name] = piece.detach().cpu().clone()
+                out[name] = piece.detach().to("cpu", torch.float32).clone()
         return out
 
     def load_ef_state_dict(self, state: dict[str, torch.Tensor]) -> None:

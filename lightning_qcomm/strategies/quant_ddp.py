@@ -177,8 +177,12 @@ class QuantDDPStrategy(DDPStrategy):
         assert self.lightning_module is not None
         names = {p: n for n, p in self.lightning_module.named_parameters() if p.requires_grad}
         state = QuantDDPHookState(self.hook_config, names, process_group=self.model.process_group)
-        if self._pending_state is not None:
-            state.load_state_dict(self._pending_state)
+        # a restored checkpoint, else the previous fit of this strategy (a second ``fit`` continues it)
+        previous = self._pending_state
+        if previous is None and self._hook_state is not None:
+            previous = self._hook_state.state_dict()
+        if previous is not None:
+            state.load_state_dict(previous)
             self._pending_state = None
         self._hook_state = state
         self.model.register_comm_hook(state, quant_ddp_comm_hook)
@@ -226,11 +230,9 @@ class QuantDDPStrategy(DDPStrategy):
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
             step = int(checkpoint.get("global_step", 0))
-            log.warning(
-                "QuantDDPStrategy: checkpoint has no %r entry (not written by QuantDDPStrategy); "
-                "the step counter resumes from global_step=%d and error-feedback residuals start at zero",
-                CHECKPOINT_KEY,
-                step,
+            rank_zero_warn(
+                f"QuantDDPStrategy: the checkpoint has no {CHECKPOINT_KEY!r} entry (not written by QuantDDPStrategy); "
+                f"the step counter resumes from global_step={step} and error-feedback residuals start at zero"
             )
             state = {"step": step, "error_feedback": {}}
         else:
@@ -238,10 +240,9 @@ class QuantDDPStrategy(DDPStrategy):
             if saved["world_size"] == self.world_size:
                 state = per_rank[self.global_rank]
             else:
-                log.warning(
-                    "QuantDDPStrategy: checkpoint was written by %d ranks, now %d; error-feedback residuals reset to 0",
-                    saved["world_size"],
-                    self.world_size,
+                rank_zero_warn(
+                    f"QuantDDPStrategy: the checkpoint was written by {saved['world_size']} ranks, now "
+                    f"{self.world_size}; the step counter is restored, error-feedback residuals reset to 0"
                 )
                 state = {"step": int(per_rank[0]["step"]), "error_feedback": {}}
         if self._hook_state is not None:
