@@ -171,6 +171,40 @@ def test_logged_numbers_equal_ledger_with_accumulation(tmp_path, capsys):
     assert "communication summary" in capsys.readouterr().out
 
 
+def test_resume_with_accumulation_counts_only_new_steps(tmp_path):
+    """After a checkpoint restore (global_step 2), micro-batches that do not step must not close a step."""
+
+    def trainer(max_steps: int, logger: Logger) -> pl.Trainer:
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            accumulate_grad_batches=2,
+            limit_val_batches=0,
+            logger=logger,
+            callbacks=[CommVolumeLogger(log_every_n_steps=1, summary=False)],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+
+    ledger = CommLedger()
+    prev = set_ledger(ledger)
+    try:
+        first = trainer(2, MemoryLogger())
+        first.fit(SyntheticTraffic(), _loader())
+        first.save_checkpoint(tmp_path / "two.ckpt")
+        logger = MemoryLogger()
+        trainer(4, logger).fit(SyntheticTraffic(), _loader(), ckpt_path=tmp_path / "two.ckpt")
+    finally:
+        set_ledger(prev)
+    rows = [(step, m) for step, m in logger.rows if "comm/bytes_sent" in m]
+    assert [step for step, _ in rows] == [2, 3]
+    assert all(m["comm/bytes_sent"] == 3000.0 for _, m in rows)  # two micro-batches per step, as before
+    assert [m["comm/cum_bytes_sent"] for _, m in rows] == [3000.0, 6000.0]  # this fit's traffic only
+    assert ledger.step == 2 + 2
+
+
 # ------------------------------------------------------------------------------------- two ranks (one spawn)
 
 

@@ -213,9 +213,11 @@ class CommVolumeLogger(pl.Callback):
             return
         self._ledger = ensure_ledger()
         self._fit_start = _snapshot(self._ledger.cumulative)
-        self._last_global_step = trainer.global_step
         self._step_start = None
         self._hook_checked = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_global_step = trainer.global_step  # after a checkpoint restore, unlike setup
 
     # plain-DDP counting ----------------------------------------------------------------------------------
     def _attach_counting_hook(self, trainer: pl.Trainer) -> None:
@@ -271,7 +273,9 @@ class CommVolumeLogger(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         totals = aggregate_over_ranks(self._since_fit_start(), trainer.strategy.root_device)
         self.summary_totals = totals
-        extra = {k: float(v) for k, v in trainer.callback_metrics.items() if "loss" in k and v.numel() == 1}
+        extra = {
+            k: float(v) for k, v in trainer.callback_metrics.items() if ("loss" in k or "acc" in k) and v.numel() == 1
+        }
         self.summary_table = format_summary(totals, trainer.world_size, trainer.global_step, extra)
         if not trainer.is_global_zero:
             return
