@@ -40,6 +40,7 @@ import contextlib
 import datetime as _dt
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -473,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = argv if argv is not None else sys.argv[1:]
     meta = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["python", os.path.relpath(Path(__file__).resolve(), Path.cwd()), *shown]),
+        "command": shlex.join(["python", os.path.relpath(Path(__file__).resolve(), Path.cwd()), *shown]),
         "note": args.note + (" (INTERRUPTED: partial results)" if interrupted else ""),
         "machine": machine_line(),
         "network": (

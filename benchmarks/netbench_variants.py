@@ -43,7 +43,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("qddp_fp8_e4m3", "lq", "QuantDDPStrategy(codec='fp8_e4m3', bits=8)", QDDP),
     Variant("qddp_nuqsgd4", "lq", "QuantDDPStrategy(codec='nuqsgd', bits=4)", QDDP),
     Variant("qddp_qsgd4", "lq", "QuantDDPStrategy(codec='qsgd', bits=4)", QDDP),
-    Variant("localsgd_qsr", "lq", "LocalSGDStrategy(sync='qsr', h_base=4, alpha=2*peak lr)", LSGD),
+    Variant(
+        "localsgd_qsr", "lq", "LocalSGDStrategy(sync='qsr', h_base=4, alpha=2*peak lr, warmup_steps=lr warm-up)", LSGD
+    ),
     Variant("localsgd_h4", "lq", "LocalSGDStrategy(sync='constant', period=4)", LSGD),
     Variant("onebit_adam", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps)", ONEBIT),
 )
@@ -80,11 +82,14 @@ def variant_available(v: Variant) -> tuple[bool, str]:
     return True, ""
 
 
-def build_variant(name: str, *, warmup: int, lr: float, timeout_s: float) -> tuple[Any, type, dict, list]:
+def build_variant(
+    name: str, *, warmup: int, lr: float, lr_warmup: int, timeout_s: float
+) -> tuple[Any, type, dict, list]:
     """(strategy, LightningModule class, extra module kwargs, callbacks) for variant ``name``.
 
     ``warmup`` is the number of untimed steps: PowerSGD and post-local SGD finish their own
-    uncompressed warm-up inside it, so the timed window sees their steady state.
+    uncompressed warm-up inside it, so the timed window sees their steady state. ``lr`` is the peak
+    learning rate and ``lr_warmup`` the model's linear lr warm-up length (QSR keeps H = h_base there).
     """
     from bench_model import BenchLM, BenchLMFSDP2
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -139,9 +144,11 @@ def build_variant(name: str, *, warmup: int, lr: float, timeout_s: float) -> tup
         return strat, BenchLM, {}, []
     if name == "localsgd_qsr":
         # alpha = 2 * peak lr: H = h_base = 4 while lr >= peak/2, then floor((alpha/lr)^2) as the cosine decays
-        return load_symbol(LSGD)(sync="qsr", h_base=4, alpha=2.0 * lr, timeout=timeout), BenchLM, {}, []
+        strat = load_symbol(LSGD)(sync="qsr", h_base=4, alpha=2.0 * lr, warmup_steps=lr_warmup, timeout=timeout)
+        return strat, BenchLM, {}, []
     if name == "localsgd_h4":
-        return load_symbol(LSGD)(sync="constant", period=4, timeout=timeout), BenchLM, {}, []
+        strat = load_symbol(LSGD)(sync="constant", period=4, timeout=timeout)
+        return strat, BenchLM, {}, []
     if name == "onebit_adam":
         return ddp(), BenchLM, {}, [load_symbol(ONEBIT)(freeze_step=warmup)]
     raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANT_BY_NAME)}")

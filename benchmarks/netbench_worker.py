@@ -131,14 +131,15 @@ def run_entry(entry: dict, spec: dict, rank: int) -> dict:
     name = entry["variant"]
     steps, warmup = spec["steps"], spec["warmup"]
     pl.seed_everything(spec["seed"], verbose=False)
+    lr_warmup = max(1, min(3, steps // 5))  # the model's linear lr warm-up (then cosine to 10%)
     strategy, module_cls, module_kw, callbacks = build_variant(
-        name, warmup=warmup, lr=spec["lr"], timeout_s=spec["collective_timeout"]
+        name, warmup=warmup, lr=spec["lr"], lr_warmup=lr_warmup, timeout_s=spec["collective_timeout"]
     )
     module = module_cls(
         preset=spec["preset"],
         lr=spec["lr"],
         total_steps=steps,
-        warmup_steps=max(1, min(3, steps // 5)),
+        warmup_steps=lr_warmup,
         batch_size=spec["batch_size"],
         seed=spec["seed"],
         **module_kw,
