@@ -307,8 +307,8 @@ def quantized_all_reduce(
 
     1. rank r encodes chunk j of y_r (seed ``derive_seed(seed, 1, r, j)``) and sends it to rank j
        (``all_to_all_single``);
-    2. rank j decodes the N chunks to fp32 and sums them in rank order: S_j = sum_r D(Q(y_r[j]))
-       (op="avg": S_j / N) -- no low-precision accumulation;
+    2. rank j decodes the N chunks to fp32 and sums them in rank order -- no low-precision accumulation:
+       S_j = sum_r D(Q(y_r[j])) for op="sum", S_j = (1/N) sum_r D(Q(y_r[j])) for op="avg";
     3. rank j re-encodes S_j (seed ``derive_seed(seed, 2, j)``); ``all_gather_single`` of the N codes;
     4. every rank decodes all N chunks from the gathered bytes: x <- D(Q(S))[:d], identical on all ranks.
 
