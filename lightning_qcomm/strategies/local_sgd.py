@@ -54,11 +54,12 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm.averaging import TensorAverager
-from lightning_qcomm.strategies.sync_rules import SYNC_RULE_NAMES, SyncSchedule, make_rule
+from lightning_qcomm.strategies.sync_rules import SYNC_RULE_NAMES, QSRRule, SyncSchedule, make_rule
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,17 @@ class LocalSGDStrategy(DDPStrategy):
         if self._param_averager is None:  # not fitting (or not set up): plain step
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         sched = self._schedule
-        sched.begin_step(self._current_lr() if self._rule.needs_lr else None)
+        if sched.h is None and self._rule.needs_lr:
+            lr = self._current_lr()
+            h = sched.begin_step(lr)
+            if sched.step == 0 and isinstance(self._rule, QSRRule) and h > self._rule.h_base:
+                rank_zero_warn(
+                    f"LocalSGDStrategy(sync='qsr') starts with H={h} from lr={lr:g} at step 0 (warmup_steps="
+                    f"{self._rule.warmup_steps}); if the lr schedule warms up from a small lr, set warmup_steps to "
+                    f"its length so H stays at h_base={self._rule.h_base} meanwhile"
+                )
+        else:
+            sched.begin_step(None)
         data_parallel = sched.round_data_parallel
         if data_parallel:
             closure = self._gradient_averaging_closure(optimizer, closure)
