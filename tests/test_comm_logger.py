@@ -114,6 +114,11 @@ def test_diff_and_metrics_names():
     table = format_summary(d, world_size=2, steps=7, extra={"train_loss": 1.5})
     assert "2 rank(s), 7 optimizer steps" in table and "train_loss = 1.5000" in table
     assert "all_gather" in table and "weights" in table and "4.0x" in table
+    overhead = {("all_gather", "check"): OpTotals(1, 64, 32.0, 0.0)}  # sent bytes with no fp32 counterpart
+    assert "comm/op/all_gather/ratio" not in metrics_from_totals(overhead, overhead, per_op=True)
+    assert [line.split()[-2:] for line in format_summary(overhead, 2, 1).splitlines() if line.startswith("op")] == [
+        ["-", "-"]
+    ]
 
 
 def test_bad_interval_rejected():

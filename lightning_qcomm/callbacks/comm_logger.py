@@ -121,7 +121,8 @@ def metrics_from_totals(step: Totals, cumulative: Totals, per_op: bool) -> dict[
                 prefix = f"comm/{by}/{name}"
                 m[f"{prefix}/bytes_sent"] = t.wire_bytes
                 m[f"{prefix}/baseline_bytes"] = t.baseline_bytes
-                m[f"{prefix}/ratio"] = t.ratio
+                if t.baseline_bytes or not t.wire_bytes:  # no ratio for pure overhead (baseline 0)
+                    m[f"{prefix}/ratio"] = t.ratio
                 m[f"{prefix}/collectives"] = float(t.calls)
     return m
 
@@ -138,8 +139,11 @@ def format_summary(totals: Totals, world_size: int, steps: int, extra: dict[str,
     ]
 
     def row(group: str, name: str, t: OpTotals) -> str:
-        saving = f"{1 / t.ratio:.1f}x" if t.ratio > 0 else "inf"
-        return f"{group:<6} {name:<16} {t.calls:>8d} {t.wire_bytes / mb:>12.3f} {t.baseline_bytes / mb:>12.3f} {t.ratio:>7.3f} {saving:>8}"
+        if t.baseline_bytes == 0 and t.wire_bytes > 0:  # pure overhead (e.g. a metadata check): no ratio
+            ratio, saving = "-", "-"
+        else:
+            ratio, saving = f"{t.ratio:.3f}", (f"{1 / t.ratio:.1f}x" if t.ratio > 0 else "inf")
+        return f"{group:<6} {name:<16} {t.calls:>8d} {t.wire_bytes / mb:>12.3f} {t.baseline_bytes / mb:>12.3f} {ratio:>7} {saving:>8}"
 
     for by in ("op", "tag"):
         for name, t in sorted(_group(totals, by).items()):
