@@ -25,11 +25,16 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         codes = torch.nn.functional.pad(codes.reshape(-1), (0, groups * 8 - n))
     if bits == 8:
         return codes.reshape(-1).contiguous()
-    c = codes.reshape(groups, 8).to(torch.int64)
-    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
-    v = (c << shifts).sum(dim=1, keepdim=True)  # disjoint bit fields: sum == bitwise or
-    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
-    return ((v >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+    # Code i occupies bits [b*i, b*i + b) of the group: its low part goes to byte j = b*i // 8 at bit
+    # s = b*i % 8, the rest (if s + b > 8) to byte j + 1. uint8 shifts drop the bits above 7.
+    c = codes.reshape(groups, 8)
+    out = torch.zeros(groups, bits, dtype=torch.uint8, device=codes.device)
+    for i in range(8):
+        j, s = divmod(bits * i, 8)
+        out[:, j] |= c[:, i] << s
+        if s + bits > 8:
+            out[:, j + 1] |= c[:, i] >> (8 - s)
+    return out.reshape(-1)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -39,9 +44,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     if bits == 8:
         return packed.reshape(-1)[:numel]
     groups = packed.numel() // bits
-    b = packed.reshape(groups, bits).to(torch.int64)
-    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
-    v = (b << byte_shifts).sum(dim=1, keepdim=True)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
-    codes = (v >> shifts) & ((1 << bits) - 1)
-    return codes.to(torch.uint8).reshape(-1)[:numel]
+    b = packed.reshape(groups, bits)
+    codes = torch.empty(groups, 8, dtype=torch.uint8, device=packed.device)
+    for i in range(8):
+        j, s = divmod(bits * i, 8)
+        v = b[:, j] >> s
+        if s + bits > 8:
+            v |= b[:, j + 1] << (8 - s)  # uint8: only the low bits survive, the mask keeps b of them
+        torch.bitwise_and(v, (1 << bits) - 1, out=codes[:, i])
+    return codes.reshape(-1)[:numel]
