@@ -112,8 +112,9 @@ def _comm_logger(trainer) -> CommVolumeLogger:
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_config_parses_and_instantiates(path, tmp_path):
+def test_config_parses_and_instantiates(path, tmp_path, monkeypatch):
     _skip_if_missing(path)
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])  # args come from the list, not pytest's argv
     cli = make_cli(["--config", str(path), f"--trainer.logger.init_args.save_dir={tmp_path}"], run=False)
     assert cli.trainer.num_devices == 2 and cli.trainer.accelerator.__class__.__name__ == "CPUAccelerator"
     _comm_logger(cli.trainer)
@@ -126,7 +127,8 @@ def test_config_parses_and_instantiates(path, tmp_path):
 
 @pytest.mark.parametrize("form", ["registered_name", "class_path", "short_name"])
 @pytest.mark.parametrize("name,cls,module", STRATEGY_FORMS, ids=[f[0] for f in STRATEGY_FORMS])
-def test_strategy_forms_from_yaml(name, cls, module, form, tmp_path):
+def test_strategy_forms_from_yaml(name, cls, module, form, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} does not exist yet")
     strategy = {
@@ -159,6 +161,7 @@ def _config_worker(rank: int, port: int, configs: list[str], out_dir: str) -> No
         OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0"
     )
     torch.set_num_threads(1)
+    sys.argv = ["lightning-qcomm"]
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     out = Path(out_dir)
     for cfg in configs:
