@@ -206,9 +206,11 @@ class Recorder(L.Callback):
         averager = PeriodicModelAverager(period=p, warmup_steps=p - 1)
         from torch.utils.data import DistributedSampler
 
-        # Lightning gives training loaders DistributedSampler(shuffle=True, seed=0) and calls set_epoch(epoch).
+        # Lightning gives training loaders DistributedSampler(shuffle=True, seed=$PL_GLOBAL_SEED or 0) and
+        # calls set_epoch(epoch); reuse the seed of the sampler the run actually had.
         data = make_data()
-        sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, seed=0)
+        seed = trainer.train_dataloader.sampler.seed
+        sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, seed=seed)
         batches = []
         for epoch in range(math.ceil(trainer.global_step / STEPS_PER_EPOCH)):
             sampler.set_epoch(epoch)
