@@ -30,7 +30,10 @@ LSGD = ("lightning_qcomm.strategies:LocalSGDStrategy", "lightning_qcomm.strategi
 ONEBIT = ("lightning_qcomm.callbacks:OneBitAdamCallback", "lightning_qcomm.callbacks.onebit_adam:OneBitAdamCallback")
 
 VARIANTS: tuple[Variant, ...] = (
-    Variant("floor", "floor", "compute floor: DDP with torch's no-op comm hook (same job, no traffic)"),
+    Variant(
+        "floor", "floor", "compute floor: the same two-node job, each rank training alone (no DDP wrapper, no traffic)"
+    ),
+    Variant("floor_ddp", "floor", "DDP with torch's no-op comm hook: the floor plus DDP's own bucket/hook overhead"),
     Variant("ddp_fp32", "torch", "DDP fp32 all-reduce (torch allreduce_hook = DDP's built-in reduction)"),
     Variant("ddp_fp16", "torch", "DDP + torch fp16_compress_hook"),
     Variant("powersgd_r4", "torch", "DDP + torch PowerSGD rank 4, error feedback, warm start, start iter 2"),
@@ -112,10 +115,18 @@ def build_variant(
                     ddp_comm_wrapper=self._ddp_comm_wrapper,
                 )
 
+    class LocalOnlyStrategy(CPUHookDDPStrategy):
+        """The DDP job without the DDP wrapper: each rank trains its own copy, nothing is synchronized."""
+
+        def configure_ddp(self) -> None:
+            pass  # self.model stays the plain LightningModule
+
     def ddp(**kw: Any) -> DDPStrategy:
         return CPUHookDDPStrategy(process_group_backend="gloo", timeout=timeout, **kw)
 
     if name == "floor":
+        return LocalOnlyStrategy(process_group_backend="gloo", timeout=timeout), BenchLM, {}, []
+    if name == "floor_ddp":
         return ddp(ddp_comm_hook=debugging_hooks.noop_hook), BenchLM, {}, []
     if name == "ddp_fp32":
         return ddp(ddp_comm_hook=default_hooks.allreduce_hook), BenchLM, {}, []

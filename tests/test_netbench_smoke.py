@@ -131,6 +131,9 @@ def test_reduced_loopback_run(tmp_path):
     md = (tmp_path / "netbench.md").read_text()
     assert "| variant |" in md and all(f"| {v} |" in md for v in variants)
     assert "loopback" in md
+    # the report can be rebuilt from the JSON alone
+    assert netbench.main(["--render", str(tmp_path / "netbench.json"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "netbench.md").read_text() == md
     try:
         import matplotlib  # noqa: F401
 
