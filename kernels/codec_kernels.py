@@ -14,8 +14,7 @@ code ``k`` the bits ``(code_k << (BITS*k - 8j)) & 0xFF`` (a right shift when neg
 clamped to [0, 8], which gives 0 exactly for the codes that do not touch byte j, so everything
 stays in int32.
 
-Random bits: ``u = (mix32(mix32(i ^ k1) ^ k2) >> 8) * 2**-24`` in uint32 arithmetic (``codecs/rng.py``),
-with (k1, k2) = ``rng.seed_to_key(seed)`` computed in Python.
+The element-wise maps (random bits, quantize, dequantize) live in ``elementwise.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ import triton
 import triton.language as tl
 
 from lightning_qcomm.codecs import packing, rng
+
+from .elementwise import dequantize, is_finite, quantize, uniform
 
 # Element-wise maps (constexpr KIND of the kernels).
 UNIFORM, QSGD, NUQSGD, SIGN, FP8 = 0, 1, 2, 3, 4
@@ -42,172 +43,6 @@ GROUPS_PER_PROGRAM = 128  # 1024 elements per program
 NUM_WARPS = 4
 # Element indices are int32 up to this many elements (padding of the last program included); int64 beyond.
 INT32_INDEX_LIMIT = 2**31 - 1
-_NAN = tl.constexpr(float("nan"))
-_INF = tl.constexpr(float("inf"))
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-@triton.jit
-def _mix32(x):
-    """lowbias32 finaliser on uint32 (wrapping multiply, logical shifts), as ``rng._mix32``."""
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    x = x ^ (x >> 16)
-    return x
-
-
-@triton.jit
-def _uniform(idx, k1, k2):
-    """fp32 uniform in [0, 1) on the 2**-24 grid for element index ``idx`` (any int type; taken mod 2**32)."""
-    h = _mix32(_mix32(idx.to(tl.uint32) ^ k1) ^ k2)
-    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
-
-
-@triton.jit
-def _is_finite(v):
-    """Exponent field not all ones: neither +-Inf nor NaN."""
-    return (v.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
-
-
-@triton.jit
-def _nan_to_zero(v):
-    return tl.where(v != v, 0.0, v)
-
-
-@triton.jit
-def _float_exponent(r):
-    """floor(log2 r) of a non-negative fp32 from its exponent bits (-127 for 0 / subnormals)."""
-    return ((r.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-
-
-@triton.jit
-def _exp2_int(e):
-    """2**e as fp32, exact, for int32 e in [-126, 127]."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _sign_of(c, SIGN_BIT: tl.constexpr):
-    return 1.0 - 2.0 * ((c & SIGN_BIT) != 0).to(tl.float32)
-
-
-# ---------------------------------------------------------------------------------------------- quantize
-@triton.jit
-def _quantize(
-    x,
-    p0,
-    p1,
-    u,
-    KIND: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    LEVELS: tl.constexpr,
-    SIGN_BIT: tl.constexpr,
-    EMIN: tl.constexpr,
-    MBITS: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
-    FMAX: tl.constexpr,
-):
-    """int32 codes in [0, 2**BITS) of fp32 x; the same operations, in the same order, as each codec's
-    ``_quantize`` (LEVELS: uniform 2^b-1, QSGD s, NUQSGD L-1; EMIN: NUQSGD's or FP8's smallest exponent)."""
-    if KIND == 0:  # uniform: floor((x - lo) * inv + u), clamped to [0, LEVELS]
-        t = (x - p0) * p1
-        if STOCHASTIC:
-            t = t + u
-        else:
-            t = t + 0.5
-        t = _nan_to_zero(t)
-        code = tl.minimum(tl.maximum(tl.floor(t), 0.0), LEVELS).to(tl.int32)
-    elif KIND == 1:  # QSGD / QSGDinf: r = |x| * s / n; level = floor(r) + [u < frac(r)]
-        r = _nan_to_zero(tl.abs(x) * p0)
-        lower = tl.floor(r)
-        if STOCHASTIC:
-            up = u < (r - lower)
-        else:
-            up = (r - lower) >= 0.5
-        level = tl.minimum(tl.maximum(lower + up.to(tl.float32), 0.0), LEVELS).to(tl.int32)
-        code = tl.where(x < 0, level | SIGN_BIT, level)
-    elif KIND == 2:  # NUQSGD: levels {0} U {2^-k}; bracket from r's exponent, every factor a power of two
-        r = _nan_to_zero(tl.abs(x) * p0)
-        r = tl.minimum(tl.maximum(r, 0.0), 1.0)
-        e = _float_exponent(r)
-        below = e < EMIN
-        e_floor = tl.minimum(tl.where(below, EMIN, e), 0)
-        scaled = r * _exp2_int(-e_floor)
-        p = tl.where(below, scaled, scaled - 1.0)
-        idx_lower = tl.where(below, 0, e_floor - EMIN + 1)
-        if STOCHASTIC:
-            up = u < p
-        else:
-            up = p >= 0.5
-        level = tl.minimum(tl.maximum(idx_lower + up.to(tl.int32), 0), LEVELS)
-        code = tl.where(x < 0, level | SIGN_BIT, level)
-    elif KIND == 3:  # sign1: 1 for x < 0
-        code = (x < 0).to(tl.int32)
-    else:  # FP8: |v| = |x| / s on the fp8 grid, nearest-even or stochastic; bit pattern by integer arithmetic
-        a = _nan_to_zero(tl.abs(x) * p0)
-        a = tl.minimum(tl.maximum(a, 0.0), FMAX)
-        e = tl.maximum(_float_exponent(a), EMIN)
-        t = a * _exp2_int(MBITS - e)
-        f = tl.floor(t)
-        d = t - f
-        fi = f.to(tl.int32)
-        if STOCHASTIC:
-            up = u < d
-        else:
-            up = (d > 0.5) | ((d == 0.5) & ((fi & 1) == 1))
-        m = fi + up.to(tl.int32)
-        carry = m >> (MBITS + 1)
-        m = m >> carry
-        e = e + carry
-        normal = m >= (1 << MBITS)
-        exp_field = tl.where(normal, e + FP8_BIAS, 0)
-        mant = tl.where(normal, m - (1 << MBITS), m)
-        code = ((x < 0).to(tl.int32) << 7) | (exp_field << MBITS) | mant
-    return code
-
-
-@triton.jit
-def _dequantize(
-    c,
-    p0,
-    p1,
-    KIND: tl.constexpr,
-    LEVELS: tl.constexpr,
-    SIGN_BIT: tl.constexpr,
-    EMIN: tl.constexpr,
-    MBITS: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
-    FP8_E4M3FN: tl.constexpr,
-):
-    """fp32 values of int32 codes, as each codec's ``_dequantize`` (FP8 decoded from its bit fields)."""
-    if KIND == 0:
-        val = p0 + c.to(tl.float32) * p1
-    elif KIND == 1:
-        level = (c & (SIGN_BIT - 1)).to(tl.float32)
-        val = _sign_of(c, SIGN_BIT) * level * p0
-    elif KIND == 2:
-        idx = c & (SIGN_BIT - 1)
-        mag = tl.where(idx > 0, _exp2_int(tl.maximum(idx - LEVELS, -126)), 0.0)
-        val = _sign_of(c, SIGN_BIT) * mag * p0
-    elif KIND == 3:
-        val = (1.0 - 2.0 * c.to(tl.float32)) * p0
-    else:
-        exp_field = (c >> MBITS) & ((1 << (7 - MBITS)) - 1)
-        mant = c & ((1 << MBITS) - 1)
-        # subnormal: mant * 2^(EMIN - MBITS); normal: (2^MBITS + mant) * 2^(exp - bias - MBITS); all exact
-        sig = tl.where(exp_field > 0, mant + (1 << MBITS), mant).to(tl.float32)
-        mag = sig * _exp2_int(tl.maximum(exp_field - FP8_BIAS, EMIN) - MBITS)
-        if FP8_E4M3FN:  # e4m3fn: only S.1111.111 is NaN, no infinities
-            special = (exp_field == 15) & (mant == 7)
-            mag = tl.where(special, _NAN, mag)
-        else:  # e5m2 (IEEE-like): exponent 31 is Inf (mantissa 0) or NaN
-            special = exp_field == 31
-            mag = tl.where(special, tl.where(mant == 0, _INF, _NAN), mag)
-        val = tl.where((c & 0x80) != 0, -mag, mag)
-        val = val * p0
-    return val
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -247,28 +82,28 @@ def _encode_kernel(
     # Per-bucket parameters (fp32), gathered per element; a non-finite parameter zeroes the whole bucket.
     if BUCKET == 0:
         p0 = tl.load(params_ptr)
-        ok = inb & _is_finite(x) & _is_finite(p0)
+        ok = inb & is_finite(x) & is_finite(p0)
         if P == 2:
             p1 = tl.load(params_ptr + 1)
-            ok = ok & _is_finite(p1)
+            ok = ok & is_finite(p1)
         else:
             p1 = p0
     else:
         b = idx // BUCKET
         p0 = tl.load(params_ptr + b * P, mask=inb, other=0.0)
-        ok = inb & _is_finite(x) & _is_finite(p0)
+        ok = inb & is_finite(x) & is_finite(p0)
         if P == 2:
             p1 = tl.load(params_ptr + b * P + 1, mask=inb, other=0.0)
-            ok = ok & _is_finite(p1)
+            ok = ok & is_finite(p1)
         else:
             p1 = p0
 
     if STOCHASTIC:
-        u = _uniform(idx, k1.to(tl.uint32, bitcast=True), k2.to(tl.uint32, bitcast=True))
+        u = uniform(idx, k1.to(tl.uint32, bitcast=True), k2.to(tl.uint32, bitcast=True))
     else:
         u = x  # unused
 
-    code = _quantize(x, p0, p1, u, KIND, STOCHASTIC, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FMAX)
+    code = quantize(x, p0, p1, u, KIND, STOCHASTIC, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FMAX)
     code = tl.where(ok, code, 0)  # non-finite x or bucket, and padding past n: code 0
 
     ngroups = (n + 7) // 8
@@ -340,7 +175,7 @@ def _decode_kernel(
         else:
             p1 = p0
 
-    val = _dequantize(c, p0, p1, KIND, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FP8_E4M3FN)
+    val = dequantize(c, p0, p1, KIND, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FP8_E4M3FN)
     tl.store(out_ptr + idx, val, mask=inb)
 
 
