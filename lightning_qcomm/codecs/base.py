@@ -165,12 +165,15 @@ class Codec(ABC):
         ``rng.derive_seed`` to fold in step, rank and tensor id)."""
         self._check_input(x)
         xf = x.detach().reshape(-1).to(torch.float32)
+        from lightning_qcomm.codecs import dispatch
+
+        if dispatch.use_cpu_fused(self, xf, xf.numel()):  # same codes and scales, one compiled pass
+            codes, scales = dispatch.cpu_fused_encode(self, xf, seed)
+            return Packed(codes=codes, scales=scales, shape=x.shape, dtype=x.dtype)
         xb, counts = self._buckets(xf)
         scales = self._scales(xb, counts)
         scales = torch.where(self._finite_mask(xb), scales, torch.full_like(scales, float("nan")))
         enc_params = self._encode_params(scales)
-        from lightning_qcomm.codecs import dispatch
-
         if dispatch.use_triton(xf):
             codes = dispatch.triton_encode(self, xf, enc_params, seed)
         else:
@@ -223,6 +226,8 @@ class Codec(ABC):
 
         if dispatch.use_triton(p.codes):
             out = dispatch.triton_decode(self, p.codes, dec_params, n)
+        elif dispatch.use_cpu_fused(self, p.codes, n):
+            out = dispatch.cpu_fused_decode(self, p.codes, dec_params, n)
         else:
             out = self.decode_reference(p.codes, dec_params, n)
         return out.to(p.dtype).reshape(p.shape)

@@ -1,0 +1,464 @@
+"""Fused CPU path of the codecs' element-wise work: one compiled loop per codec instead of ~40 eager ops.
+
+The torch reference (``Codec.encode_reference`` / ``decode_reference``) stays the spec. This module
+redoes the same per-element arithmetic in C, on the same per-bucket params, in one pass:
+
+    encode: counter hash -> uniform u -> quantize -> finiteness mask -> pack b-bit codes
+    decode: unpack -> LUT[code] -> (lo + LUT[code] * unit) for uniform, LUT[code] * scale otherwise
+
+and is bit-identical to the reference (tests/test_cpu_fused.py). Every fp32 operation is the
+reference's, in the reference's order, compiled with ``-ffp-contract=off`` and without fast-math, so
+there is no FMA contraction or reassociation. floor() of a value known to lie in [0, 2^23) is a
+truncating int conversion (exact); the decode LUT is filled by calling the codec's own ``_dequantize``
+on the 2^bits codes with unit params (``LUT[c] * 1 == LUT[c]`` exactly).
+
+The C source is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``)
+into a shared library cached under torch's extensions dir (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), keyed by a hash of the source and flags, and loaded with ctypes (the
+GIL is released during the calls). Single-threaded, no OpenMP: it runs in the calling thread, under
+the caller's floating-point environment (e.g. ``torch.set_flush_denormal``), like the reference with
+one torch thread.
+
+Dispatch (``codecs.dispatch.use_cpu_fused``): CPU tensors with ``numel >= FUSED_MIN_NUMEL`` of the
+codec classes in ``_KINDS``; ``LIGHTNING_QCOMM_CPU_FUSED=0`` disables it. If the library cannot be
+built or loaded, one warning is logged and the reference is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+from lightning_qcomm.codecs import packing, rng
+from lightning_qcomm.codecs.fp8 import FP8Codec
+from lightning_qcomm.codecs.qsgd import NUQSGDCodec, QSGDCodec, QSGDInfCodec
+from lightning_qcomm.codecs.sign import SignCodec
+from lightning_qcomm.codecs.uniform import UniformCodec
+
+log = logging.getLogger(__name__)
+
+# Smallest tensor (elements) that goes to the fused path. Below it the eager reference's fixed costs are
+# small anyway, and keeping small tensors on the reference keeps the spec path exercised by the tests.
+FUSED_MIN_NUMEL = 1 << 18
+ENV_SWITCH = "LIGHTNING_QCOMM_CPU_FUSED"  # "0" disables the fused path
+
+CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", "-fno-strict-aliasing")
+
+# Exact codec classes with a fused kernel (a subclass may override the math, so it keeps the reference).
+_KINDS = {UniformCodec: 0, QSGDCodec: 1, QSGDInfCodec: 1, NUQSGDCodec: 2, SignCodec: 3, FP8Codec: 4}
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK 4096  /* elements per packing chunk (multiple of 8) */
+#define FLT_MAX_ 3.40282346638528859812e+38f
+
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16; return x;
+}
+static inline float uniform_u(int64_t i, uint32_t k1, uint32_t k2) {
+    uint32_t h = mix32(mix32((uint32_t)i ^ k1) ^ k2);
+    return (float)(h >> 8) * (1.0f / 16777216.0f);
+}
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline int fexp(float r) { return (int)((f2u(r) >> 23) & 0xFF) - 127; }
+static inline float exp2i(int e) { return u2f((uint32_t)(e + 127) << 23); }
+static inline int isfin(float v) { return v - v == 0.0f; }
+/* torch.nan_to_num(nan=0.0) of a value known to be >= 0 or NaN */
+static inline float nan0(float r) { return r != r ? 0.0f : (r > FLT_MAX_ ? FLT_MAX_ : r); }
+
+typedef struct {
+    int kind, bits, stoch, P;
+    int levels;        /* uniform: 2^b - 1; qsgd: s; nuqsgd: L - 1 */
+    int sign_bit;      /* qsgd / nuqsgd */
+    int emin;          /* nuqsgd: min exponent; fp8: 1 - bias */
+    int mbits, bias;   /* fp8 */
+    float fmax;        /* fp8 */
+} cfg_t;
+
+static void quantize_run(const cfg_t* c, const float* x, int64_t i0, int64_t i1, const float* p,
+                         uint32_t k1, uint32_t k2, uint8_t* out) {
+    const float p0 = p[0], p1 = p[c->P - 1];
+    const int stoch = c->stoch;
+    switch (c->kind) {
+    case 0: { /* uniform */
+        const float L = (float)c->levels;
+        for (int64_t j = i0; j < i1; j++) {
+            float xv = x[j];
+            float t = (xv - p0) * p1;
+            t = stoch ? t + uniform_u(j, k1, k2) : t + 0.5f;
+            int code = !(t >= 0.0f) ? 0 : (t >= L ? c->levels : (int)t);
+            out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
+        }
+    } break;
+    case 1: { /* qsgd, qsgdinf */
+        const float S = (float)c->levels;
+        for (int64_t j = i0; j < i1; j++) {
+            float xv = x[j];
+            float r = nan0(__builtin_fabsf(xv) * p0);
+            float lower = r < 8388608.0f ? (float)(int32_t)r : r;
+            float d = r - lower;
+            int up = stoch ? (uniform_u(j, k1, k2) < d) : (d >= 0.5f);
+            float lv = lower + (float)up;
+            int level = lv >= S ? c->levels : (int)lv;
+            int code = xv < 0.0f ? (level | c->sign_bit) : level;
+            out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
+        }
+    } break;
+    case 2: { /* nuqsgd */
+        const int emin = c->emin;
+        for (int64_t j = i0; j < i1; j++) {
+            float xv = x[j];
+            float r = nan0(__builtin_fabsf(xv) * p0);
+            r = r > 1.0f ? 1.0f : r;
+            int e = fexp(r);
+            int below = e < emin;
+            int ef = below ? emin : e;
+            ef = ef > 0 ? 0 : ef;
+            float m = r * exp2i(-ef);
+            float pr = below ? m : m - 1.0f;
+            int idx = below ? 0 : ef - emin + 1;
+            int up = stoch ? (uniform_u(j, k1, k2) < pr) : (pr >= 0.5f);
+            int level = idx + up;
+            level = level < 0 ? 0 : (level > c->levels ? c->levels : level);
+            int code = xv < 0.0f ? (level | c->sign_bit) : level;
+            out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
+        }
+    } break;
+    case 3: /* sign1 */
+        for (int64_t j = i0; j < i1; j++) {
+            float xv = x[j];
+            out[j - i0] = isfin(xv) ? (uint8_t)(xv < 0.0f) : 0;
+        }
+        break;
+    case 4: { /* fp8 */
+        const int mb = c->mbits, emin = c->emin, bias = c->bias;
+        const float fmax = c->fmax;
+        for (int64_t j = i0; j < i1; j++) {
+            float xv = x[j];
+            float a = nan0(__builtin_fabsf(xv) * p0);
+            a = a > fmax ? fmax : a;
+            int e = fexp(a);
+            e = e < emin ? emin : e;
+            float t = a * exp2i(mb - e);
+            int fi = (int)t; /* 0 <= t < 2^(mb+1): truncation == floor */
+            float d = t - (float)fi;
+            int up = stoch ? (uniform_u(j, k1, k2) < d) : ((d > 0.5f) | ((d == 0.5f) & (fi & 1)));
+            int mm = fi + up;
+            int carry = mm >> (mb + 1);
+            mm >>= carry;
+            e += carry;
+            int normal = mm >= (1 << mb);
+            int ef = normal ? e + bias : 0;
+            int mant = normal ? mm - (1 << mb) : mm;
+            int code = ((xv < 0.0f) << 7) | (ef << mb) | mant;
+            out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
+        }
+    } break;
+    }
+}
+
+static void pack_chunk(const uint8_t* c, int64_t groups, int bits, uint8_t* out) {
+    if (bits == 8) { memcpy(out, c, (size_t)groups * 8); return; }
+    for (int64_t g = 0; g < groups; g++) {
+        uint64_t v = 0;
+        for (int k = 0; k < 8; k++) v |= (uint64_t)c[8 * g + k] << (bits * k);
+        for (int b = 0; b < bits; b++) out[g * bits + b] = (uint8_t)(v >> (8 * b));
+    }
+}
+
+/* Packed codes of x[0..n) into out (ceil(n/8)*bits bytes); params (nb, P) row-major, bucket length blen. */
+void qc_encode(const cfg_t* c, const float* x, int64_t n, const float* params, int64_t blen,
+               uint32_t k1, uint32_t k2, uint8_t* out) {
+    uint8_t buf[CHUNK];
+    for (int64_t s = 0; s < n; s += CHUNK) {
+        int64_t e = s + CHUNK < n ? s + CHUNK : n;
+        for (int64_t i = s; i < e;) {
+            int64_t b = i / blen;
+            int64_t be = (b + 1) * blen;
+            if (be > e) be = e;
+            const float* p = params + b * c->P;
+            int ok = 1;
+            for (int k = 0; k < c->P; k++) ok &= isfin(p[k]);
+            if (ok) quantize_run(c, x, i, be, p, k1, k2, buf + (i - s));
+            else memset(buf + (i - s), 0, (size_t)(be - i));
+            i = be;
+        }
+        int64_t m = e - s, groups = (m + 7) / 8;
+        memset(buf + m, 0, (size_t)(groups * 8 - m));
+        pack_chunk(buf, groups, c->bits, out + (s / 8) * c->bits);
+    }
+}
+
+/* Per-bucket stats of x[0..n) over the real elements of each bucket: min, max, max |x|, and flags:
+   bit 0 = all finite, bit 1 = both +0 and -0 occur (min/max of +-0 is then up to the reduction order). */
+void qc_stats(const float* x, int64_t n, int64_t blen, float* lo, float* hi, float* amax, uint8_t* flags) {
+    int64_t nb = (n + blen - 1) / blen;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t i0 = b * blen, i1 = i0 + blen < n ? i0 + blen : n;
+        float mn = x[i0], mx = x[i0], am = 0.0f;
+        int fin = 1, pz = 0, nz = 0;
+        for (int64_t j = i0; j < i1; j++) {
+            float v = x[j];
+            uint32_t u = f2u(v);
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+            float a = __builtin_fabsf(v);
+            am = a > am ? a : am;
+            fin &= isfin(v);
+            pz |= u == 0u;
+            nz |= u == 0x80000000u;
+        }
+        lo[b] = mn; hi[b] = mx; amax[b] = am;
+        flags[b] = (uint8_t)(fin | ((pz & nz) << 1));
+    }
+}
+
+/* fp32 values of the first n packed codes: affine: p0 + lut[c] * p1 (P = 2), else lut[c] * p0 (P = 1). */
+void qc_decode(const uint8_t* codes, int64_t n, int bits, const float* params, int P, int64_t blen,
+               const float* lut, float* out) {
+    uint8_t buf[CHUNK];
+    const uint32_t mask = (1u << bits) - 1u;
+    for (int64_t s = 0; s < n; s += CHUNK) {
+        int64_t e = s + CHUNK < n ? s + CHUNK : n;
+        int64_t groups = (e - s + 7) / 8;
+        const uint8_t* in = codes + (s / 8) * bits;
+        const uint8_t* cb = buf;
+        if (bits == 8) cb = in;
+        else for (int64_t g = 0; g < groups; g++) {
+            uint64_t v = 0;
+            for (int b = 0; b < bits; b++) v |= (uint64_t)in[g * bits + b] << (8 * b);
+            for (int k = 0; k < 8; k++) buf[8 * g + k] = (uint8_t)((v >> (bits * k)) & mask);
+        }
+        for (int64_t i = s; i < e;) {
+            int64_t b = i / blen;
+            int64_t be = (b + 1) * blen;
+            if (be > e) be = e;
+            const float* p = params + b * P;
+            if (P == 2) {
+                const float p0 = p[0], p1 = p[1];
+                for (int64_t j = i; j < be; j++) out[j] = p0 + lut[cb[j - s]] * p1;
+            } else {
+                const float p0 = p[0];
+                for (int64_t j = i; j < be; j++) out[j] = lut[cb[j - s]] * p0;
+            }
+            i = be;
+        }
+    }
+}
+"""
+
+
+class _Cfg(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("bits", ctypes.c_int),
+        ("stoch", ctypes.c_int),
+        ("P", ctypes.c_int),
+        ("levels", ctypes.c_int),
+        ("sign_bit", ctypes.c_int),
+        ("emin", ctypes.c_int),
+        ("mbits", ctypes.c_int),
+        ("bias", ctypes.c_int),
+        ("fmax", ctypes.c_float),
+    ]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def _build_dir() -> str:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found ($CC, cc, gcc)")
+    key = hashlib.sha256("\0".join([_SOURCE, cc, *CFLAGS]).encode()).hexdigest()[:16]
+    d = os.path.join(_build_dir(), "lightning_qcomm_cpu_fused")
+    so = os.path.join(d, f"codec_{key}.so")
+    if not os.path.exists(so):
+        os.makedirs(d, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=d) as tmp:
+            src = os.path.join(tmp, "codec.c")
+            with open(src, "w") as f:
+                f.write(_SOURCE)
+            out = os.path.join(tmp, "codec.so")
+            res = subprocess.run([cc, *CFLAGS, src, "-o", out], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
+            os.replace(out, so)  # atomic: concurrent builders each publish a complete file
+    lib = ctypes.CDLL(so)
+    vp, i64, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
+    lib.qc_encode.argtypes = [ctypes.POINTER(_Cfg), vp, i64, vp, i64, u32, u32, vp]
+    lib.qc_encode.restype = None
+    lib.qc_decode.argtypes = [vp, i64, ctypes.c_int, vp, ctypes.c_int, i64, vp, vp]
+    lib.qc_decode.restype = None
+    lib.qc_stats.argtypes = [vp, i64, i64, vp, vp, vp, vp]
+    lib.qc_stats.restype = None
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library (built on first use), or None if it cannot be built; the reason is in
+    ``load_error()`` and the caller logs it once."""
+    global _lib, _load_error
+    if _lib is None and _load_error is None:
+        with _lock:
+            if _lib is None and _load_error is None:
+                try:
+                    _lib = _build()
+                except Exception as e:  # any build/load failure -> reference path, reported by the caller
+                    _load_error = f"{type(e).__name__}: {e}"
+    return _lib
+
+
+def load_error() -> str | None:
+    return _load_error
+
+
+def supports(codec) -> bool:
+    """True when ``codec`` is one of the exact codec classes with a fused kernel."""
+    return type(codec) in _KINDS
+
+
+def _cfg(codec) -> _Cfg:
+    kind = _KINDS[type(codec)]
+    c = _Cfg(kind=kind, bits=codec.bits, stoch=int(bool(codec.stochastic)), P=codec.scales_per_bucket)
+    if kind == 0:
+        c.levels = codec.levels
+    elif kind == 1:
+        c.levels, c.sign_bit = codec.s, codec.sign_bit
+    elif kind == 2:
+        c.levels, c.sign_bit, c.emin = codec.num_levels - 1, codec.sign_bit, codec.min_exponent
+    elif kind == 4:
+        c.mbits, c.bias, c.emin, c.fmax = codec.mbits, codec.bias, codec.emin, codec.fmax
+    return c
+
+
+def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torch.Tensor:
+    """Fused ``codec.encode_reference(xf, enc_params, seed)``: packed uint8 codes of flat fp32 ``xf``."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"lightning_qcomm fused CPU codecs unavailable: {_load_error}")
+    x = xf.reshape(-1).to(torch.float32).contiguous()
+    n = x.numel()
+    params = enc_params.to(torch.float32).contiguous()
+    out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
+    k1, k2 = rng.seed_to_key(seed)
+    cfg = _cfg(codec)
+    lib.qc_encode(ctypes.byref(cfg), x.data_ptr(), n, params.data_ptr(), codec.bucket_len(n), k1, k2, out.data_ptr())
+    return out
+
+
+def decode_lut(codec) -> torch.Tensor:
+    """fp32 value of every code with unit params, from the codec's own ``_dequantize``: uniform
+    ``0 + c * 1``; the others ``v(c) * 1``. The fused decode computes ``p0 + LUT[c] * p1`` or
+    ``LUT[c] * p0``, which is the reference's expression term by term."""
+    codes = torch.arange(256, dtype=torch.int64).remainder_(1 << codec.bits).view(1, 256)
+    if type(codec) is UniformCodec:
+        unit = torch.tensor([[[0.0], [1.0]]])
+    else:
+        unit = torch.ones(1, 1, 1)
+    return codec._dequantize(codes, unit).reshape(256).to(torch.float32).contiguous()
+
+
+def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
+    """Fused ``codec.decode_reference(codes, dec_params, numel)``: flat fp32 values."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"lightning_qcomm fused CPU codecs unavailable: {_load_error}")
+    need = packing.packed_nbytes(numel, codec.bits)
+    c = codes.reshape(-1)
+    if c.numel() < need:
+        raise ValueError(f"codes has {c.numel()} bytes, {numel} codes of {codec.bits} bits need {need}")
+    c = c.contiguous()
+    params = dec_params.to(torch.float32).contiguous()
+    if params.shape[1] != (2 if type(codec) is UniformCodec else 1):
+        raise ValueError(f"dec_params of shape {tuple(params.shape)} do not match codec {codec!r}")
+    lut = decode_lut(codec)
+    out = torch.empty(numel, dtype=torch.float32)
+    lib.qc_decode(
+        c.data_ptr(),
+        numel,
+        codec.bits,
+        params.data_ptr(),
+        params.shape[1],
+        codec.bucket_len(numel),
+        lut.data_ptr(),
+        out.data_ptr(),
+    )
+    return out
+
+
+def _scales(codec, x: torch.Tensor) -> torch.Tensor:
+    """The reference's wire scales (``Codec._scales`` then the non-finite-bucket NaN mask), bit for bit,
+    from one C pass of per-bucket stats where the codec's scales are exact functions of them:
+
+    - min/max (uniform) and max |x| (qsgdinf, fp8) do not depend on the reduction order, so the codec's
+      own ``_scales`` applied to the stats ((lo, hi) rows, or (amax,) rows) gives the reference's bits;
+      a bucket holding both +0 and -0 where min or max is zero is redone by ``_scales`` on its elements,
+      together with the last bucket (which ``_scales`` treats specially);
+    - L2-norm codecs (qsgd, nuqsgd, sign1): the norm's rounding depends on torch's summation order, so
+      ``_scales`` runs on the bucketed tensor as in the reference; only the finiteness pass is fused.
+    """
+    n = x.numel()
+    blen = codec.bucket_len(n)
+    nb = -(-n // blen)
+    lo, hi, amax = (torch.empty(nb, dtype=torch.float32) for _ in range(3))
+    flags = torch.empty(nb, dtype=torch.uint8)
+    _lib.qc_stats(x.data_ptr(), n, blen, lo.data_ptr(), hi.data_ptr(), amax.data_ptr(), flags.data_ptr())
+    counts = torch.full((nb,), blen, dtype=torch.float32)
+    counts[-1] = n - (nb - 1) * blen
+    kind = _KINDS[type(codec)]
+    if kind == 0:
+        stat_counts = counts.clone()
+        stat_counts[-1] = 2
+        scales = codec._scales(torch.stack([lo, hi], dim=1), stat_counts)
+        redo = (((flags & 2) != 0) & ((lo == 0) | (hi == 0))).nonzero().reshape(-1)
+        if redo.numel():
+            redo = redo[redo != nb - 1]
+            full = x[: (nb - 1) * blen].view(nb - 1, blen)
+            last = torch.nn.functional.pad(x[(nb - 1) * blen :], (0, nb * blen - n)).view(1, blen)
+            sub = torch.cat([full[redo], last])
+            rows = torch.cat([redo, torch.tensor([nb - 1])])
+            scales[rows] = codec._scales(sub, counts[rows])
+    elif kind in (4,) or type(codec) is QSGDInfCodec:
+        scales = codec._scales(amax[:, None], counts)
+    else:
+        xb = x.view(nb, blen) if nb * blen == n else torch.nn.functional.pad(x, (0, nb * blen - n)).view(nb, blen)
+        scales = codec._scales(xb, counts)
+    finite = (flags & 1).bool()[:, None]
+    return torch.where(finite, scales, torch.full_like(scales, float("nan")))
+
+
+def encode_packed(codec, xf: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``Codec.encode`` body: (packed codes, wire scales) of flat fp32 ``xf``, bit-identical to
+    the reference's."""
+    if load() is None:
+        raise RuntimeError(f"lightning_qcomm fused CPU codecs unavailable: {_load_error}")
+    x = xf.reshape(-1).to(torch.float32).contiguous()
+    scales = _scales(codec, x)
+    return encode(codec, x, codec._encode_params(scales), seed), scales.contiguous()

@@ -1,0 +1,169 @@
+"""The fused CPU codec path (codecs/cpu_fused.py) against the torch reference, bit for bit.
+
+The reference (``LIGHTNING_QCOMM_CPU_FUSED=0``) is the spec: for every codec, on lengths above the
+dispatch threshold that are not multiples of the bucket, with NaN/Inf, signed zeros, subnormals and huge
+values, the fused ``encode`` must give the same code bytes and the same scale bits, and the fused
+``decode`` the same fp32 bits (NaN payloads included). The element-wise entry points are also checked
+directly on small tensors and odd bucket sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_qcomm.codecs import cpu_fused, dispatch, get_codec
+
+CONFIGS = (
+    [("uniform", b, {}) for b in (1, 2, 3, 4, 8)]
+    + [("uniform", 3, {"stochastic": False})]
+    + [("qsgd", b, {}) for b in (2, 4, 8)]
+    + [("qsgdinf", 4, {})]
+    + [("nuqsgd", b, {}) for b in (2, 4, 8)]
+    + [("sign1", 1, {})]
+    + [(f, 8, {"rounding": r}) for f in ("fp8_e4m3", "fp8_e5m2") for r in ("nearest", "stochastic")]
+)
+N_LARGE = cpu_fused.FUSED_MIN_NUMEL + 4099  # above the threshold, odd, not a multiple of any bucket used
+
+
+def _cfg_id(c) -> str:
+    name, bits, opts = c
+    return f"{name}-{bits}" + "".join(f"-{v}" for v in opts.values())
+
+
+def _nasty(n: int, seed: int) -> torch.Tensor:
+    """Heavy-tailed values plus the special cases: NaN, +-Inf, signed zeros as bucket min/max, constant
+    and all-zero buckets, subnormals, values near the fp32 maximum."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))
+    x[3] = float("nan")
+    x[1000] = float("inf")
+    x[5000] = -float("inf")
+    x[2048:2560] = x[2048:2560].abs()  # a non-negative bucket whose min is a signed zero
+    x[2050], x[2100] = 0.0, -0.0
+    x[2560:3072] = -x[2560:3072].abs()  # a non-positive bucket whose max is a signed zero
+    x[2600], x[2700] = -0.0, 0.0
+    x[3072:3584] = 1.5  # constant bucket
+    x[3584:4096] = 0.0  # all-zero bucket
+    x[4096:4200] = 1e-40  # subnormal
+    x[6000:6010] = 3e38
+    x[-1] = -2.5
+    return x
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def test_library_builds():
+    assert cpu_fused.load() is not None, cpu_fused.load_error()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
+def test_codec_api_bit_identical(cfg, monkeypatch):
+    name, bits, opts = cfg
+    buckets = [None] if name == "sign1" else [512, 37]
+    for bucket in buckets:
+        codec = get_codec(name, bits, bucket, **opts)
+        for n, seed in ((N_LARGE, 11), (cpu_fused.FUSED_MIN_NUMEL, 12)):
+            x = _nasty(n, seed)
+            assert dispatch.use_cpu_fused(codec, x, n)
+            fused = codec.encode(x, seed=seed)
+            fused_dec = codec.decode(fused)
+            monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
+            assert not dispatch.use_cpu_fused(codec, x, n)
+            ref = codec.encode(x, seed=seed)
+            ref_dec = codec.decode(ref)
+            monkeypatch.delenv(cpu_fused.ENV_SWITCH)
+            assert torch.equal(fused.codes, ref.codes), f"codes differ: {codec} n={n}"
+            assert _bits_equal(fused.scales, ref.scales), f"scales differ: {codec} n={n}"
+            assert _bits_equal(fused_dec, ref_dec), f"decode differs: {codec} n={n}"
+            assert fused.shape == ref.shape and fused.dtype == ref.dtype
+            # the fused decode reads the exact wire form too
+            back = codec.decode(codec.from_bytes(fused.to_bytes(), fused.shape, fused.dtype))
+            assert _bits_equal(back, ref_dec)
+
+
+def test_bf16_and_2d_input():
+    codec = get_codec("uniform", 4, 512)
+    x = _nasty(N_LARGE, 3).reshape(-1, 1)[: 2 * (N_LARGE // 2)].reshape(-1, 2).to(torch.bfloat16)
+    fused = codec.encode(x, seed=5)
+    ref_codes = codec.encode_reference(x.reshape(-1).float(), *_enc_params(codec, x.reshape(-1).float()), 5)
+    assert torch.equal(fused.codes, ref_codes)
+    assert codec.decode(fused).dtype == torch.bfloat16 and codec.decode(fused).shape == x.shape
+
+
+def _enc_params(codec, xf: torch.Tensor):
+    xb, counts = codec._buckets(xf)
+    scales = codec._scales(xb, counts)
+    scales = torch.where(codec._finite_mask(xb), scales, torch.full_like(scales, float("nan")))
+    return (codec._encode_params(scales),)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
+def test_elementwise_small_and_odd_buckets(cfg):
+    """cpu_fused.encode / decode (below the threshold, called directly) == encode_reference / decode_reference."""
+    name, bits, opts = cfg
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 7, 9, 1000, 70001):
+        x = torch.randn(n, generator=g) * torch.exp(3 * torch.randn(n, generator=g))
+        if n > 20:
+            x[5], x[n // 2], x[n - 3], x[10] = float("nan"), float("inf"), -float("inf"), -0.0
+        for bucket in (None, 1, 37, 512, 70000):
+            codec = get_codec(name, bits, bucket, **opts)
+            xb, counts = codec._buckets(x)
+            scales = codec._scales(xb, counts)
+            scales = torch.where(codec._finite_mask(xb), scales, torch.full_like(scales, float("nan")))
+            enc_p, dec_p = codec._encode_params(scales), codec._decode_params(scales)
+            seed = 2**40 + n
+            ref = codec.encode_reference(x, enc_p, seed)
+            got = cpu_fused.encode(codec, x, enc_p, seed)
+            assert torch.equal(got, ref), f"{codec} n={n}"
+            assert _bits_equal(cpu_fused.decode(codec, ref, dec_p, n), codec.decode_reference(ref, dec_p, n))
+
+
+def test_env_switch_disables(monkeypatch):
+    codec = get_codec("uniform", 8, 512)
+    x = torch.randn(N_LARGE)
+    monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
+
+    def boom(*a, **k):
+        raise AssertionError("fused path used although disabled")
+
+    monkeypatch.setattr(cpu_fused, "encode", boom)
+    monkeypatch.setattr(cpu_fused, "decode", boom)
+    monkeypatch.setattr(cpu_fused, "encode_packed", boom)
+    codec.decode(codec.encode(x))
+    monkeypatch.delenv(cpu_fused.ENV_SWITCH)
+    with pytest.raises(AssertionError, match="fused path used"):
+        codec.encode(x)
+
+
+def test_small_and_unsupported_use_reference():
+    x = torch.randn(cpu_fused.FUSED_MIN_NUMEL - 1)
+    assert not dispatch.use_cpu_fused(get_codec("uniform", 8), x, x.numel())
+    from lightning_qcomm.codecs.uniform import UniformCodec
+
+    class Custom(UniformCodec):
+        pass
+
+    big = torch.randn(cpu_fused.FUSED_MIN_NUMEL)
+    assert not dispatch.use_cpu_fused(Custom(8, 512), big, big.numel())
+    assert dispatch.use_cpu_fused(UniformCodec(8, 512), big, big.numel())
+
+
+def test_build_failure_warns_once_and_uses_reference(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_fused, "_lib", None)
+    monkeypatch.setattr(cpu_fused, "_load_error", "RuntimeError: no C compiler found")
+    monkeypatch.setattr(dispatch, "_warned", set())
+    codec = get_codec("fp8_e4m3", 8, 512)
+    x = torch.randn(N_LARGE)
+    with caplog.at_level(logging.WARNING, logger=dispatch.log.name):
+        p1 = codec.encode(x, seed=1)
+        p2 = codec.encode(x, seed=1)
+        codec.decode(p1)
+    warnings = [r for r in caplog.records if "fused CPU codecs unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
+    assert torch.equal(p1.codes, p2.codes)
