@@ -49,6 +49,9 @@ def _nasty(n: int, seed: int) -> torch.Tensor:
     x[3584:4096] = 0.0  # all-zero bucket
     x[4096:4200] = 1e-40  # subnormal
     x[6000:6010] = 3e38
+    # fp8 round-to-nearest ties: block max 448 gives scale 1 (e4m3) or 2^-7 (e5m2), so k/64 hits exact halves
+    x[6144:6656] = torch.arange(512) / 64.0 * (1 - 2 * (torch.arange(512) % 2))
+    x[6144] = 448.0
     x[-1] = -2.5
     return x
 

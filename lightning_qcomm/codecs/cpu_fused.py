@@ -50,7 +50,18 @@ log = logging.getLogger(__name__)
 FUSED_MIN_NUMEL = 1 << 18
 ENV_SWITCH = "LIGHTNING_QCOMM_CPU_FUSED"  # "0" disables the fused path
 
-CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", "-fno-strict-aliasing")
+# No fast-math, no FMA contraction: every fp32 op is the reference's. -fno-trapping-math only lets the
+# compiler if-convert (and so vectorize) branches on float compares; it changes no result.
+CFLAGS = (
+    "-O3",
+    "-std=c11",
+    "-fPIC",
+    "-shared",
+    "-fno-fast-math",
+    "-ffp-contract=off",
+    "-fno-trapping-math",
+    "-fno-strict-aliasing",
+)
 
 # Exact codec classes with a fused kernel (a subclass may override the math, so it keeps the reference).
 _KINDS = {UniformCodec: 0, QSGDCodec: 1, QSGDInfCodec: 1, NUQSGDCodec: 2, SignCodec: 3, FP8Codec: 4}
@@ -86,32 +97,34 @@ typedef struct {
     float fmax;        /* fp8 */
 } cfg_t;
 
-static void quantize_run(const cfg_t* c, const float* x, int64_t i0, int64_t i1, const float* p,
-                         uint32_t k1, uint32_t k2, uint8_t* out) {
+static inline __attribute__((always_inline)) void quantize_body(
+        const cfg_t* c, const float* x, int64_t i0, int64_t i1, const float* p,
+        uint32_t k1, uint32_t k2, uint8_t* out, const int stoch) {
     const float p0 = p[0], p1 = p[c->P - 1];
-    const int stoch = c->stoch;
+    const int levels = c->levels, sign_bit = c->sign_bit; /* locals: the uint8 stores may alias *c */
     switch (c->kind) {
     case 0: { /* uniform */
-        const float L = (float)c->levels;
+        const float L = (float)levels;
         for (int64_t j = i0; j < i1; j++) {
             float xv = x[j];
             float t = (xv - p0) * p1;
             t = stoch ? t + uniform_u(j, k1, k2) : t + 0.5f;
-            int code = !(t >= 0.0f) ? 0 : (t >= L ? c->levels : (int)t);
+            int code = !(t >= 0.0f) ? 0 : (t >= L ? levels : (int)t);
             out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
         }
     } break;
     case 1: { /* qsgd, qsgdinf */
-        const float S = (float)c->levels;
+        const float S = (float)levels;
         for (int64_t j = i0; j < i1; j++) {
             float xv = x[j];
             float r = nan0(__builtin_fabsf(xv) * p0);
-            float lower = r < 8388608.0f ? (float)(int32_t)r : r;
+            float rs = r < 8388608.0f ? r : 0.0f; /* (int) only of values in range: no branch needed */
+            float lower = r < 8388608.0f ? (float)(int32_t)rs : r;
             float d = r - lower;
             int up = stoch ? (uniform_u(j, k1, k2) < d) : (d >= 0.5f);
             float lv = lower + (float)up;
-            int level = lv >= S ? c->levels : (int)lv;
-            int code = xv < 0.0f ? (level | c->sign_bit) : level;
+            int level = (int)(lv >= S ? S : lv); /* lv >= 0 */
+            int code = xv < 0.0f ? (level | sign_bit) : level;
             out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
         }
     } break;
@@ -130,8 +143,8 @@ static void quantize_run(const cfg_t* c, const float* x, int64_t i0, int64_t i1,
             int idx = below ? 0 : ef - emin + 1;
             int up = stoch ? (uniform_u(j, k1, k2) < pr) : (pr >= 0.5f);
             int level = idx + up;
-            level = level < 0 ? 0 : (level > c->levels ? c->levels : level);
-            int code = xv < 0.0f ? (level | c->sign_bit) : level;
+            level = level < 0 ? 0 : (level > levels ? levels : level);
+            int code = xv < 0.0f ? (level | sign_bit) : level;
             out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
         }
     } break;
@@ -153,10 +166,13 @@ static void quantize_run(const cfg_t* c, const float* x, int64_t i0, int64_t i1,
             float t = a * exp2i(mb - e);
             int fi = (int)t; /* 0 <= t < 2^(mb+1): truncation == floor */
             float d = t - (float)fi;
-            int up = stoch ? (uniform_u(j, k1, k2) < d) : ((d > 0.5f) | ((d == 0.5f) & (fi & 1)));
+            /* nearest, ties to even: up iff d > 1/2, or d == 1/2 and f odd; for fp32 d, d > 1/2 is
+               d >= 1/2 + 2^-24 (the next float), written as one compare so the loop vectorizes */
+            float half = (fi & 1) ? 0.5f : 0x1.000002p-1f;
+            int up = stoch ? (uniform_u(j, k1, k2) < d) : (d >= half);
             int mm = fi + up;
-            int carry = mm >> (mb + 1);
-            mm >>= carry;
+            int carry = mm >> (mb + 1); /* 0 or 1 */
+            mm = carry ? mm >> 1 : mm;
             e += carry;
             int normal = mm >= (1 << mb);
             int ef = normal ? e + bias : 0;
@@ -166,6 +182,13 @@ static void quantize_run(const cfg_t* c, const float* x, int64_t i0, int64_t i1,
         }
     } break;
     }
+}
+
+/* The random bits are only computed for stochastic codecs: two copies of the loops, stoch a constant. */
+static void quantize_run(const cfg_t* c, const float* x, int64_t i0, int64_t i1, const float* p,
+                         uint32_t k1, uint32_t k2, uint8_t* out) {
+    if (c->stoch) quantize_body(c, x, i0, i1, p, k1, k2, out, 1);
+    else quantize_body(c, x, i0, i1, p, k1, k2, out, 0);
 }
 
 static void pack_chunk(const uint8_t* c, int64_t groups, int bits, uint8_t* out) {
@@ -200,27 +223,33 @@ void qc_encode(const cfg_t* c, const float* x, int64_t n, const float* params, i
     }
 }
 
-/* Per-bucket stats of x[0..n) over the real elements of each bucket: min, max, max |x|, and flags:
-   bit 0 = all finite, bit 1 = both +0 and -0 occur (min/max of +-0 is then up to the reduction order). */
+/* Per-bucket stats of x[0..n) over the real elements of each bucket: min, max, max |x| = max(|min|, |max|),
+   and flags: bit 0 = all finite, bit 1 = both +0 and -0 occur (then which zero is the min/max depends on
+   the reduction order, and the caller redoes the bucket). Min/max run on order-preserving int32 keys of
+   the fp32 bits (integer reductions vectorize); they equal the fp32 min/max for finite buckets without
+   mixed zeros, the only buckets whose stats are used. */
+static inline int32_t fkey(uint32_t u) { return (int32_t)(u ^ ((uint32_t)((int32_t)u >> 31) & 0x7FFFFFFFu)); }
+static inline float unkey(int32_t k) { return u2f((uint32_t)k ^ ((uint32_t)(k >> 31) & 0x7FFFFFFFu)); }
+
 void qc_stats(const float* x, int64_t n, int64_t blen, float* lo, float* hi, float* amax, uint8_t* flags) {
+    const uint32_t* xu = (const uint32_t*)x;
     int64_t nb = (n + blen - 1) / blen;
     for (int64_t b = 0; b < nb; b++) {
         int64_t i0 = b * blen, i1 = i0 + blen < n ? i0 + blen : n;
-        float mn = x[i0], mx = x[i0], am = 0.0f;
-        int fin = 1, pz = 0, nz = 0;
+        int32_t mn = INT32_MAX, mx = INT32_MIN;
+        uint32_t nonfin = 0, pz = 0, nz = 0;
         for (int64_t j = i0; j < i1; j++) {
-            float v = x[j];
-            uint32_t u = f2u(v);
-            mn = v < mn ? v : mn;
-            mx = v > mx ? v : mx;
-            float a = __builtin_fabsf(v);
-            am = a > am ? a : am;
-            fin &= isfin(v);
+            uint32_t u = xu[j];
+            int32_t k = fkey(u);
+            mn = k < mn ? k : mn;
+            mx = k > mx ? k : mx;
+            nonfin |= (u & 0x7F800000u) == 0x7F800000u;
             pz |= u == 0u;
             nz |= u == 0x80000000u;
         }
-        lo[b] = mn; hi[b] = mx; amax[b] = am;
-        flags[b] = (uint8_t)(fin | ((pz & nz) << 1));
+        float l = unkey(mn), h = unkey(mx), al = __builtin_fabsf(l), ah = __builtin_fabsf(h);
+        lo[b] = l; hi[b] = h; amax[b] = al > ah ? al : ah;
+        flags[b] = (uint8_t)((nonfin == 0) | ((pz & nz) << 1));
     }
 }
 
