@@ -20,17 +20,20 @@ variant, every repeat; odd repeats in reverse order) with a fresh ``Trainer`` pe
 interpreter start-up and rendezvous stay out of every timing. If a worker fails or stalls, both are
 killed and a fresh pair resumes after the failed entry.
 
-Compute floor. The same DDP job with the gradient all-reduce replaced by torch's no-op comm hook:
-same launcher, processes, DDP bucket copies, optimizer and data, no traffic. Ranks run with
-OMP_NUM_THREADS=1 and one torch thread, each pinned to its own core (taskset) when there are >= 2
-cores, with ``torch.set_flush_denormal(True)``; ``--threads``, ``--no-pin`` and
-``--no-flush-denormal`` reproduce the unsound set-ups. The report checks the floor is not slower
-than any communicating variant.
+Compute floor. The same two-node job with each rank training its own copy: no DDP wrapper, no
+traffic (same launcher, processes, optimizer and data). ``floor_ddp`` (DDP with torch's no-op comm
+hook) is kept as a reference: DDP's bucket copies and hooks cost ~20% of a step here, and strategies
+without the DDP wrapper (LocalSGD) ran their non-sync steps faster than it, so it is not a lower bound.
+Ranks run with OMP_NUM_THREADS=1 and one torch thread, each pinned to its own core (taskset) when
+there are >= 2 cores, with ``torch.set_flush_denormal(True)``; ``--threads``, ``--no-pin`` and
+``--no-flush-denormal`` reproduce the unsound set-ups (benchmarks/results/netbench_floor.md). The
+report checks the floor is not slower than any other variant.
 
-Expected duration (quiet 2-core machine, default variants, 30 steps, 2 repeats, 100 and 1000 Mbit/s):
-about 2 s per step for fp32 DDP/FSDP2 at 100 Mbit/s, and the CPU codec cost of the quantized
-strategies (seconds per step for 3.3M parameters with the torch reference codecs) dominates;
-``--variants`` and ``--steps`` trade coverage for time. The run prints its duration.
+Expected duration (default variants, 2 repeats, 100 and 1000 Mbit/s): ~19 min for ``--steps 20`` on
+this 2-core machine while it was shared with other jobs; fp32 DDP and FSDP2 are link-bound at
+100 Mbit/s (~1.1 and ~2.2 s per step) and the quantized strategies pay their CPU codec cost (up to
+~1-2 s per step for 3.3M parameters with the torch reference codecs). Time scales with ``--steps``
+and ``--repeats``; ``--variants`` trades coverage for time. The report states the run's duration.
 """
 
 from __future__ import annotations
@@ -327,13 +330,15 @@ def run_schedule(
             bad = remaining.pop(0)
             errs = [r for rr in rows for r in rr if r.get("event") == "error" and r["id"] == bad["id"]]
             tails = "".join("".join(p.read_text().splitlines(True)[-20:]) for p in log_paths)
-            msg = errs[0]["error"] if errs else failed
+            msg = errs[0]["error"].splitlines()[0][:300] if errs else failed
+            if len(errs) < 2:  # a rank that died without a Python exception: its log tells why
+                msg += f" (ranks with an error line: {[e['rank'] for e in errs]}; {failed})"
             print(f"[netbench] {rate} Mbit/s  {bad['variant']} rep {bad['repeat']} FAILED: {msg}", flush=True)
             if args.verbose:
-                print(errs[0].get("traceback", "") if errs else tails, flush=True)
+                print("\n".join(e.get("traceback", "") for e in errs) or tails, flush=True)
             results.append(
                 {"event": "error", "variant": bad["variant"], "repeat": bad["repeat"], "rate_mbit": rate, "error": msg,
-                 "traceback": errs[0].get("traceback", "") if errs else tails[-4000:]}
+                 "tracebacks": [e.get("traceback", "") for e in errs], "log_tails": tails[-6000:]}
             )  # fmt: skip
         elif failed:
             print(f"[netbench] worker pair ended abnormally after the last entry: {failed}", flush=True)

@@ -138,8 +138,9 @@ def render_markdown(table: dict, meta: dict, names: list[str]) -> str:
                 lines.append(f"| {name} | FAILED: {r['error'][:100]} |" + " |" * 10)
                 continue
             lo, hi = r["step_mean_spread_s"]
+            shown = f"{name} ({len(r['errors'])} failed, {r['repeats']} ok)" if r.get("errors") else name
             lines.append(
-                f"| {name} | {_fmt(r['step_mean_s'], '.0f', 1e3)} [{_fmt(lo, '.0f', 1e3)}-{_fmt(hi, '.0f', 1e3)}] "
+                f"| {shown} | {_fmt(r['step_mean_s'], '.0f', 1e3)} [{_fmt(lo, '.0f', 1e3)}-{_fmt(hi, '.0f', 1e3)}] "
                 f"| {_fmt(r['step_median_s'], '.0f', 1e3)} | {_fmt(r.get('speedup_vs_fp32'), '.2f')}{'x' * ('speedup_vs_fp32' in r)} "
                 f"| {_fmt(r['tx_max'], '.3f', 1e-6)} | {_fmt(r.get('bytes_vs_fp32'), '.3f')} "
                 f"| {_fmt(r['ledger_mean'], '.3f', 1e-6)} | {_fmt(r.get('wire_over_ledger'), '.3f')} "
