@@ -1,16 +1,19 @@
-"""Fused CPU path of the codecs' element-wise work: one compiled loop per codec instead of ~40 eager ops.
+"""Fused CPU path of ``Codec.encode`` / ``decode``: a few compiled passes instead of ~40 eager ops.
 
-The torch reference (``Codec.encode_reference`` / ``decode_reference``) stays the spec. This module
-redoes the same per-element arithmetic in C, on the same per-bucket params, in one pass:
+The torch reference (``Codec._scales`` + ``encode_reference`` / ``decode_reference``) stays the spec.
+This module redoes the same arithmetic in C on CPU tensors, in two passes for encode and one for decode:
 
-    encode: counter hash -> uniform u -> quantize -> finiteness mask -> pack b-bit codes
-    decode: unpack -> LUT[code] -> (lo + LUT[code] * unit) for uniform, LUT[code] * scale otherwise
+    encode: per-bucket stats (min, max, max |x|, finiteness) -> wire scales and per-bucket params (torch,
+            on nb-element tensors) -> counter hash, uniform u, quantize, finiteness mask, pack b-bit codes
+    decode: unpack -> LUT[code] -> lo + LUT[code] * unit (uniform), LUT[code] * scale (the others)
 
 and is bit-identical to the reference (tests/test_cpu_fused.py). Every fp32 operation is the
 reference's, in the reference's order, compiled with ``-ffp-contract=off`` and without fast-math, so
 there is no FMA contraction or reassociation. floor() of a value known to lie in [0, 2^23) is a
 truncating int conversion (exact); the decode LUT is filled by calling the codec's own ``_dequantize``
-on the 2^bits codes with unit params (``LUT[c] * 1 == LUT[c]`` exactly).
+on the 2^bits codes with unit params (``LUT[c] * 1 == LUT[c]`` exactly). Scales come from the codec's
+own ``_scales`` applied to the exact per-bucket stats (see ``_scales``); L2-norm scales (qsgd, nuqsgd,
+sign1) are still computed by torch, because their rounding depends on torch's summation order.
 
 The C source is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``)
 into a shared library cached under torch's extensions dir (``$TORCH_EXTENSIONS_DIR``, default
@@ -474,7 +477,7 @@ def _scales(codec, x: torch.Tensor) -> torch.Tensor:
             sub = torch.cat([full[redo], last])
             rows = torch.cat([redo, torch.tensor([nb - 1])])
             scales[rows] = codec._scales(sub, counts[rows])
-    elif kind in (4,) or type(codec) is QSGDInfCodec:
+    elif kind == 4 or type(codec) is QSGDInfCodec:
         scales = codec._scales(amax[:, None], counts)
     else:
         xb = x.view(nb, blen) if nb * blen == n else torch.nn.functional.pad(x, (0, nb * blen - n)).view(nb, blen)
