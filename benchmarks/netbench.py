@@ -29,8 +29,9 @@ there are >= 2 cores, with ``torch.set_flush_denormal(True)``; ``--threads``, ``
 ``--no-flush-denormal`` reproduce the unsound set-ups (benchmarks/results/netbench_floor.md). The
 report checks the floor is not slower than any other variant.
 
-Expected duration (default variants, 2 repeats, 100 and 1000 Mbit/s): ~19 min for ``--steps 20`` on
-this 2-core machine while it was shared with other jobs; fp32 DDP and FSDP2 are link-bound at
+Expected duration (default variants, 2 repeats, 100 and 1000 Mbit/s) on this 2-core machine with
+``--steps 20``: 764 s under light load, 1141 s under heavy load; ``--steps 30`` takes ~1.5x that
+(~19 min quiet), so ``--steps 20`` fits a 15-minute budget. fp32 DDP and FSDP2 are link-bound at
 100 Mbit/s (~1.1 and ~2.2 s per step) and the quantized strategies pay their CPU codec cost (up to
 ~1-2 s per step for 3.3M parameters with the torch reference codecs). Time scales with ``--steps``
 and ``--repeats``; ``--variants`` trades coverage for time. The report states the run's duration.
