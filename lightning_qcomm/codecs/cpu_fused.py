@@ -17,7 +17,8 @@ sign1) are still computed by torch, because their rounding depends on torch's su
 
 The C source is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``)
 into a shared library cached under torch's extensions dir (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), keyed by a hash of the source and flags, and loaded with ctypes (the
+``~/.cache/torch_extensions``), keyed by a hash of the source, flags and CPU (it is built with
+``-march=native`` when the compiler accepts it, else for the baseline ISA), and loaded with ctypes (the
 GIL is released during the calls). Single-threaded, no OpenMP: it runs in the calling thread, under
 the caller's floating-point environment (e.g. ``torch.set_flush_denormal``), like the reference with
 one torch thread.
@@ -33,6 +34,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -65,6 +67,11 @@ CFLAGS = (
     "-fno-trapping-math",
     "-fno-strict-aliasing",
 )
+
+# Tried first: vectorize for this machine's ISA (~1.5x on AVX2/AVX-512 over baseline x86-64). The cached
+# library's key includes a fingerprint of the CPU, so a build for one CPU is never loaded on another; if
+# the compiler rejects the flag, the build is redone with CFLAGS alone.
+NATIVE_FLAGS = ("-march=native",)
 
 # Exact codec classes with a fused kernel (a subclass may override the math, so it keeps the reference).
 _KINDS = {UniformCodec: 0, QSGDCodec: 1, QSGDInfCodec: 1, NUQSGDCodec: 2, SignCodec: 3, FP8Codec: 4}
@@ -324,11 +331,28 @@ def _build_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
 
 
+def _cpu_fingerprint() -> str:
+    """What ``-march=native`` depends on: the CPU model and ISA flags (Linux), else the platform's words."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(sorted({ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))}))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()} {platform.platform()}"
+
+
 def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc)")
-    key = hashlib.sha256("\0".join([_SOURCE, cc, *CFLAGS]).encode()).hexdigest()[:16]
+    try:
+        return _build_with(cc, (*CFLAGS, *NATIVE_FLAGS), _cpu_fingerprint())
+    except RuntimeError as e:
+        log.info("lightning_qcomm: native build of the fused CPU codecs failed (%s); building for the baseline ISA", e)
+        return _build_with(cc, CFLAGS, "")
+
+
+def _build_with(cc: str, flags: tuple[str, ...], machine: str) -> ctypes.CDLL:
+    key = hashlib.sha256("\0".join([_SOURCE, cc, *flags, machine]).encode()).hexdigest()[:16]
     d = os.path.join(_build_dir(), "lightning_qcomm_cpu_fused")
     so = os.path.join(d, f"codec_{key}.so")
     if not os.path.exists(so):
@@ -338,7 +362,7 @@ def _build() -> ctypes.CDLL:
             with open(src, "w") as f:
                 f.write(_SOURCE)
             out = os.path.join(tmp, "codec.so")
-            res = subprocess.run([cc, *CFLAGS, src, "-o", out], capture_output=True, text=True)
+            res = subprocess.run([cc, *flags, src, "-o", out], capture_output=True, text=True)
             if res.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
             os.replace(out, so)  # atomic: concurrent builders each publish a complete file
