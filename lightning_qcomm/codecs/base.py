@@ -12,6 +12,7 @@ never turns non-finite gradients into finite numbers.
 The per-element work (random bits, quantize, pack / unpack, dequantize) has a torch reference here
 and a Triton kernel in ``lightning_qcomm.kernels``; both take the per-bucket parameters computed
 below by torch, so the two paths produce bit-identical codes for the same seed.
+Large CPU tensors use the compiled C path of ``codecs.cpu_fused`` (bit-identical to this reference).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class Codec(ABC):
         xf = x.detach().reshape(-1).to(torch.float32)
         from lightning_qcomm.codecs import dispatch
 
-        if dispatch.use_cpu_fused(self, xf, xf.numel()):  # same codes and scales, one compiled pass
+        if dispatch.use_cpu_fused(self, xf, xf.numel()):  # same codes and scales, in compiled passes
             codes, scales = dispatch.cpu_fused_encode(self, xf, seed)
             return Packed(codes=codes, scales=scales, shape=x.shape, dtype=x.dtype)
         xb, counts = self._buckets(xf)
