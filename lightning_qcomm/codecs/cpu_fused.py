@@ -23,7 +23,7 @@ GIL is released during the calls). Single-threaded, no OpenMP: it runs in the ca
 the caller's floating-point environment (e.g. ``torch.set_flush_denormal``), like the reference with
 one torch thread.
 
-Dispatch (``codecs.dispatch.use_cpu_fused``): CPU tensors with ``numel >= FUSED_MIN_NUMEL`` of the
+Dispatch (``codecs.dispatch.use_cpu_fused``): CPU tensors with ``numel >= FUSED_MIN_NUMEL`` (2^14) of the
 codec classes in ``_KINDS``; ``LIGHTNING_QCOMM_CPU_FUSED=0`` disables it. If the library cannot be
 built or loaded, one warning is logged and the reference is used.
 """
@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 # Smallest tensor (elements) that goes to the fused path. Below it the eager reference's fixed costs are
 # small anyway, and keeping small tensors on the reference keeps the spec path exercised by the tests.
-FUSED_MIN_NUMEL = 1 << 18
+# 2^14 puts QSDP's per-parameter shards and DDP buckets of real models on the fused path.
+FUSED_MIN_NUMEL = 1 << 14
 ENV_SWITCH = "LIGHTNING_QCOMM_CPU_FUSED"  # "0" disables the fused path
 
 # No fast-math, no FMA contraction: every fp32 op is the reference's. -fno-trapping-math only lets the
