@@ -157,10 +157,6 @@ class Codec(ABC):
         # (two cheap passes instead of torch.isfinite's four).
         return (xb - xb).sum(dim=1, keepdim=True) == 0
 
-    def per_element(self, params: torch.Tensor, numel: int) -> torch.Tensor:
-        blen = self.bucket_len(numel)
-        return params.repeat_interleave(blen, dim=0)[:numel]
-
     def encode(self, x: torch.Tensor, seed: int = 0) -> Packed:
         """Compress ``x`` (any shape, fp32/fp16/bf16/fp64). ``seed`` keys the random bits (see
         ``rng.derive_seed`` to fold in step, rank and tensor id)."""
