@@ -56,13 +56,22 @@ def local_transfers():
     and sends nothing."""
     import lightning_qcomm.comm.collectives as col
 
-    saved = col._all_to_all, col._all_gather
-    col._all_to_all = lambda recv, send, group, world: recv.copy_(send)
-    col._all_gather = lambda out, inp, group, world: out.copy_(inp.repeat(world))
+    names = ("_all_to_all", "_all_gather", "_all_to_all_async", "_all_gather_async")
+    saved = {name: getattr(col, name) for name in names}
+
+    def all_to_all(recv, send, group, world):
+        recv.copy_(send)
+
+    def all_gather(out, inp, group, world):
+        out.copy_(inp.repeat(world))
+
+    col._all_to_all = col._all_to_all_async = all_to_all  # the async forms return None: nothing to wait for
+    col._all_gather = col._all_gather_async = all_gather
     try:
         yield
     finally:
-        col._all_to_all, col._all_gather = saved
+        for name, fn in saved.items():
+            setattr(col, name, fn)
 
 
 def worker(cfg: dict) -> None:

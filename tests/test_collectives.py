@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from lightning_qcomm.codecs import derive_seed, get_codec
 from lightning_qcomm.comm import (
     CommLedger,
+    all_reduce_pieces,
     get_ledger,
     onebit_all_reduce,
     onebit_server_error_numel,
@@ -48,8 +49,16 @@ def uniform_unit(x: torch.Tensor, bits: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ oracles
-def oracle_all_reduce(codec, inputs: list[torch.Tensor], seed: int, op: str) -> torch.Tensor:
+def oracle_all_reduce(codec, inputs: list[torch.Tensor], seed: int, op: str, piece: int | None = None) -> torch.Tensor:
+    """The documented algorithm on one process; ``piece``: elements per rank per piece (None: one piece)."""
     n, d = len(inputs), inputs[0].numel()
+    if piece is not None and d > n * piece:
+        step = n * piece  # piece is a multiple of the bucket here, so no rounding up
+        parts = []
+        for k, o in enumerate(range(0, d, step)):
+            s_k = seed if k == 0 else derive_seed(seed, 3, k)
+            parts.append(oracle_all_reduce(codec, [x[o : o + step] for x in inputs], s_k, op))
+        return torch.cat(parts)
     c = -(-d // n)
     padded = [torch.nn.functional.pad(x, (0, n * c - d)).view(n, c) for x in inputs]
     out = []
@@ -225,6 +234,15 @@ def check_all_reduce_codec(rank, n):
             b1 = sum(uniform_unit(x, bits) for x in inputs) / k
             b2 = (float(exact.max() - exact.min()) + b1 * 2) / (2**bits - 1)
             assert (out - exact).abs().max() <= (b1 + b2) * (1 + 1e-5)
+    # pipelined pieces (2 * 128 elements each, the last one shorter) against the same oracle per piece
+    for name, bits, op in (("uniform", 4, "sum"), ("qsgd", 8, "avg")):
+        codec = get_codec(name, bits, BUCKET)
+        inputs = [make_input(8, r) for r in range(n)]
+        assert len(all_reduce_pieces(D, n, codec, piece_numel=2 * BUCKET)) == -(-D // (n * 2 * BUCKET))
+        out = quantized_all_reduce(inputs[rank].clone(), codec, op=op, seed=5, piece_numel=2 * BUCKET)
+        assert_same_on_all_ranks(out)
+        expect = oracle_all_reduce(codec, inputs, 5, op, piece=2 * BUCKET)
+        assert torch.equal(out, expect), f"{name}{bits} {op} pieced: differs from the oracle"
     # fp16 input, shape kept, in place
     x = make_input(6, rank).half().view(7, 143)
     y = quantized_all_reduce(x, get_codec("uniform", 8))
@@ -278,7 +296,8 @@ def check_error_feedback(rank, n):
         xs = [make_input(30, r) + 0.05 * make_input(100 + t, r) for r in range(n)]
         sum_in_all += sum(xs)
         y = xs[rank] + e
-        out = quantized_all_reduce(xs[rank].clone(), codec, op="avg", error_feedback=e, seed=t)
+        # pieces of 3 buckets per rank: the residual identity must hold across piece boundaries too
+        out = quantized_all_reduce(xs[rank].clone(), codec, op="avg", error_feedback=e, seed=t, piece_numel=3 * BUCKET)
         sum_out += out.double()
         sum_out_noef += quantized_all_reduce(xs[rank].clone(), codec, op="avg", seed=t).double()
         # |y - D(Q(y))| <= unit1 / 2, and N * |S - D(Q(S))| <= N * unit2 / 2 with unit2 <= range(out) / (2^b - 2)
@@ -361,6 +380,17 @@ def check_ledger_bytes(rank, n):
                 assert main[0].baseline_bytes == pytest.approx(factor * 4 * logical, rel=1e-12)
                 if check:
                     assert meta[0].op == "all_gather" and meta[0].payload_bytes == 64 and meta[0].baseline_bytes == 0
+        # pipelined pieces: pieces of n * 128 elements (the last one shorter), each chunked and padded on its own
+        step = n * 2 * BUCKET
+        lengths = [step] * (D // step) + ([D % step] if D % step else [])
+        expect_wire = 2 * (n - 1) * sum(codec.nbytes(-(-length // n)) for length in lengths)
+        ledger.next_step()
+        with CountingDist() as counter:
+            quantized_all_reduce(make_input(7, rank), codec, seed=1, check=False, piece_numel=2 * BUCKET)
+        (rec,) = ledger.records
+        assert rec.payload_bytes == counter.bytes == (n + 1) * expect_wire / (2 * (n - 1))
+        assert rec.wire_bytes == pytest.approx(expect_wire, rel=1e-12)
+        assert wire_bytes_formula("all_reduce", D, n, codec, piece_numel=2 * BUCKET) == pytest.approx(expect_wire)
     finally:
         set_ledger(prev)
 

@@ -1,6 +1,8 @@
 """Compressed collectives over torch.distributed and the CommLedger (DESIGN §1, §3)."""
 
 from lightning_qcomm.comm.collectives import (
+    DEFAULT_PIECE_NUMEL,
+    all_reduce_pieces,
     onebit_all_reduce,
     onebit_server_error_numel,
     quantized_all_gather,
@@ -19,10 +21,12 @@ from lightning_qcomm.comm.ledger import (
 )
 
 __all__ = [
+    "DEFAULT_PIECE_NUMEL",
     "CommLedger",
     "CommRecord",
     "NullLedger",
     "OpTotals",
+    "all_reduce_pieces",
     "ensure_ledger",
     "get_ledger",
     "onebit_all_reduce",
