@@ -1,1 +1,5 @@
-"""placeholder"""
+"""Optimizers of lightning_qcomm (DESIGN §1): ``OneBitAdam`` (1-bit Adam, Tang et al. 2021)."""
+
+from lightning_qcomm.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
+
+__all__ = ["OneBitAdam", "OneBitAdamConfig"]

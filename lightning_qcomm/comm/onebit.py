@@ -1,0 +1,192 @@
+"""1-bit Adam's process logic (adapter layer, DESIGN §2 "1-bit Adam"): fused momentum sync and the warm-up DDP hook.
+
+This file owns two things and knows nothing of Lightning or of the optimizer's math:
+
+* ``OneBitMomentumSync``: the compressed average of a fixed list of tensors (the momenta) over ranks.
+  The tensors are laid out, in order, into a few flat fp32 buckets of at most ``bucket_numel``
+  elements (a tensor larger than that gets a bucket of its own); each bucket is one
+  ``onebit_all_reduce`` call with its own per-rank error buffers::
+
+      flat_b = concat(m_i for i in bucket b)                  (fp32)
+      flat_b <- onebit_all_reduce(flat_b, e_w[b], e_s[b])      (error-compensated 1-bit average)
+      m_i    <- flat_b[slice of i]                             (identical on every rank)
+
+  One bucket costs two collectives (``all_to_all_single`` + ``all_gather_single``; plus a one-off
+  64-byte consistency check the first time each bucket is synced), instead of DeepSpeed's four per
+  parameter tensor. Wire bytes per rank and step ~ 2(N-1)/N * d/8 + 8(N-1) per bucket: 1/32 of an
+  fp32 ring all-reduce of the d momentum elements. Memory: e_w (d fp32), e_s (ceil(d_b/N) fp32 per
+  bucket) and one temporary flat bucket.
+
+  ``rank_state_dict`` / ``load_rank_state_dict`` hold the error buffers, which differ per rank and
+  must be saved per rank; a saved state only loads into the same layout and world size (else
+  ``ValueError``; the caller decides to reset).
+
+* ``OneBitGradHookState`` + ``onebit_adam_grad_hook``: a DDP communication hook for the warm-up. While
+  ``state.compressing`` is False it averages the gradient bucket in fp32 through
+  ``quantized_all_reduce(codec=None)`` (so the bytes are in the ``CommLedger`` under tag "grads");
+  once True it returns the local gradient untouched and communicates nothing. (The Lightning callback
+  additionally turns DDP's gradient synchronisation off after the freeze, so the hook is then not even
+  called.)
+
+No ``from __future__ import annotations`` here: DDP checks a hook's annotations against real classes.
+"""
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from lightning_qcomm.comm.collectives import onebit_all_reduce, onebit_server_error_numel, quantized_all_reduce
+
+log = logging.getLogger(__name__)
+
+
+def bucket_layout(numels: list[int], bucket_numel: int) -> list[list[int]]:
+    """Greedy, order-preserving split of tensor indices into buckets of <= ``bucket_numel`` elements.
+
+    A tensor with more elements than ``bucket_numel`` forms a bucket alone. Same input, same output on
+    every rank, so all ranks issue the same collectives.
+    """
+    if not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be an int >= 1, got {bucket_numel!r}")
+    buckets: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(numels):
+        if n < 1:
+            raise ValueError(f"numels[{i}] must be >= 1, got {n}")
+        if not buckets or size + n > bucket_numel:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += n
+    return buckets
+
+
+class OneBitMomentumSync:
+    """Error-compensated 1-bit average of a fixed list of tensors over flat fused buckets (see module doc).
+
+    Args:
+        numels: element counts of the tensors, in the order ``sync_`` will receive them.
+        bucket_numel: maximum elements per flat bucket (>= 1).
+        process_group: the group to average over (None: the default group, or a world of one when
+            torch.distributed is not initialised).
+        tag: ledger tag of the collectives.
+    """
+
+    def __init__(
+        self,
+        numels: list[int],
+        bucket_numel: int,
+        process_group: dist.ProcessGroup | None = None,
+        tag: str = "momentum",
+    ) -> None:
+        if not numels:
+            raise ValueError("numels must name at least one tensor")
+        self.numels = [int(n) for n in numels]
+        self.buckets = bucket_layout(self.numels, bucket_numel)
+        self.bucket_numels = [sum(self.numels[i] for i in b) for b in self.buckets]
+        self.process_group = process_group
+        self.tag = tag
+        self.worker_error: list[torch.Tensor] | None = None
+        self.server_error: list[torch.Tensor] | None = None
+        self._checked = [False] * len(self.buckets)
+
+    def world_size(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    def _ensure_errors(self, device: torch.device) -> None:
+        if self.worker_error is None:
+            self.worker_error = [torch.zeros(n, dtype=torch.float32, device=device) for n in self.bucket_numels]
+            self.server_error = [
+                torch.zeros(onebit_server_error_numel(n, self.process_group), dtype=torch.float32, device=device)
+                for n in self.bucket_numels
+            ]
+
+    def sync_(self, tensors: list[torch.Tensor]) -> None:
+        """Replace every tensor by the compressed average over ranks, in place (same values on all ranks)."""
+        if len(tensors) != len(self.numels):
+            raise ValueError(f"expected {len(self.numels)} tensors, got {len(tensors)}")
+        for i, (t, n) in enumerate(zip(tensors, self.numels)):
+            if t.numel() != n:
+                raise ValueError(f"tensor {i} has {t.numel()} elements, the layout expects {n}")
+        self._ensure_errors(tensors[0].device)
+        for b, members in enumerate(self.buckets):
+            parts = [tensors[i].detach().reshape(-1) for i in members]
+            # one fp32 contiguous tensor: reduce it in place; otherwise a fused fp32 copy
+            flat = torch.cat(parts).to(torch.float32) if len(parts) > 1 else parts[0].to(torch.float32)
+            onebit_all_reduce(
+                flat,
+                self.worker_error[b],
+                self.server_error[b],
+                group=self.process_group,
+                tag=self.tag,
+                check=not self._checked[b],
+            )
+            self._checked[b] = True
+            for i, piece in zip(members, torch.split(flat, [self.numels[i] for i in members])):
+                if piece.data_ptr() != tensors[i].data_ptr():
+                    tensors[i].copy_(piece.view_as(tensors[i]))
+
+    # ------------------------------------------------------------------ per-rank state
+    def rank_state_dict(self) -> dict:
+        """This rank's error buffers (CPU fp32 copies) with the layout they belong to."""
+        return {
+            "numels": list(self.numels),
+            "bucket_numels": list(self.bucket_numels),
+            "world_size": self.world_size(),
+            "worker_error": None
+            if self.worker_error is None
+            else [t.detach().cpu().clone() for t in self.worker_error],
+            "server_error": None
+            if self.server_error is None
+            else [t.detach().cpu().clone() for t in self.server_error],
+        }
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        """Restore error buffers saved by ``rank_state_dict`` on this rank; ValueError if the layout differs."""
+        mine = (self.numels, self.bucket_numels, self.world_size())
+        theirs = (list(state["numels"]), list(state["bucket_numels"]), int(state["world_size"]))
+        if mine != theirs:
+            raise ValueError(
+                "saved 1-bit error buffers belong to another layout (tensor numels, bucket numels, world size): "
+                f"saved {theirs[1]} buckets over {theirs[2]} ranks, now {mine[1]} over {mine[2]}"
+            )
+        if state["worker_error"] is None:
+            self.worker_error = self.server_error = None
+            return
+        self.worker_error = [t.to(torch.float32).clone() for t in state["worker_error"]]
+        self.server_error = [t.to(torch.float32).clone() for t in state["server_error"]]
+
+    def to(self, device: torch.device) -> "OneBitMomentumSync":
+        """Move the error buffers (e.g. after loading CPU copies) to ``device``."""
+        if self.worker_error is not None:
+            self.worker_error = [t.to(device) for t in self.worker_error]
+            self.server_error = [t.to(device) for t in self.server_error]
+        return self
+
+
+class OneBitGradHookState:
+    """State of ``onebit_adam_grad_hook``: the process group and whether the warm-up is over."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self.process_group = process_group
+        self.compressing = False  # set by the owner once the optimizer froze its variance
+
+
+def onebit_adam_grad_hook(state: OneBitGradHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: fp32 average of the bucket during warm-up (ledger tag "grads"); local gradient after.
+
+    Register with ``ddp_model.register_comm_hook(state, onebit_adam_grad_hook)``. DDP's bucket shapes
+    agree across ranks by construction, so the cross-rank consistency check is skipped.
+    """
+    buf = bucket.buffer()
+    if not state.compressing:
+        quantized_all_reduce(buf, None, group=state.process_group, op="avg", tag="grads", check=False)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+__all__ = ["OneBitGradHookState", "OneBitMomentumSync", "bucket_layout", "onebit_adam_grad_hook"]

@@ -1,0 +1,437 @@
+"""OneBitAdam: 1-bit Adam (Tang et al. 2021) as a torch optimizer (DESIGN §2 "1-bit Adam").
+
+This file owns the optimizer math and its freeze schedule; the compressed momentum average is
+``comm.onebit.OneBitMomentumSync`` and the Lightning glue (replacing Adam/AdamW, switching DDP's
+gradient all-reduce off, per-rank checkpoints) is ``callbacks.onebit_adam.OneBitAdamCallback``.
+
+Per parameter p with gradient g, lr η, betas (β1, β2), eps ε, weight decay λ, t = the parameter's step count:
+
+**Warm-up** (the first ``freeze_step`` optimizer steps): exactly torch's AdamW (Adam when
+``decoupled_weight_decay=False``: g <- g + λp), on the gradient it is given -- in data-parallel
+training that is the all-reduced average, which the DDP hook provides::
+
+    p <- p (1 - ηλ);  m <- β1 m + (1-β1) g;  v <- β2 v + (1-β2) g²
+    p <- p - η/(1-β1^t) · m / (√v / √(1-β2^t) + ε)
+
+**Freeze**: at the end of step ``freeze_step`` (or earlier, see auto-freeze) v is replaced in place
+by its bias-corrected value v̂ = v / (1-β2^t) and never updated again (``state["exp_avg_sq"]`` holds
+v̂ from then on). Using v̂ keeps the step size continuous across the switch; DeepSpeed drops both
+bias corrections, which after a short warm-up (1-β2^100 ≈ 0.095) would multiply the step by ~3.
+
+**Compression phase**: no gradient all-reduce; g is this rank's local gradient::
+
+    m <- β1 m + (1-β1) g                           (g <- g + λp first when not decoupled)
+    m <- onebit_all_reduce(m)                       (error-compensated, flat fused buckets, all ranks equal)
+    p <- p (1 - ηλ) - η/(1-β1^t) · m / (√v̂ + ε)
+
+The momentum keeps its bias correction 1/(1-β1^t) (t keeps counting; it tends to 1), so the update is
+AdamW with v frozen. Parameters without a gradient on this rank in a step contribute g = 0 (every rank
+must take part in the collective); parameters that never had a gradient during warm-up have no v and
+are not updated after the freeze (warned once).
+
+**Auto-freeze** (``auto_freeze_threshold`` = τ): every ``auto_freeze_interval`` = k steps it measures
+r = ‖v̂_t - v̂_{t-k}‖₂ / ‖v̂_t‖₂ over all parameters (max over ranks, one 8-byte all-reduce); after
+``auto_freeze_patience`` consecutive checks with r < τ the variance freezes. ``freeze_step`` stays an
+upper bound on the warm-up. Costs one extra copy of v during warm-up.
+
+**Non-finite gradients** stay non-finite: NaN/Inf reach m and, through the 1-bit all-reduce, every rank's
+m and p (the error buffers keep their last finite values), as torch's AdamW would make them.
+
+**State**: per parameter ``step``, ``exp_avg``, ``exp_avg_sq`` (torch's Adam keys, so an AdamW checkpoint
+loads here), plus ``exp_avg_sq_ref`` while auto-freeze is tracking. ``state_dict()["onebit"]`` holds the
+optimizer-wide step count, the step at which v froze and the auto-freeze counters (equal on all ranks).
+The 1-bit error buffers differ per rank and are NOT in ``state_dict()``: save ``rank_state_dict()`` on
+every rank and give it back with ``load_rank_state_dict`` (the Lightning callback does this).
+
+Unsupported (ValueError): amsgrad, maximize, sparse gradients, complex parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.onebit import OneBitMomentumSync
+
+log = logging.getLogger(__name__)
+
+FP32_BYTES = 4
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class OneBitAdamConfig:
+    """Optimizer-wide settings of OneBitAdam (per-group hyperparameters live in ``param_groups``).
+
+    Attributes:
+        freeze_step: warm-up length in optimizer steps (>= 1); the variance freezes at the end of this step.
+        auto_freeze_threshold: τ of the auto-freeze test (None: off), 0 < τ < 1.
+        auto_freeze_interval: k, optimizer steps between two auto-freeze checks (>= 1).
+        auto_freeze_patience: consecutive checks with r < τ needed to freeze (>= 1).
+        bucket_mb: maximum size of one flat fused momentum bucket, MiB of fp32 (> 0).
+    """
+
+    freeze_step: int = 100
+    auto_freeze_threshold: float | None = None
+    auto_freeze_interval: int = 10
+    auto_freeze_patience: int = 3
+    bucket_mb: float = 32.0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: Any, allowed: str) -> ValueError:
+            return ValueError(f"OneBitAdam({name}={value!r}): allowed {allowed}")
+
+        if not isinstance(self.freeze_step, int) or isinstance(self.freeze_step, bool) or self.freeze_step < 1:
+            raise bad("freeze_step", self.freeze_step, "an int >= 1 (v needs at least one warm-up update)")
+        t = self.auto_freeze_threshold
+        if t is not None and (not _is_number(t) or not 0.0 < t < 1.0):
+            raise bad("auto_freeze_threshold", t, "None or a float in (0, 1)")
+        for name in ("auto_freeze_interval", "auto_freeze_patience"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(name, v, "an int >= 1")
+        if not _is_number(self.bucket_mb) or not self.bucket_mb > 0 or not math.isfinite(self.bucket_mb):
+            raise bad("bucket_mb", self.bucket_mb, "a finite float > 0")
+
+    @property
+    def bucket_numel(self) -> int:
+        return max(1, int(self.bucket_mb * 1024 * 1024 / FP32_BYTES))
+
+
+def check_adam_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "OneBitAdam") -> None:
+    """ValueError naming the argument unless lr >= 0, 0 <= beta < 1, eps >= 0, weight_decay >= 0 (all finite)."""
+
+    def finite(x: Any) -> bool:
+        return _is_number(x) and math.isfinite(x)
+
+    if not finite(lr) or lr < 0:
+        raise ValueError(f"{where}(lr={lr!r}): allowed a finite float >= 0")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(finite(b) and 0 <= b < 1 for b in betas):
+        raise ValueError(f"{where}(betas={betas!r}): allowed a pair of floats in [0, 1)")
+    if not finite(eps) or eps < 0:
+        raise ValueError(f"{where}(eps={eps!r}): allowed a finite float >= 0")
+    if not finite(weight_decay) or weight_decay < 0:
+        raise ValueError(f"{where}(weight_decay={weight_decay!r}): allowed a finite float >= 0")
+
+
+class OneBitAdam(Optimizer):
+    """1-bit Adam: AdamW warm-up, then frozen variance and an error-compensated 1-bit momentum all-reduce.
+
+    See the module docstring for the exact math. Constructor arguments after ``params`` are typed primitives.
+
+    Args:
+        params: parameters or param-group dicts (per-group ``lr``, ``betas``, ``eps``, ``weight_decay``,
+            ``decoupled_weight_decay`` are honoured).
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (weight decay is decoupled by default).
+        decoupled_weight_decay: True = AdamW (p <- p(1 - lr·wd)); False = Adam's L2 term (g <- g + wd·p).
+        freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience, bucket_mb:
+            see ``OneBitAdamConfig``.
+        process_group: the data-parallel group of the momentum all-reduce (None: default group). The
+            Lightning callback sets it from the DDP module (``set_process_group``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        decoupled_weight_decay: bool = True,
+        freeze_step: int = 100,
+        auto_freeze_threshold: float | None = None,
+        auto_freeze_interval: int = 10,
+        auto_freeze_patience: int = 3,
+        bucket_mb: float = 32.0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        check_adam_hparams(lr, betas, eps, weight_decay)
+        if not isinstance(decoupled_weight_decay, bool):
+            raise ValueError(f"OneBitAdam(decoupled_weight_decay={decoupled_weight_decay!r}): allowed True or False")
+        self.config = OneBitAdamConfig(
+            freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience, bucket_mb
+        )
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay
+        )
+        super().__init__(params, defaults)
+        for i, group in enumerate(self.param_groups):
+            check_adam_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]")
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError(f"OneBitAdam: param_groups[{i}] sets amsgrad/maximize; allowed: both False")
+            for p in group["params"]:
+                if torch.is_complex(p):
+                    raise ValueError("OneBitAdam: complex parameters are not supported; allowed: real floating tensors")
+        self.process_group = process_group
+        self.num_steps = 0  # optimizer steps taken (warm-up + compression)
+        self.frozen_at: int | None = None  # value of num_steps when v froze
+        self.auto_below = 0  # consecutive auto-freeze checks with r < threshold
+        self.last_variance_change: float | None = None  # r of the last auto-freeze check
+        self._sync: OneBitMomentumSync | None = None
+        self._layout: list[torch.Tensor] | None = None
+        self._denoms: dict[torch.Tensor, torch.Tensor] = {}
+        self._pending_rank_state: dict | None = None
+        self._warned_stateless = False
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def frozen(self) -> bool:
+        """True once the variance is frozen (compression phase)."""
+        return self.frozen_at is not None
+
+    def set_process_group(self, process_group: dist.ProcessGroup | None) -> None:
+        """Group of the momentum all-reduce; call before the first compression step."""
+        if self._sync is not None and self._sync.process_group is not process_group:
+            raise ValueError("OneBitAdam.set_process_group: the momentum sync already runs on another group")
+        self.process_group = process_group
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step (warm-up AdamW, or the compression-phase update); returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.frozen:
+            self._compressed_step()
+        else:
+            self._warmup_step()
+        self.num_steps += 1
+        if not self.frozen:
+            self._maybe_freeze()
+        return loss
+
+    def _warmup_step(self) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("OneBitAdam: sparse gradients are not supported; allowed: dense gradients")
+                grad = p.grad
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                # the same operations, in the same order, as torch.optim.adam._single_tensor_adam
+                step_t += 1
+                if wd != 0:
+                    if group["decoupled_weight_decay"]:
+                        p.mul_(1 - lr * wd)
+                    else:
+                        grad = grad.add(p, alpha=wd)
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                step = step_t.item()
+                bias_correction1 = 1 - beta1**step
+                bias_correction2 = 1 - beta2**step
+                step_size = lr / bias_correction1
+                denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+                p.addcdiv_(exp_avg, denom, value=-step_size)
+
+    def _build_layout(self) -> None:
+        params = [p for g in self.param_groups for p in g["params"] if "exp_avg" in self.state.get(p, {})]
+        if not params:
+            raise RuntimeError("OneBitAdam: no parameter received a gradient during warm-up; nothing to optimize")
+        self._layout = params
+        self._sync = OneBitMomentumSync(
+            [p.numel() for p in params], self.config.bucket_numel, process_group=self.process_group
+        )
+        if self._pending_rank_state is not None:
+            pending, self._pending_rank_state = self._pending_rank_state, None
+            self._load_rank_state(pending)
+
+    def _compressed_step(self) -> None:
+        if self._sync is None:
+            self._build_layout()
+        assert self._layout is not None and self._sync is not None
+        in_layout = set(self._layout)
+        momenta = []
+        for group in self.param_groups:
+            beta1 = group["betas"][0]
+            for p in group["params"]:
+                if p not in in_layout:
+                    if p.grad is not None and not self._warned_stateless:
+                        self._warned_stateless = True
+                        log.warning(
+                            "OneBitAdam: a parameter of shape %s got a gradient after the freeze but none during "
+                            "warm-up (no variance); it is not updated",
+                            tuple(p.shape),
+                        )
+                    continue
+                m = self.state[p]["exp_avg"]
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError("OneBitAdam: sparse gradients are not supported; allowed: dense gradients")
+                if group["weight_decay"] != 0 and not group["decoupled_weight_decay"]:
+                    grad = grad.add(p, alpha=group["weight_decay"])
+                m.lerp_(grad, 1 - beta1)
+        # momenta in layout order (param_groups order), the order the sync was built with
+        momenta = [self.state[p]["exp_avg"] for p in self._layout]
+        self._sync.sync_(momenta)
+        for group in self.param_groups:
+            beta1 = group["betas"][0]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                if p not in in_layout:
+                    continue
+                state = self.state[p]
+                state["step"] += 1
+                if wd != 0 and group["decoupled_weight_decay"]:
+                    p.mul_(1 - lr * wd)
+                denom = self._denoms.get(p)
+                if denom is None or denom[1] != eps:
+                    denom = (state["exp_avg_sq"].sqrt().add_(eps), eps)
+                    self._denoms[p] = denom
+                p.addcdiv_(state["exp_avg"], denom[0], value=-lr / (1 - beta1 ** state["step"].item()))
+
+    # ------------------------------------------------------------------ freezing
+    def _maybe_freeze(self) -> None:
+        cfg = self.config
+        if cfg.auto_freeze_threshold is not None and self.num_steps % cfg.auto_freeze_interval == 0:
+            r = self._variance_change()
+            self.last_variance_change = r
+            self.auto_below = self.auto_below + 1 if r < cfg.auto_freeze_threshold else 0
+            if self.auto_below >= cfg.auto_freeze_patience:
+                log.info(
+                    "OneBitAdam: variance change %.3g < %.3g for %d checks; freezing at step %d",
+                    r,
+                    cfg.auto_freeze_threshold,
+                    self.auto_below,
+                    self.num_steps,
+                )
+                self.freeze()
+                return
+        if self.num_steps >= cfg.freeze_step:
+            self.freeze()
+
+    def _variance_change(self) -> float:
+        """r = ||v̂ - v̂_ref|| / ||v̂|| over all parameters (max over ranks); v̂_ref <- v̂."""
+        diff2 = torch.zeros((), dtype=torch.float64)
+        norm2 = torch.zeros((), dtype=torch.float64)
+        for group in self.param_groups:
+            beta2 = group["betas"][1]
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or "exp_avg_sq" not in state:
+                    continue
+                vhat = state["exp_avg_sq"] / (1 - beta2 ** state["step"].item())
+                ref = state.get("exp_avg_sq_ref")
+                diff2 += (vhat - (ref if ref is not None else 0.0)).double().pow(2).sum().cpu()
+                norm2 += vhat.double().pow(2).sum().cpu()
+                state["exp_avg_sq_ref"] = vhat
+        r = torch.tensor([float((diff2 / norm2).sqrt()) if norm2 > 0 else 1.0], dtype=torch.float64)
+        if not math.isfinite(float(r)):
+            r.fill_(1.0)  # a non-finite variance never counts as stable
+        world = dist.get_world_size(self.process_group) if dist.is_available() and dist.is_initialized() else 1
+        if world > 1:
+            dev = self._collective_device()
+            rr = r.to(dev)
+            dist.all_reduce(rr, op=dist.ReduceOp.MAX, group=self.process_group)
+            r = rr.cpu()
+            get_ledger().record("all_reduce", 8, 0, world, tag="momentum")
+        return float(r)
+
+    def _collective_device(self) -> torch.device:
+        for g in self.param_groups:
+            for p in g["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def freeze(self) -> None:
+        """Freeze v now (v <- v̂, bias-corrected); the next step is a compression-phase step. Idempotent."""
+        if self.frozen:
+            return
+        for group in self.param_groups:
+            beta2 = group["betas"][1]
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or "exp_avg_sq" not in state:
+                    continue
+                state["exp_avg_sq"].div_(1 - beta2 ** state["step"].item())
+                state.pop("exp_avg_sq_ref", None)
+        self.frozen_at = self.num_steps
+        self._denoms.clear()
+        log.info("OneBitAdam: variance frozen after %d warm-up steps; momentum now travels 1-bit", self.num_steps)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state plus ``"onebit"``: step count, freeze step, auto-freeze counters, config."""
+        sd = super().state_dict()
+        sd["onebit"] = {
+            "num_steps": self.num_steps,
+            "frozen_at": self.frozen_at,
+            "auto_below": self.auto_below,
+            "last_variance_change": self.last_variance_change,
+            "freeze_step": self.config.freeze_step,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a OneBitAdam (or torch Adam/AdamW) state; 1-bit error buffers reset unless a rank state follows.
+
+        A state without ``"onebit"`` (plain Adam/AdamW) resumes at the largest per-parameter step count and
+        freezes at once if that is already >= ``freeze_step``.
+        """
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("onebit", None)
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # Adam/AdamW groups lack our key; keep their semantics
+            group.setdefault("decoupled_weight_decay", False)
+        self._sync, self._layout = None, None
+        self._denoms.clear()
+        if extra is not None:
+            self.num_steps = int(extra["num_steps"])
+            self.frozen_at = None if extra["frozen_at"] is None else int(extra["frozen_at"])
+            self.auto_below = int(extra["auto_below"])
+            self.last_variance_change = extra["last_variance_change"]
+        else:
+            steps = [int(s["step"].item()) for s in self.state.values() if "step" in s]
+            self.num_steps = max(steps, default=0)
+            self.frozen_at, self.auto_below, self.last_variance_change = None, 0, None
+            if self.num_steps >= self.config.freeze_step:
+                self.freeze()
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's 1-bit error buffers (worker and server, per bucket; CPU copies). Save it per rank."""
+        if self._sync is None:
+            return {"worker_error": None} if self._pending_rank_state is None else self._pending_rank_state
+        return self._sync.rank_state_dict()
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's error buffers (from ``rank_state_dict`` on the same rank and layout).
+
+        Applied when the momentum layout exists (now, or at the first compression step); a mismatching
+        layout or world size raises ``ValueError`` then.
+        """
+        if state.get("worker_error") is None:
+            self._pending_rank_state = None
+            return
+        if self._sync is None:
+            self._pending_rank_state = state
+            return
+        self._load_rank_state(state)
+
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
+        assert self._sync is not None and self._layout is not None
+        self._sync.load_rank_state_dict(state)
+        self._sync.to(self._layout[0].device)
+
+
+__all__ = ["OneBitAdam", "OneBitAdamConfig", "check_adam_hparams"]
