@@ -119,6 +119,7 @@ MATRIX = {
     "none": {"codec": "none"},
     "warmup_only": {"codec": "uniform", "bits": 8, "start_step": 10**9},
     "uniform8": {"codec": "uniform", "bits": 8, "min_quant_numel": 0},
+    "uniform8_inline": {"codec": "uniform", "bits": 8, "min_quant_numel": 0, "overlap_comm": False},
     "fp8_e4m3": {"codec": "fp8_e4m3", "bits": 8},
     "fp8_e5m2": {"codec": "fp8_e5m2", "bits": 8},
     "qsgd8": {"codec": "qsgd", "bits": 8},
@@ -164,6 +165,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
             "identical": _params_identical_across_ranks(module),
             "grads": _grad_totals(ledger),
             "step": None if kw is None else trainer.strategy.hook_state.step,
+            "overlapped": None if kw is None else trainer.strategy.hook_state.worker is not None,
         }
 
     # gradient accumulation (no_sync) + find_unused_parameters with an unused parameter
@@ -237,6 +239,14 @@ def test_identity_paths_equal_plain_ddp_exactly(matrix_results):
     for name in ("none", "warmup_only"):
         for p, q in zip(r0[name]["params"], r0["ddp"]["params"]):
             assert torch.equal(p, q), f"{name}: parameters differ from plain DDP"
+
+
+def test_overlapped_and_inline_hook_are_bit_identical(matrix_results):
+    """overlap_comm=True (background thread, own process group) computes exactly what the inline hook does."""
+    for r in matrix_results:
+        assert r["uniform8"]["overlapped"] and not r["uniform8_inline"]["overlapped"]
+        for p, q in zip(r["uniform8"]["params"], r["uniform8_inline"]["params"]):
+            assert torch.equal(p, q), "overlapped hook differs from the inline hook"
 
 
 @pytest.mark.parametrize("name", [k for k in MATRIX if k != "ddp"])

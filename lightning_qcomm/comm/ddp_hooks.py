@@ -15,10 +15,14 @@ Before ``start_step`` every element takes the plain path (warmup). The plain pat
 ``quantized_all_reduce(..., codec=None)``, so it is recorded in the ``CommLedger`` like the rest.
 
 The reduction is precision preserving (reduce-scatter of codes, fp32 sum, requantize, all-gather), so
-every rank ends with the same averaged gradient. The hook computes synchronously and returns an
-already-completed ``Future``: on gloo nothing is lost (gloo's own all-reduce blocks the autograd
-thread as well); on NCCL this forgoes overlapping a bucket's communication with the rest of the
-backward pass.
+every rank ends with the same averaged gradient.
+
+Overlap with backward: given a ``CommWorker`` (and a process group dedicated to it), the hook does the
+bookkeeping on the autograd thread (layout, seed, error buffer, round counter) and hands the
+collective to the worker thread, returning its future at once -- as torch's own gloo all-reduce hook
+does -- so encoding and transfer overlap the rest of the backward pass. Without a worker, or for CUDA
+buffers (whose stream ordering a second thread would have to replicate), the hook runs inline and
+returns a completed future. Both paths compute bit-identical results.
 
 Canonical order: the quantized elements of a bucket are laid out in a fixed parameter order (reverse
 definition order), not in DDP's bucket order, before chunking and quantization. DDP's first iteration
@@ -41,6 +45,7 @@ collective keeps the previous residual wherever the new one is non-finite, so it
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +53,7 @@ import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed, get_codec
 from lightning_qcomm.comm.collectives import quantized_all_reduce
+from lightning_qcomm.comm.comm_worker import CommWorker
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +123,9 @@ class QuantDDPHookState:
         config: ``QuantDDPHookConfig``.
         param_names: maps each trainable parameter to a stable name (checkpoint keys), in the
             module's definition order (``named_parameters``).
-        process_group: the DDP process group (None: default group).
+        process_group: the group the hook's collectives use (None: default group). With a ``worker``,
+            a group nothing else uses (``comm_worker.dedicated_group``).
+        worker: run CPU buckets' collectives on this background thread (overlap with backward).
     """
 
     def __init__(
@@ -125,10 +133,12 @@ class QuantDDPHookState:
         config: QuantDDPHookConfig,
         param_names: dict[torch.nn.Parameter, str],
         process_group: dist.ProcessGroup | None = None,
+        worker: CommWorker | None = None,
     ) -> None:
         self.config = config
         self.codec = config.build_codec()
         self.process_group = process_group
+        self.worker = worker
         self._names = {id(p): n for p, n in param_names.items()}
         self._numel_by_name = {n: p.numel() for p, n in param_names.items()}
         # Canonical order of quantized elements: reverse definition order (what DDP's rebuilt buckets
@@ -259,12 +269,8 @@ def _scatter(buf: torch.Tensor, segments: list[tuple[int, int]], flat: torch.Ten
         pos += n
 
 
-def quant_ddp_comm_hook(state: QuantDDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: average the bucket over ranks, compressing large tensors with ``state.codec``.
-
-    Register with ``ddp_model.register_comm_hook(state, quant_ddp_comm_hook)``. Returns a completed
-    future holding the bucket buffer, averaged in place.
-    """
+def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[], torch.Tensor]:
+    """Bookkeeping on the calling (autograd) thread; the returned job does the communication."""
     buf = bucket.buffer()
     group = state.process_group
     plan = state.plan(bucket)
@@ -272,24 +278,40 @@ def quant_ddp_comm_hook(state: QuantDDPHookState, bucket: dist.GradBucket) -> to
     # Bucket shapes agree across ranks by construction; verify once per layout, then skip the check.
     check = compress not in plan.checked
     plan.checked.add(compress)
-    if not compress:
-        quantized_all_reduce(buf, None, group=group, op="avg", tag="grads", check=check)
-    else:
-        seed = derive_seed(state.config.seed, state.step, bucket.index(), state.round)
+    seed = derive_seed(state.config.seed, state.step, bucket.index(), state.round)
+    ef = state.error_buffer(bucket.index(), plan, buf) if compress and state.config.error_feedback else None
+    if bucket.is_last():
+        state.round += 1
+
+    def job() -> torch.Tensor:
+        if not compress:
+            quantized_all_reduce(buf, None, group=group, op="avg", tag="grads", check=check)
+            return buf
         if plan.small:
             plain = _gather(buf, plan.small)
             quantized_all_reduce(plain, None, group=group, op="avg", tag="grads", check=check)
             _scatter(buf, plan.small, plain)
         big = _gather(buf, plan.big)
-        ef = state.error_buffer(bucket.index(), plan, buf) if state.config.error_feedback else None
         quantized_all_reduce(
             big, state.codec, group=group, op="avg", error_feedback=ef, seed=seed, tag="grads", check=check
         )
         _scatter(buf, plan.big, big)
-    if bucket.is_last():
-        state.round += 1
+        return buf
+
+    return job
+
+
+def quant_ddp_comm_hook(state: QuantDDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket over ranks, compressing large tensors with ``state.codec``.
+
+    Register with ``ddp_model.register_comm_hook(state, quant_ddp_comm_hook)``. Returns a future holding
+    the bucket buffer, averaged in place: completed on return, or completed by ``state.worker``.
+    """
+    job = _bucket_job(state, bucket)
+    if state.worker is not None and bucket.buffer().device.type == "cpu":
+        return state.worker.submit(job)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(buf)
+    fut.set_result(job())
     return fut
 
 

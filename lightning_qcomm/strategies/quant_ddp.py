@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
 from lightning_qcomm.comm.ddp_hooks import (
     DDP_CODECS,
     QuantDDPHookConfig,
@@ -85,6 +86,9 @@ class QuantDDPStrategy(DDPStrategy):
         min_quant_numel: parameters with fewer elements are all-reduced uncompressed.
         start_step: optimizer steps of uncompressed warmup.
         seed: seed of the stochastic rounding (folded with step and bucket index).
+        overlap_comm: on CPU/gloo, run each bucket's compressed all-reduce on a background thread over a
+            process group of its own, so it overlaps the rest of the backward pass (as torch's own
+            gloo all-reduce does). Results are bit-identical either way. CUDA buckets always run inline.
         ddp_kwargs: everything ``DDPStrategy`` accepts (``find_unused_parameters``, ``start_method``,
             ``bucket_cap_mb``, ...) except its comm-hook arguments, which this strategy owns.
     """
@@ -100,6 +104,7 @@ class QuantDDPStrategy(DDPStrategy):
         min_quant_numel: int = 1024,
         start_step: int = 0,
         seed: int = 0,
+        overlap_comm: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -117,8 +122,13 @@ class QuantDDPStrategy(DDPStrategy):
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **ddp_kwargs
         )
+        if not isinstance(overlap_comm, bool):
+            raise TypeError(f"QuantDDPStrategy(overlap_comm={overlap_comm!r}) must be a bool")
+        self.overlap_comm = overlap_comm
         self._hook_state: QuantDDPHookState | None = None
         self._pending_state: dict | None = None
+        self._comm_worker: CommWorker | None = None
+        self._comm_group: dist.ProcessGroup | None = None
 
     @staticmethod
     def _make_config(
@@ -176,7 +186,13 @@ class QuantDDPStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         assert self.lightning_module is not None
         names = {p: n for n, p in self.lightning_module.named_parameters() if p.requires_grad}
-        state = QuantDDPHookState(self.hook_config, names, process_group=self.model.process_group)
+        group, worker = self.model.process_group, None
+        if self.overlap_comm and self.root_device.type == "cpu" and self.world_size > 1:
+            if self._comm_worker is None:  # collective: every rank gets here in the same order
+                self._comm_group = dedicated_group(self.model.process_group)
+                self._comm_worker = CommWorker()
+            group, worker = self._comm_group, self._comm_worker
+        state = QuantDDPHookState(self.hook_config, names, process_group=group, worker=worker)
         # a restored checkpoint, else the previous fit of this strategy (a second ``fit`` continues it)
         previous = self._pending_state
         if previous is None and self._hook_state is not None:
@@ -200,6 +216,12 @@ class QuantDDPStrategy(DDPStrategy):
         if self._hook_state is not None:
             self._hook_state.next_step()
         return out
+
+    @override
+    def teardown(self) -> None:
+        if self._comm_worker is not None:
+            self._comm_worker.close()
+        super().teardown()
 
     # ------------------------------------------------------------------ checkpointing (per rank)
     @override

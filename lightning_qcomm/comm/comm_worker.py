@@ -1,0 +1,95 @@
+"""A background thread that runs compressed collectives off the autograd thread (process layer).
+
+DDP calls a comm hook from the backward pass and only waits for the returned future at the end of
+backward. torch's own all-reduce hook on gloo returns at once (gloo runs the transfer on its own
+threads), so the rest of the backward pass overlaps the communication. A hook that encodes, sends,
+reduces and decodes inline blocks the backward pass for all of that time instead. ``CommWorker`` gives
+such a hook the same overlap: ``submit(fn)`` queues ``fn`` and returns a ``torch.futures.Future`` that
+completes with ``fn()``'s result (or its exception) once the worker thread has run it.
+
+Ordering: jobs run one at a time, in submission order. Collectives issued by the worker must go through
+a process group that nothing else uses concurrently (``dedicated_group``): two threads issuing
+collectives on one gloo group could enqueue them in different orders on different ranks, and gloo
+pairs operations by their order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class CommWorker:
+    """One daemon thread executing submitted jobs in FIFO order."""
+
+    def __init__(self, name: str = "lightning_qcomm-comm") -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _ensure_started(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fn, fut = item
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 -- handed to the waiter, which re-raises it
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
+        """Queue ``fn``; the returned future holds its result (or raises its exception on ``wait``)."""
+        self._ensure_started()
+        fut: torch.futures.Future = torch.futures.Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    def drain(self) -> None:
+        """Block until every job submitted so far has run."""
+        if self._thread is not None and self._thread.is_alive():
+            self.submit(lambda: None).wait()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread (idempotent; ``submit`` restarts it)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            self._queue.put(_STOP)
+            thread.join()
+
+
+def dedicated_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """A new process group over the same ranks as ``group`` (default: the world), for a ``CommWorker``.
+
+    Collective: every rank of the world must call it, in the same order. Returns None when
+    torch.distributed is not initialised (a world of one needs no group).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    backend = dist.get_backend(group)
+    log.debug("lightning_qcomm: creating a %s process group over ranks %s for background collectives", backend, ranks)
+    return dist.new_group(ranks=ranks, backend=backend)
+
+
+__all__ = ["CommWorker", "dedicated_group"]
