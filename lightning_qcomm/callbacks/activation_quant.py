@@ -1,0 +1,192 @@
+"""ActivationQuantization: Lightning glue for b-bit saved activations (DESIGN §2 "Activation quantization").
+
+    Trainer(callbacks=[ActivationQuantization(bits=4)])                      # any strategy, any device count
+    Trainer(callbacks=[ActivationQuantization(bits=4, policy="budget", budget_bits=5.0)])
+
+What this file owns (the math is in ``lightning_qcomm.memory`` and the uniform codec):
+
+* validating the typed constructor arguments (a ``ValueError`` names the argument, the value and what is
+  allowed) and building an ``ActivationQuantizer``;
+* attaching it to the LightningModule's modules at fit start, and running it around every training
+  forward: from ``on_train_batch_start`` to ``on_before_backward`` (and again after a manual backward
+  until the batch ends), never during validation, prediction or the optimizer step;
+* seeds: ``derive_seed(seed, global_step, forward index within the step, global rank, site)``;
+* the budget policy's calibration: after ``calibration_steps`` optimizer steps the per-site statistics
+  are summed over ranks (``strategy.reduce``) so every rank fixes the same plan; the plan is saved in and
+  restored from checkpoints (``state_dict``);
+* metrics, logged through the LightningModule (so every Lightning logger gets them) every
+  ``log_every_n_steps`` optimizer steps (default: ``Trainer(log_every_n_steps)``), this rank's numbers, the
+  largest forward of the step: ``actq/saved_bytes`` (saved activations as stored), ``actq/baseline_bytes``
+  (the same saves unquantized), ``actq/ratio`` (= saved / baseline), ``actq/quantized_ratio`` (over the
+  quantized tensors only: the codec's b/32 + scale overhead), ``actq/quantized_tensors``, ``actq/avg_bits``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_qcomm.memory.bit_allocation import average_bits
+from lightning_qcomm.memory.quantizer import (
+    ActivationQuantConfig,
+    ActivationQuantizer,
+    parse_patterns,
+)
+from lightning_qcomm.memory.saved_tensors import SavedBytes
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 1
+
+
+class ActivationQuantization(pl.Callback):
+    """Store saved activations of Linear, LayerNorm/RMSNorm and GELU/SiLU blockwise in ``bits`` bits.
+
+    Attention (SDPA / MultiheadAttention ops, and modules matching ``attention_patterns``) and parameters
+    are never quantized; see ``lightning_qcomm.memory.quantizer`` for the exact rules.
+
+    Args:
+        bits: code width (1..8) of quantized activations (the base width for ``layer_aware``/``budget``).
+        policy: ``"uniform"`` (every site at ``bits``), ``"layer_aware"`` (first and last site at
+            ``edge_bits``), ``"budget"`` (4/5/6/8 bits by measured sensitivity, mean ``budget_bits``).
+        block_size: elements per scale block (min, unit): overhead 64 / block_size bits per element.
+        min_numel: saved tensors with fewer elements stay in full precision.
+        recompute: norms and activations keep only their quantized input and recompute in backward.
+        attention_patterns: fnmatch patterns (comma-separated str or list) of module attribute or class
+            names treated as attention, kept in full precision; ``None`` or ``""``: only the attention ops.
+        edge_bits: ``layer_aware`` width of the first and last quantized site (bits..8).
+        budget_bits: ``budget`` mean code bits per quantized element (bits..8).
+        calibration_steps: optimizer steps measured (all sites at 8 bits) before the budget plan is fixed.
+        stochastic: stochastic rounding (unbiased); False rounds to nearest.
+        seed: user seed folded into every site's random bits.
+        log_every_n_steps: metric period in optimizer steps; ``None`` follows the Trainer's.
+        record_saves: keep, for the last forward, a record of every saved tensor and the decision
+            (``self.quantizer.records``), for inspection.
+    """
+
+    def __init__(
+        self,
+        bits: int = 4,
+        policy: Literal["uniform", "layer_aware", "budget"] = "uniform",
+        block_size: int = 128,
+        min_numel: int = 1024,
+        recompute: bool = True,
+        attention_patterns: str | list[str] | None = "*attn*,*attention*",
+        edge_bits: int = 8,
+        budget_bits: float = 5.0,
+        calibration_steps: int = 1,
+        stochastic: bool = True,
+        seed: int = 0,
+        log_every_n_steps: int | None = None,
+        record_saves: bool = False,
+    ) -> None:
+        if isinstance(budget_bits, int) and not isinstance(budget_bits, bool):
+            budget_bits = float(budget_bits)
+        self.config = ActivationQuantConfig(
+            bits=bits,
+            block_size=block_size,
+            policy=policy,
+            min_numel=min_numel,
+            recompute=recompute,
+            attention_patterns=parse_patterns(attention_patterns),
+            edge_bits=edge_bits,
+            budget_bits=budget_bits,
+            calibration_steps=calibration_steps,
+            stochastic=stochastic,
+            seed=seed,
+        )
+        if log_every_n_steps is not None and (
+            not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1
+        ):
+            raise ValueError(f"log_every_n_steps must be None or an int >= 1, got {log_every_n_steps!r}")
+        if not isinstance(record_saves, bool):
+            raise ValueError(f"record_saves must be a bool, got {record_saves!r}")
+        self.log_every_n_steps = log_every_n_steps
+        self.quantizer = ActivationQuantizer(self.config)
+        self.quantizer.record = record_saves
+        self.step_stats = SavedBytes()  # largest forward of the current optimizer step
+        self.last_step_stats = SavedBytes()  # ... of the last finished optimizer step
+        self._step = -1
+        self._forward_in_step = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.quantizer.attach(pl_module)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.quantizer.end()
+        self.quantizer.detach()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.quantizer.end()
+        self.quantizer.detach()
+
+    def _begin(self, trainer: pl.Trainer) -> None:
+        if trainer.global_step != self._step:
+            self._step = trainer.global_step
+            self._forward_in_step = 0
+            self.step_stats = SavedBytes()
+        self.quantizer.begin(step=trainer.global_step, micro=self._forward_in_step, rank=trainer.global_rank)
+        self._forward_in_step += 1
+
+    def _end(self) -> None:
+        if not self.quantizer.active:
+            return
+        self.quantizer.end()
+        if self.quantizer.stats.stored >= self.step_stats.stored:
+            self.step_stats = self.quantizer.stats
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._begin(trainer)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._end()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:  # a manual training_step may run more forwards
+            self._begin(trainer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._end()
+        if trainer.global_step == self._step:
+            return  # gradient accumulation: the optimizer step has not happened yet
+        self.last_step_stats = self.step_stats
+        q = self.quantizer
+        if self.config.policy == "budget" and q.plan is None and trainer.global_step >= self.config.calibration_steps:
+            plan = q.finish_calibration(reduce=lambda t: trainer.strategy.reduce(t, reduce_op="sum"))
+            numels = [c.numel for c in q.calibration]
+            log.info(
+                "ActivationQuantization: budget plan fixed: %d sites, mean %.2f bits (target %.2f)",
+                len(plan),
+                average_bits(numels, plan),
+                self.config.budget_bits,
+            )
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if trainer.global_step % every == 0 and trainer.loggers:
+            pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
+
+    def metrics(self) -> dict[str, float]:
+        """The ``actq/*`` numbers of the last finished optimizer step (see module docstring)."""
+        s = self.last_step_stats
+        return {
+            "actq/saved_bytes": float(s.stored),
+            "actq/baseline_bytes": float(s.baseline),
+            "actq/ratio": s.ratio,
+            "actq/quantized_ratio": s.quantized_ratio,
+            "actq/quantized_tensors": float(s.quantized_tensors),
+            "actq/avg_bits": s.avg_bits,
+        }
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": CHECKPOINT_VERSION, **self.quantizer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.quantizer.load_state_dict(state_dict)

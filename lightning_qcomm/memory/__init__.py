@@ -1,0 +1,34 @@
+"""Memory adapters (DESIGN §1 adapters layer): quantized storage of saved activations (AGoQ LAAQ).
+
+``saved_tensors`` holds the quantized container and the rules for what may be quantized, ``recompute``
+the norm / activation ops that keep only their quantized input, ``bit_allocation`` the width policies, and
+``quantizer`` the runtime that ties them to a forward pass. The quantization math is the uniform codec's.
+"""
+
+from lightning_qcomm.memory.bit_allocation import POLICIES, budget_plan, layer_aware_plan, uniform_plan
+from lightning_qcomm.memory.quantizer import ActivationQuantConfig, ActivationQuantizer, SaveRecord, parse_patterns
+from lightning_qcomm.memory.recompute import recompute_from_stored
+from lightning_qcomm.memory.saved_tensors import (
+    QuantizedActivation,
+    SavedBytes,
+    count_saved_tensors,
+    is_parameter_like,
+    quantize_activation,
+)
+
+__all__ = [
+    "POLICIES",
+    "ActivationQuantConfig",
+    "ActivationQuantizer",
+    "QuantizedActivation",
+    "SaveRecord",
+    "SavedBytes",
+    "budget_plan",
+    "count_saved_tensors",
+    "is_parameter_like",
+    "layer_aware_plan",
+    "parse_patterns",
+    "quantize_activation",
+    "recompute_from_stored",
+    "uniform_plan",
+]

@@ -1,0 +1,113 @@
+"""Bit-width policies for quantized activations: one width per *site* (a quantized save, in forward order).
+
+Policies (``policy=``):
+
+* ``uniform``: every site at ``bits``.
+* ``layer_aware``: AGoQ's layer-aware rule restricted to what a single model exposes (no pipeline stages):
+  attention stays in full precision (enforced by the quantizer for every policy), norms and activation
+  functions store their quantized input and recompute, and the two *edge* sites, the first and the last
+  quantized save of the forward (in a transformer: the embedding output entering the first norm, and the
+  input of the LM head), get ``edge_bits`` (8); every other site gets ``bits``. The edges are where an
+  error reaches every parameter's gradient (the first) or enters the loss gradient directly (the last);
+  they are 2 of the 8-9·L sites of an L-layer transformer, so the memory cost is small. This is the
+  long-standing "keep first and last layers at higher precision" practice of quantized training.
+* ``budget``: widths in {bits, 5, 6, 8} (those >= ``bits``) chosen to minimise the estimated gradient
+  error subject to an average of at most ``budget_bits`` code bits per quantized element
+  (AGoQ's DBCA "more bits where memory is spare", generalised from pipeline stages to layers).
+
+The rule ``budget`` uses (stated, and measured on calibration steps by the quantizer):
+
+    E_l(b) = A_l / (2^b - 1)^2,     A_l = G_l · V_l,     V_l = Σ_blocks count_k · range_k² / 6
+
+V_l · /(2^b - 1)² is the total variance stochastic rounding adds to site l's saved tensor at b bits
+(per element unit²·f(1-f), f the fractional position, averaged over f ~ U[0,1) gives unit²/6).
+G_l turns activation variance into gradient variance: for a Linear, E‖ΔdW‖² = Σ_n ‖dY_n‖² Σ_i Var(x̃_ni)
+≈ (‖dY‖²_F / rows) · V, so G_l = ‖dY‖²_F / rows, with dY the gradient of the consuming op's output
+(rows = numel / last dim); for a norm G_l additionally carries the mean of r² = 1/(σ² + eps) over rows (the
+backward scales input errors by r); for an element-wise activation rows = numel. Allocation is greedy on
+the marginal error reduction per added bit·element, which is optimal for this separable convex problem up
+to the one 2-bit step (6 -> 8).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import torch
+
+POLICIES = ("uniform", "layer_aware", "budget")
+BUDGET_WIDTHS = (4, 5, 6, 8)
+
+
+def rounding_variance_sum(scales: torch.Tensor, bits: int, numel: int, block_size: int) -> float:
+    """Σ_blocks count · range² / 6 from uniform-codec scales (lo, unit) at ``bits``: V_l of the module doc.
+
+    range = unit · (2^bits - 1); non-finite blocks contribute nothing (their gradient is non-finite anyway).
+    """
+    rng = scales[:, 1].double() * ((1 << bits) - 1)
+    counts = torch.full_like(rng, float(block_size))
+    counts[-1] = numel - (rng.numel() - 1) * block_size
+    terms = counts * rng.square() / 6.0
+    return float(torch.where(torch.isfinite(terms), terms, torch.zeros_like(terms)).sum())
+
+
+def widths_for(bits: int) -> tuple[int, ...]:
+    """Budget widths available above the base width ``bits``."""
+    return tuple(sorted({bits, *(w for w in BUDGET_WIDTHS if w > bits)}))
+
+
+def uniform_plan(n_sites: int, bits: int) -> list[int]:
+    return [bits] * n_sites
+
+
+def layer_aware_plan(n_sites: int, bits: int, edge_bits: int) -> list[int]:
+    """``bits`` everywhere, ``edge_bits`` on the first and the last site."""
+    plan = [bits] * n_sites
+    if n_sites:
+        plan[0] = plan[-1] = edge_bits
+    return plan
+
+
+def error_at(coef: float, bits: int) -> float:
+    """E(b) = coef / (2^b - 1)^2."""
+    return coef / float((1 << bits) - 1) ** 2
+
+
+def budget_plan(numels: Sequence[int], coefs: Sequence[float], bits: int, budget_bits: float) -> list[int]:
+    """Widths per site minimising Σ E_l(b_l) subject to Σ n_l b_l <= budget_bits · Σ n_l (greedy).
+
+    Every site starts at ``bits``; the upgrade (to the next width of ``widths_for(bits)``) with the largest
+    error reduction per added bit·element is applied while it fits; ties go to the earlier site.
+    """
+    if len(numels) != len(coefs):
+        raise ValueError(f"numels and coefs differ in length: {len(numels)} != {len(coefs)}")
+    widths = widths_for(bits)
+    plan = [bits] * len(numels)
+    capacity = budget_bits * sum(numels) - bits * sum(numels)
+    heap: list[tuple[float, int, int]] = []
+
+    def push(site: int, level: int) -> None:
+        if level + 1 < len(widths):
+            b0, b1 = widths[level], widths[level + 1]
+            cost = numels[site] * (b1 - b0)
+            gain = error_at(coefs[site], b0) - error_at(coefs[site], b1)
+            if cost > 0 and gain > 0:
+                heapq.heappush(heap, (-gain / cost, site, level))
+
+    for site in range(len(numels)):
+        push(site, 0)
+    while heap:
+        _, site, level = heapq.heappop(heap)
+        cost = numels[site] * (widths[level + 1] - widths[level])
+        if cost <= capacity + 1e-9:
+            capacity -= cost
+            plan[site] = widths[level + 1]
+            push(site, level + 1)
+    return plan
+
+
+def average_bits(numels: Sequence[int], plan: Sequence[int]) -> float:
+    """Element-weighted mean code width of a plan."""
+    total = sum(numels)
+    return sum(n * b for n, b in zip(numels, plan)) / total if total else 0.0

@@ -1,0 +1,492 @@
+"""ActivationQuantizer: stores the saved activations of a forward pass in b bits (DESIGN §2, AGoQ LAAQ).
+
+What it quantizes. Only the *inputs* that these ops save for backward, intercepted with a
+``TorchFunctionMode`` while a forward runs under ``begin()``/``end()`` (or ``forward_context``):
+
+* ``F.linear`` (``nn.Linear``, MLPs): its saved input, through a saved-tensor hook around the call
+  (torch's own backward runs on the restored tensor); the saved weight is parameter-like and kept.
+* ``F.layer_norm`` / ``F.rms_norm`` and ``F.gelu`` / ``F.silu``: with ``recompute`` (default) the op runs
+  as ``recompute.recompute_from_stored``, holding only the quantized input and recomputing the op in
+  backward; without it, the same saved-tensor hook as for linear (only saves with the input's size).
+
+What it keeps in full precision, whatever the policy:
+
+* attention: every tensor saved by ``F.scaled_dot_product_attention`` and
+  ``F.multi_head_attention_forward`` (Q, K, V, output, log-sum-exp, weights), and everything saved while a
+  module recognised as attention runs: ``nn.MultiheadAttention``, or a non-root module whose attribute
+  name or class name matches one of ``attention_patterns`` (``fnmatch``, case-insensitive; default
+  ``*attn*``, ``*attention*``), so the Q/K/V projection input and the output projection input stay exact.
+  Attention written with plain matmuls is never quantized either (matmul is not an intercepted op).
+* parameters and views/casts of them, tensors below ``min_numel``, non-floating tensors, leaves and
+  tensors saved by any other op (softmax, log-softmax, embedding, losses): see ``saved_tensors``.
+
+Each quantized save is a *site*, numbered in forward order; its width comes from the policy's plan
+(``bit_allocation``) and its random bits from ``derive_seed(seed, step, micro, rank, site)``, so runs are
+reproducible. Every saved tensor is also counted (``SavedBytes``): ``stats`` holds the current forward's
+bytes with and without quantization. ``records`` (when ``record`` is set) lists every save it saw with
+the decision and the reason, for inspection and tests.
+
+Not supported: ``torch.compile`` (saved-tensor hooks then run at the compiled-graph boundary,
+pytorch#148222), double backward through a recomputed op, ops called from another thread than the one
+that called ``begin()``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_qcomm.codecs import Codec, derive_seed, get_codec
+from lightning_qcomm.memory import bit_allocation as alloc
+from lightning_qcomm.memory.recompute import (
+    activation_fn,
+    bypass_active,
+    layer_norm_fn,
+    recompute_from_stored,
+    rms_norm_fn,
+)
+from lightning_qcomm.memory.saved_tensors import (
+    SavedBytes,
+    is_parameter_like,
+    quantizable_reason,
+    quantize_activation,
+    restore,
+    tensor_nbytes,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ATTENTION_PATTERNS = ("*attn*", "*attention*")
+CALIBRATION_BITS = 8
+MAX_RECORDS = 100_000
+
+# intercepted functions -> kind
+_KINDS: dict[Callable, str] = {
+    F.linear: "linear",
+    F.layer_norm: "layer_norm",
+    F.rms_norm: "rms_norm",
+    F.gelu: "gelu",
+    F.silu: "silu",
+    F.scaled_dot_product_attention: "attention",
+    F.multi_head_attention_forward: "attention",
+}
+_NORMS = ("layer_norm", "rms_norm")
+_SIG_LAYER_NORM = inspect.signature(F.layer_norm)
+_SIG_RMS_NORM = inspect.signature(F.rms_norm)
+_SIG_SILU = inspect.signature(F.silu)
+
+
+def parse_patterns(value: str | Sequence[str] | None, arg: str = "attention_patterns") -> tuple[str, ...]:
+    """A comma-separated string or a list of fnmatch patterns -> tuple (None or "" -> no pattern)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        items = list(value)
+    else:
+        raise ValueError(f"{arg} must be a comma-separated str, a list of str or None, got {value!r}")
+    return tuple(p.strip().lower() for p in items if p.strip())
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name}={value} is out of range; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class ActivationQuantConfig:
+    """Everything the quantizer needs; validated on construction (ValueError names the argument).
+
+    bits: code width of quantized activations (1..8); block_size: elements per (min, unit) scale pair;
+    policy: ``uniform`` | ``layer_aware`` | ``budget`` (see ``bit_allocation``); min_numel: smaller saves
+    stay exact; recompute: norms and activations hold only their quantized input and recompute;
+    attention_patterns: fnmatch patterns naming attention modules; edge_bits: layer_aware's width of the
+    first and last site (bits..8); budget_bits: budget's mean code width per quantized element
+    (bits..8); calibration_steps: optimizer steps measured (at 8 bits) before the budget plan is fixed;
+    stochastic: stochastic rounding (False: round to nearest, biased); seed: folded into every site's seed.
+    """
+
+    bits: int = 4
+    block_size: int = 128
+    policy: str = "uniform"
+    min_numel: int = 1024
+    recompute: bool = True
+    attention_patterns: tuple[str, ...] = DEFAULT_ATTENTION_PATTERNS
+    edge_bits: int = 8
+    budget_bits: float = 5.0
+    calibration_steps: int = 1
+    stochastic: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("bits", self.bits, 1, 8)
+        _check_int("block_size", self.block_size, 1)
+        if self.policy not in alloc.POLICIES:
+            raise ValueError(f"policy={self.policy!r} is not supported; allowed: {', '.join(alloc.POLICIES)}")
+        _check_int("min_numel", self.min_numel, 1)
+        for name in ("recompute", "stochastic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.attention_patterns, tuple) or not all(
+            isinstance(p, str) for p in self.attention_patterns
+        ):
+            raise ValueError(f"attention_patterns must be a tuple of str, got {self.attention_patterns!r}")
+        _check_int("edge_bits", self.edge_bits, self.bits, 8)
+        if isinstance(self.budget_bits, bool) or not isinstance(self.budget_bits, (int, float)):
+            raise ValueError(f"budget_bits must be a float, got {self.budget_bits!r}")
+        if not self.bits <= self.budget_bits <= 8:
+            raise ValueError(f"budget_bits={self.budget_bits} is out of range; allowed: bits ({self.bits})..8")
+        _check_int("calibration_steps", self.calibration_steps, 1)
+        _check_int("seed", self.seed, 0)
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """One tensor autograd saved while the quantizer was active, and what was done with it."""
+
+    site: int | None  # quantized site index, None when kept
+    module: str  # innermost running module (qualified name, or class name for the root)
+    op: str  # intercepted op name, or "other"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    action: str  # "quantized" | "kept"
+    reason: str  # why kept ("parameter", "attention", "small", ...), or the op kind when quantized
+    bits: int | None = None
+    parameter: bool = False
+
+
+@dataclass
+class _SiteCalibration:
+    numel: int = 0
+    coef: float = 0.0  # accumulated A_l = G_l · V_l (bit_allocation module doc)
+
+
+@dataclass
+class _Watch:
+    site: int
+    kind: str
+    numel: int  # elements of the quantized saved tensor (n_l)
+    var_sum: float  # V_l of this save
+    r2: float = 1.0
+
+
+class _QuantMode(TorchFunctionMode):
+    """Routes the intercepted ops of ``_KINDS`` to the quantizer; everything else runs unchanged."""
+
+    def __init__(self, owner: ActivationQuantizer) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _KINDS.get(func)
+        if kind is None or bypass_active() or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        return self.owner._handle(kind, func, args, kwargs)
+
+
+class ActivationQuantizer:
+    """Quantize saved activations inside ``begin()`` ... ``end()`` (see module docstring).
+
+    >>> q = ActivationQuantizer(ActivationQuantConfig(bits=4)); q.attach(model)
+    >>> with q.forward_context(step=0):
+    ...     loss = model(x).sum()
+    >>> loss.backward()          # quantized tensors are restored here
+    >>> q.stats.ratio            # stored / baseline bytes of this forward's saved activations
+    """
+
+    def __init__(self, config: ActivationQuantConfig | None = None) -> None:
+        self.config = config or ActivationQuantConfig()
+        self.record = False
+        self.records: list[SaveRecord] = []
+        self.stats = SavedBytes()
+        self.plan: list[int] | None = None
+        self.calibration: list[_SiteCalibration] = []
+        self.calibration_forwards = 0
+        self.last_site_count = 0
+        self._codecs: dict[int, Codec] = {}
+        self._handles: list = []
+        self._stack: list[tuple[str, bool]] = []
+        self._attention_depth = 0
+        self._mode: _QuantMode | None = None
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._site = 0
+        self._seed_prefix: tuple[int, ...] = (0, 0, 0)
+        self._warned_sites = False
+
+    # ------------------------------------------------------------------ policy
+    @property
+    def calibrating(self) -> bool:
+        """True until the policy's plan exists (layer_aware: first forward; budget: ``finish_calibration``)."""
+        return self.config.policy != "uniform" and self.plan is None
+
+    def codec(self, bits: int) -> Codec:
+        if bits not in self._codecs:
+            self._codecs[bits] = get_codec(
+                "uniform", bits=bits, bucket_size=self.config.block_size, stochastic=self.config.stochastic
+            )
+        return self._codecs[bits]
+
+    def bits_for(self, site: int) -> int:
+        cfg = self.config
+        if cfg.policy == "uniform":
+            return cfg.bits
+        if self.plan is None:
+            return max(CALIBRATION_BITS, cfg.edge_bits) if cfg.policy == "layer_aware" else CALIBRATION_BITS
+        if site < len(self.plan):
+            return self.plan[site]
+        if not self._warned_sites:
+            self._warned_sites = True
+            log.warning(
+                "ActivationQuantizer: this forward has more quantized saves than the %d of the plan; the extra ones use bits=%d",
+                len(self.plan),
+                cfg.bits,
+            )
+        return cfg.bits
+
+    def finish_calibration(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
+        """Fix the budget plan from the calibration statistics (``reduce`` sums them over ranks)."""
+        cfg = self.config
+        numels = [c.numel for c in self.calibration]
+        coefs = torch.tensor([c.coef for c in self.calibration], dtype=torch.float64)
+        if reduce is not None:
+            coefs = reduce(coefs)
+        self.plan = alloc.budget_plan(numels, coefs.tolist(), cfg.bits, cfg.budget_bits)
+        return self.plan
+
+    def state_dict(self) -> dict:
+        return {"plan": None if self.plan is None else list(self.plan)}
+
+    def load_state_dict(self, state: dict) -> None:
+        plan = state.get("plan")
+        self.plan = None if plan is None else [int(b) for b in plan]
+
+    # ------------------------------------------------------------------ module scope
+    def is_attention_module(self, name: str, module: nn.Module) -> bool:
+        if isinstance(module, nn.MultiheadAttention):
+            return True
+        if not name:  # the root (the whole model) is never "attention"
+            return False
+        leaf, cls = name.rsplit(".", 1)[-1].lower(), type(module).__name__.lower()
+        return any(fnmatch.fnmatchcase(leaf, p) or fnmatch.fnmatchcase(cls, p) for p in self.config.attention_patterns)
+
+    def attach(self, root: nn.Module) -> None:
+        """Track which module runs (for site names and the attention scope) with forward hooks on ``root``'s tree."""
+        self.detach()
+        for name, module in root.named_modules():
+            attn = self.is_attention_module(name, module)
+            label = name or type(module).__name__
+            self._handles.append(module.register_forward_pre_hook(partial(self._enter, label, attn)))
+            self._handles.append(module.register_forward_hook(partial(self._exit, attn), always_call=True))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._stack = []
+        self._attention_depth = 0
+
+    def _enter(self, label: str, attn: bool, module, args) -> None:
+        self._stack.append((label, attn))
+        self._attention_depth += attn
+
+    def _exit(self, attn: bool, module, args, output) -> None:
+        if self._stack:
+            self._stack.pop()
+            self._attention_depth -= attn
+
+    def _module_name(self) -> str:
+        return self._stack[-1][0] if self._stack else ""
+
+    # ------------------------------------------------------------------ activation
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def begin(self, step: int = 0, micro: int = 0, rank: int = 0) -> None:
+        """Start quantizing this thread's saved activations (a new forward: stats and sites restart)."""
+        if self.active:
+            raise RuntimeError("ActivationQuantizer.begin() called twice without end()")
+        self.stats = SavedBytes()
+        self.records = []
+        self._site = 0
+        self._seed_prefix = (int(step), int(micro), int(rank))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_other, restore)
+        self._hooks.__enter__()
+        self._mode = _QuantMode(self)
+        self._mode.__enter__()
+
+    def end(self) -> None:
+        """Stop intercepting (saved tensors already quantized are restored in backward whenever it runs)."""
+        if not self.active:
+            return
+        self._mode.__exit__(None, None, None)
+        self._hooks.__exit__(None, None, None)
+        self._mode = self._hooks = None
+        self.last_site_count = self._site
+        if self.calibrating:
+            self.calibration_forwards += 1
+            if self.config.policy == "layer_aware":
+                self.plan = alloc.layer_aware_plan(self._site, self.config.bits, self.config.edge_bits)
+
+    @contextmanager
+    def forward_context(self, step: int = 0, micro: int = 0, rank: int = 0) -> Iterator[ActivationQuantizer]:
+        self.begin(step, micro, rank)
+        try:
+            yield self
+        finally:
+            self.end()
+
+    # ------------------------------------------------------------------ saving
+    def _record(self, t: torch.Tensor, op: str, action: str, reason: str, site=None, bits=None, param=False) -> None:
+        if self.record and len(self.records) < MAX_RECORDS:
+            self.records.append(
+                SaveRecord(site, self._module_name(), op, tuple(t.shape), t.dtype, action, reason, bits, param)
+            )
+
+    def _keep(self, t: torch.Tensor, op: str, reason: str) -> torch.Tensor:
+        if reason == "parameter":
+            self._record(t, op, "kept", reason, param=True)
+        else:
+            self.stats.add_kept(tensor_nbytes(t))
+            self._record(t, op, "kept", reason)
+        return t
+
+    def _pack_other(self, t: torch.Tensor) -> torch.Tensor:
+        """Outermost hook: saves of ops that are not intercepted stay exact (counted)."""
+        if bypass_active():
+            return t
+        return self._keep(t, "other", "parameter" if is_parameter_like(t) else "not a quantized op")
+
+    def _next_site(self) -> tuple[int, int, int]:
+        site = self._site
+        self._site += 1
+        return site, self.bits_for(site), derive_seed(self.config.seed, *self._seed_prefix, site)
+
+    def _quantize(self, t: torch.Tensor, op: str, kind: str):
+        site, bits, seed = self._next_site()
+        stored = quantize_activation(t, self.codec(bits), seed)
+        self.stats.add_quantized(tensor_nbytes(t), stored.nbytes, t.numel(), bits)
+        self._record(t, op, "quantized", kind, site=site, bits=bits)
+        return site, bits, stored
+
+    def _op_pack(self, op: str, kind: str, input_numel: int, watches: list | None, t: torch.Tensor):
+        if bypass_active():
+            return t
+        reason = quantizable_reason(t, self.config.min_numel)
+        if reason is None and t.numel() != input_numel:
+            reason = "not the op input"
+        if reason is not None:
+            return self._keep(t, op, reason)
+        site, bits, stored = self._quantize(t, op, kind)
+        if watches is not None:
+            watches.append(_Watch(site, kind, t.numel(), self._var_sum(stored, bits)))
+        return stored
+
+    def _handle(self, kind: str, func, args: tuple, kwargs: dict):
+        op = getattr(func, "__name__", str(func))
+        if kind == "attention" or self._attention_depth > 0:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._keep_attention(t, op), restore):
+                return func(*args, **kwargs)
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, torch.Tensor):
+            return func(*args, **kwargs)
+        collect = self.config.policy == "budget" and self.plan is None
+        if kind != "linear" and self.config.recompute:
+            bound = _bind(kind, func, args, kwargs)
+            if bound is not None and quantizable_reason(x, self.config.min_numel) is None:
+                fn, params = bound
+                site, bits, stored = self._quantize(x, op, kind)
+                y = recompute_from_stored(fn, x, params, stored)
+                if collect:
+                    r2 = _norm_r2(kind, x, args, kwargs)
+                    self._watch(y, [_Watch(site, kind, x.numel(), self._var_sum(stored, bits), r2)])
+                return y
+        watches: list[_Watch] | None = [] if collect else None
+        with torch.autograd.graph.saved_tensors_hooks(partial(self._op_pack, op, kind, x.numel(), watches), restore):
+            y = func(*args, **kwargs)
+        if watches:
+            r2 = _norm_r2(kind, x, args, kwargs)
+            for w in watches:
+                w.r2 = r2
+            self._watch(y, watches)
+        return y
+
+    def _keep_attention(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        if bypass_active():
+            return t
+        return self._keep(t, op, "parameter" if is_parameter_like(t) else "attention")
+
+    # ------------------------------------------------------------------ budget calibration
+    def _var_sum(self, stored, bits: int) -> float:
+        return alloc.rounding_variance_sum(stored.packed.scales, bits, stored.packed.numel, self.config.block_size)
+
+    def _watch(self, y: torch.Tensor, watches: list[_Watch]) -> None:
+        """On y's gradient g, add G·V to each watched site (G = ‖g‖²/rows, times r² for norms)."""
+        if not isinstance(y, torch.Tensor) or not y.requires_grad:
+            return
+        for w in watches:
+            while len(self.calibration) <= w.site:
+                self.calibration.append(_SiteCalibration())
+            self.calibration[w.site].numel = max(self.calibration[w.site].numel, w.numel)
+
+        def on_grad(g: torch.Tensor) -> None:
+            rows = g.numel() if g.dim() == 0 or watches[0].kind in ("gelu", "silu") else g.numel() // g.shape[-1]
+            g2 = float(g.detach().double().square().sum()) / max(rows, 1)
+            for w in watches:
+                self.calibration[w.site].coef += g2 * w.r2 * w.var_sum
+
+        y.register_hook(on_grad)
+
+
+def _bind(kind: str, func, args: tuple, kwargs: dict):
+    """(fn, params) for the recompute path of a norm / activation call, or None when it cannot recompute."""
+    if kind == "layer_norm":
+        a = _SIG_LAYER_NORM.bind(*args, **kwargs)
+        a.apply_defaults()
+        p = a.arguments
+        return layer_norm_fn(p["normalized_shape"], p["eps"]), (p["weight"], p["bias"])
+    if kind == "rms_norm":
+        a = _SIG_RMS_NORM.bind(*args, **kwargs)
+        a.apply_defaults()
+        p = a.arguments
+        return rms_norm_fn(p["normalized_shape"], p["eps"]), (p["weight"],)
+    if kind == "silu":
+        a = _SIG_SILU.bind(*args, **kwargs)
+        a.apply_defaults()
+        return None if a.arguments["inplace"] else (activation_fn(F.silu), ())
+    if kind == "gelu":
+        rest = {k: v for k, v in kwargs.items() if k != "input"}
+        return activation_fn(F.gelu, *args[1:], **rest), ()
+    return None
+
+
+def _norm_r2(kind: str, x: torch.Tensor, args: tuple, kwargs: dict) -> float:
+    """Mean over rows of r² = 1/(σ² + eps) (layer norm) or 1/(mean x² + eps) (RMS norm); 1 for other ops."""
+    if kind not in _NORMS:
+        return 1.0
+    sig = _SIG_LAYER_NORM if kind == "layer_norm" else _SIG_RMS_NORM
+    a = sig.bind(*args, **kwargs)
+    a.apply_defaults()
+    ndim = len(a.arguments["normalized_shape"])
+    eps = a.arguments["eps"]
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    with torch.no_grad():
+        xf = x.detach().double().flatten(-ndim)
+        second = xf.var(dim=-1, unbiased=False) if kind == "layer_norm" else xf.square().mean(dim=-1)
+        return float((1.0 / (second + eps)).mean())

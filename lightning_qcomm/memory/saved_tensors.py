@@ -1,0 +1,213 @@
+"""Saved-tensor storage for activation quantization: the quantized container and the eligibility rules.
+
+What this file owns:
+
+* ``QuantizedActivation``: one saved activation stored as a codec ``Packed`` (b-bit codes + per-block
+  scales) plus the layout needed to rebuild it. ``restore()`` is ``codec.decode`` written back into the
+  original strides, so autograd's backward formulas see a tensor of the same shape, dtype and layout.
+  With the uniform codec (per block of B elements: lo = min, unit = (max - min)/(2^b - 1), stochastic
+  rounding), ``E[restore()] = x`` and ``|restore() - x| < unit`` element-wise; a block holding NaN/Inf
+  decodes to NaN everywhere, so a non-finite activation stays non-finite in backward.
+* ``is_parameter_like``: a saved tensor is never quantized when it is a ``Parameter``, a view of one
+  (``t._base`` is a Parameter: under FSDP2 ``nn.Linear`` saves ``weight.t()`` of the unsharded parameter),
+  or a chain of view/cast autograd nodes ending at a parameter's ``AccumulateGrad`` (the autocast weight
+  cast). Quantizing those would pin a second copy of the weight and perturb dX = dY W.
+* ``quantizable_reason``: the other rules (floating dtype, ``numel >= min_numel``, an intermediate of the
+  autograd graph, a dense layout), returning why a tensor is kept, or None when it may be quantized.
+* ``SavedBytes`` and ``count_saved_tensors``: byte accounting of what autograd saves (each save counted
+  once at its own dtype; parameters excluded: they are not activations and are held by the module anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_qcomm.codecs import Codec, Packed
+from lightning_qcomm.codecs.base import FLOAT_DTYPES
+
+# autograd nodes that only re-view or re-type their single input (a parameter seen through them is still it)
+_VIEW_OR_CAST_NODES = (
+    "TBackward",
+    "ViewBackward",
+    "UnsafeViewBackward",
+    "TransposeBackward",
+    "PermuteBackward",
+    "ExpandBackward",
+    "UnsqueezeBackward",
+    "SqueezeBackward",
+    "ReshapeAliasBackward",
+    "AliasBackward",
+    "ToCopyBackward",
+    "AsStridedBackward",
+    "SliceBackward",
+    "SelectBackward",
+    "CloneBackward",
+)
+_MAX_NODE_WALK = 6
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements at its own dtype (what autograd holds when it saves ``t``)."""
+    return t.numel() * t.element_size()
+
+
+def is_parameter_like(t: torch.Tensor) -> bool:
+    """True if ``t`` is a parameter, a view of one, or a view/cast chain of one (see module docstring)."""
+    if isinstance(t, nn.Parameter):
+        return True
+    base = t._base
+    if base is not None and isinstance(base, nn.Parameter):
+        return True
+    node = t.grad_fn
+    for _ in range(_MAX_NODE_WALK):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return isinstance(node.variable, nn.Parameter)
+        if not name.startswith(_VIEW_OR_CAST_NODES):
+            return False
+        parents = [n for n, _ in node.next_functions if n is not None]
+        if len(parents) != 1:
+            return False
+        node = parents[0]
+    return False
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True if ``t``'s elements fill its memory span without gaps or overlaps (any dim order)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def quantizable_reason(t: torch.Tensor, min_numel: int) -> str | None:
+    """Why ``t`` must stay in full precision, or None if it may be quantized.
+
+    Rules: a parameter (or a view / cast of one) is never quantized; nor a non-floating tensor (indices,
+    masks), a tensor with fewer than ``min_numel`` elements, a tensor that is not an intermediate of the
+    autograd graph (no ``grad_fn``: inputs, buffers and leaves are held by their owners anyway, so a
+    quantized copy would only add memory), or a tensor whose layout overlaps (expanded views).
+    """
+    if is_parameter_like(t):
+        return "parameter"
+    if t.dtype not in FLOAT_DTYPES:
+        return "not floating"
+    if t.numel() < min_numel:
+        return "small"
+    if t.grad_fn is None:
+        return "not an autograd intermediate"
+    if not is_dense(t):
+        return "overlapping layout"
+    return None
+
+
+@dataclass(eq=False)
+class QuantizedActivation:
+    """A saved activation held as b-bit codes plus per-block scales; ``restore()`` rebuilds it."""
+
+    packed: Packed
+    codec: Codec
+    stride: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: packed codes (with padding) + fp32 scales."""
+        return self.packed.nbytes
+
+    @property
+    def original_nbytes(self) -> int:
+        return self.packed.numel * torch.empty((), dtype=self.packed.dtype).element_size()
+
+    def restore(self) -> torch.Tensor:
+        """``codec.decode`` in the original shape, dtype and strides."""
+        dense = self.codec.decode(self.packed)
+        if dense.stride() == self.stride:
+            return dense
+        out = torch.empty_strided(dense.shape, self.stride, dtype=dense.dtype, device=dense.device)
+        return out.copy_(dense)
+
+
+def quantize_activation(t: torch.Tensor, codec: Codec, seed: int) -> QuantizedActivation:
+    """Encode ``t`` (dense, floating) with ``codec`` under the counter-based ``seed``."""
+    return QuantizedActivation(packed=codec.encode(t.detach(), seed=seed), codec=codec, stride=tuple(t.stride()))
+
+
+def restore(saved: QuantizedActivation | torch.Tensor) -> torch.Tensor:
+    """The tensor a saved-tensor hook hands back to autograd (full-precision tensors pass through)."""
+    return saved.restore() if isinstance(saved, QuantizedActivation) else saved
+
+
+@dataclass
+class SavedBytes:
+    """Bytes of saved activations in one forward pass (parameters excluded).
+
+    ``baseline``: what autograd would hold without quantization (each save at its own dtype);
+    ``stored``: what it holds with it. ``quantized_*``: the same two numbers over the quantized tensors
+    only, whose ratio is the codec's ``nbytes / (4 * numel)`` for fp32 activations.
+    """
+
+    baseline: int = 0
+    stored: int = 0
+    quantized_baseline: int = 0
+    quantized_stored: int = 0
+    quantized_tensors: int = 0
+    kept_tensors: int = 0
+    quantized_numel: int = 0
+    quantized_code_bits: int = 0  # Σ numel · bits over the quantized tensors
+
+    @property
+    def avg_bits(self) -> float:
+        """Element-weighted mean code width of the quantized tensors (0 when none)."""
+        return self.quantized_code_bits / self.quantized_numel if self.quantized_numel else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """stored / baseline (1.0 when nothing was saved)."""
+        return self.stored / self.baseline if self.baseline else 1.0
+
+    @property
+    def quantized_ratio(self) -> float:
+        return self.quantized_stored / self.quantized_baseline if self.quantized_baseline else 1.0
+
+    def add_kept(self, nbytes: int) -> None:
+        self.baseline += nbytes
+        self.stored += nbytes
+        self.kept_tensors += 1
+
+    def add_quantized(self, original_nbytes: int, stored_nbytes: int, numel: int, bits: int) -> None:
+        self.quantized_numel += numel
+        self.quantized_code_bits += numel * bits
+        self.baseline += original_nbytes
+        self.stored += stored_nbytes
+        self.quantized_baseline += original_nbytes
+        self.quantized_stored += stored_nbytes
+        self.quantized_tensors += 1
+
+
+@contextmanager
+def count_saved_tensors() -> Iterator[SavedBytes]:
+    """Count the bytes autograd saves inside the block without changing anything (a measurement baseline)."""
+    stats = SavedBytes()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not is_parameter_like(t):
+            stats.add_kept(tensor_nbytes(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+        yield stats
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
