@@ -191,6 +191,11 @@ def _payload(nbytes: int, world: int) -> int:
 def _update_error(err: torch.Tensor, new: torch.Tensor) -> None:
     """err <- new where new is finite (keeps the previous residual where a step was non-finite)."""
     new = new.reshape(err.shape)
+    # Fast path: a finite sum proves every element finite (NaN/Inf propagate; an overflowing sum of
+    # finite values only sends us to the element-wise path, which is exact either way).
+    if bool(torch.isfinite(new.sum())):
+        err.copy_(new)
+        return
     err.copy_(torch.where(torch.isfinite(new), new, err.to(new.dtype)).to(err.dtype))
 
 
