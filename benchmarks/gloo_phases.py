@@ -2,8 +2,10 @@
 
 Times, on a 100 Mbit/s veth (benchmarks/netns.py), a plain fp32 all_reduce and the two phases a
 quantized all-reduce uses (all_to_all_single, then all_gather_into_tensor) at the byte sizes of an 8-bit
-all-reduce of the same tensor, with the namespaces' ``net.ipv4.tcp_slow_start_after_idle`` at 1 (Linux
-default) and 0. Root only. Usage::
+all-reduce of the same tensor: each phase alone, back to back (blocking), and pipelined the way
+``quantized_all_reduce`` issues them (the payload cut into K pieces, every all-to-all issued
+asynchronously, each piece's all-gather issued as its all-to-all completes). With the namespaces'
+``net.ipv4.tcp_slow_start_after_idle`` at 1 (Linux default) and 0. Root only. Usage::
 
     sudo python benchmarks/gloo_phases.py [--rate 100] [--mbytes 4.26]
 """
@@ -52,6 +54,23 @@ def _worker(rank: int, addr: str, iface: str, nbytes: int) -> None:
             dist.all_gather_into_tensor(ag_out, ag_in),
         ),
     }
+    for pieces in (4, 16):
+        c = half // pieces
+        p_in = [torch.zeros(2 * c, dtype=torch.uint8) for _ in range(pieces)]
+        p_out = [torch.empty(2 * c, dtype=torch.uint8) for _ in range(pieces)]
+        g_in = [torch.zeros(c, dtype=torch.uint8) for _ in range(pieces)]
+        g_out = [torch.empty(2 * c, dtype=torch.uint8) for _ in range(pieces)]
+
+        def pipelined(p_in=p_in, p_out=p_out, g_in=g_in, g_out=g_out, pieces=pieces):
+            a2a = [dist.all_to_all_single(p_out[k], p_in[k], async_op=True) for k in range(pieces)]
+            gathers = []
+            for k in range(pieces):
+                a2a[k].wait()
+                gathers.append(dist.all_gather_into_tensor(g_out[k], g_in[k], async_op=True))
+            for work in gathers:
+                work.wait()
+
+        rows[f"the same two phases pipelined in {pieces} pieces"] = pipelined
     results = {name: median_s(fn) for name, fn in rows.items()}
     if rank == 0:
         for name, s in results.items():
