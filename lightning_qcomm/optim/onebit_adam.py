@@ -262,7 +262,6 @@ class OneBitAdam(Optimizer):
             self._build_layout()
         assert self._layout is not None and self._sync is not None
         in_layout = set(self._layout)
-        momenta = []
         for group in self.param_groups:
             beta1 = group["betas"][0]
             for p in group["params"]:

@@ -1,0 +1,268 @@
+"""OneBitAdamCallback: 1-bit Adam for an existing Lightning project (Lightning layer, DESIGN §2 "1-bit Adam").
+
+    Trainer(strategy="ddp", callbacks=[OneBitAdamCallback(freeze_step=100)])
+
+What it does (the math is ``optim.OneBitAdam``, the compressed momentum average ``comm.onebit``):
+
+* **Optimizer.** At ``on_fit_start`` (after the strategy built the optimizer, before a checkpoint's
+  optimizer state is loaded) the single optimizer from ``configure_optimizers`` must be
+  ``torch.optim.Adam``/``AdamW`` or a ``OneBitAdam``. Adam/AdamW is replaced by a ``OneBitAdam`` with
+  the same param groups (lr, betas, eps, weight decay, its decoupled/L2 mode, scheduler keys such as
+  ``initial_lr``); LR schedulers are re-pointed to the new optimizer; this is logged once. A
+  ``OneBitAdam`` returned by the user is kept; any callback argument that is set (not None) must then
+  agree with it (ValueError otherwise). Unset callback arguments mean OneBitAdam's defaults.
+* **Gradient all-reduce.** On a DDP-wrapped model without a comm hook (``strategy="ddp"``, CPU or CUDA)
+  it registers ``comm.onebit.onebit_adam_grad_hook``: an fp32 average recorded in the ``CommLedger``
+  (tag "grads"). If the model already has a hook (``strategy="quant_ddp"``), that hook keeps
+  carrying the warm-up gradients (compressed by QuantDDP's codec and recorded by it). Once the
+  variance is frozen, before the next forward, DDP's gradient synchronisation is switched off
+  (``require_backward_grad_sync = False``, what ``no_sync()`` does): from then on no gradient bytes
+  move at all, whichever hook is registered; the momentum travels through the 1-bit all-reduce (tag
+  "momentum"). DDP then also stops broadcasting buffers (BatchNorm statistics stay per rank).
+* **Checkpoints.** The optimizer's ``state_dict`` (m, frozen v̂, step counts, freeze step) is saved by
+  Lightning as usual. Each rank's 1-bit error buffers are gathered to rank 0 at save
+  (``gather_object``) and stored as ``checkpoint["onebit_adam"] = {"world_size": N, "per_rank": [...]}``;
+  on resume each rank restores entry ``per_rank[global_rank]`` after the optimizer state. With another
+  world size the buffers restart at zero (logged). Rank 0 holds N copies (about 4·d·(1 + 1/N) bytes
+  each, d = trainable parameters) while saving, only in the compression phase.
+
+Requirements (ValueError at setup otherwise): exactly one optimizer; a DDP-wrapped model when more
+than one process trains (not FSDP/QSDP/LocalSGD); no fp16 ``GradScaler`` (``precision="16-mixed"``):
+its per-rank inf check would let one rank skip a step the other takes, and after the freeze the
+gradients are local. bf16 and fp32 work.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import wraps
+from typing import Any
+from weakref import ref
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_qcomm.comm.onebit import OneBitGradHookState, onebit_adam_grad_hook
+from lightning_qcomm.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "onebit_adam"
+_SETTINGS = ("freeze_step", "auto_freeze_threshold", "auto_freeze_interval", "auto_freeze_patience", "bucket_mb")
+
+
+class OneBitAdamCallback(pl.Callback):
+    """Train with 1-bit Adam: AdamW warm-up, then frozen variance and 1-bit momentum all-reduce.
+
+    Args (None = OneBitAdam's default, or the value of a OneBitAdam returned by ``configure_optimizers``):
+        freeze_step: warm-up optimizer steps (>= 1; default 100). Rule of thumb (DeepSpeed): 15-25% of training.
+        auto_freeze_threshold: freeze earlier once the relative change of the bias-corrected variance
+            over ``auto_freeze_interval`` steps stays below this (0 < τ < 1) for ``auto_freeze_patience``
+            checks; ``freeze_step`` remains the upper bound. None: off.
+        auto_freeze_interval: steps between auto-freeze checks (>= 1; default 10).
+        auto_freeze_patience: consecutive checks below the threshold (>= 1; default 3).
+        bucket_mb: size of one flat fused momentum bucket in MiB of fp32 (> 0; default 32).
+    """
+
+    def __init__(
+        self,
+        freeze_step: int | None = None,
+        auto_freeze_threshold: float | None = None,
+        auto_freeze_interval: int | None = None,
+        auto_freeze_patience: int | None = None,
+        bucket_mb: float | None = None,
+    ) -> None:
+        given = dict(
+            freeze_step=freeze_step,
+            auto_freeze_threshold=auto_freeze_threshold,
+            auto_freeze_interval=auto_freeze_interval,
+            auto_freeze_patience=auto_freeze_patience,
+            bucket_mb=bucket_mb,
+        )
+        self.settings = {k: v for k, v in given.items() if v is not None}
+        try:
+            self.config = OneBitAdamConfig(**self.settings)  # validates now, not at fit time
+        except ValueError as err:
+            raise ValueError(str(err).replace("OneBitAdam(", "OneBitAdamCallback(", 1)) from None
+        self.optimizer: OneBitAdam | None = None
+        self.hook_state: OneBitGradHookState | None = None
+        self._ddp: DistributedDataParallel | None = None
+        self._switched = False
+        self._loaded: dict | None = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"OneBitAdamCallback: precision={trainer.precision!r} uses a GradScaler, whose per-rank inf check "
+                "desynchronises ranks once gradients are local; allowed precisions: 32-true, bf16-mixed, bf16-true"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if len(strategy.optimizers) != 1:
+            raise ValueError(
+                f"OneBitAdamCallback: configure_optimizers returned {len(strategy.optimizers)} optimizers; "
+                "allowed: exactly one (torch.optim.Adam, torch.optim.AdamW or OneBitAdam)"
+            )
+        opt = strategy.optimizers[0]
+        if isinstance(opt, OneBitAdam):
+            self._check_agrees(opt)
+        else:
+            opt = self._replace(trainer, opt)
+        self.optimizer = opt
+        self._switched = False
+        model = strategy.model
+        if isinstance(model, DistributedDataParallel):
+            opt.set_process_group(model.process_group)
+            self._ddp = model
+            existing = model._get_ddp_logging_data().get("comm_hook")
+            if existing:
+                self.hook_state = None
+                rank_zero_info(
+                    f"OneBitAdamCallback: warm-up gradients travel through the existing DDP comm hook {existing!r}; "
+                    "after the freeze DDP's gradient sync is switched off"
+                )
+            else:
+                self.hook_state = OneBitGradHookState(model.process_group)
+                model.register_comm_hook(self.hook_state, onebit_adam_grad_hook)
+        elif trainer.world_size > 1:
+            raise ValueError(
+                f"OneBitAdamCallback: {type(strategy).__name__} does not wrap the model in DistributedDataParallel; "
+                "allowed strategies: ddp (and its variants, e.g. ddp_spawn) and quant_ddp"
+            )
+        else:
+            self._ddp = None
+            self.hook_state = None
+
+    def _check_agrees(self, opt: OneBitAdam) -> None:
+        clash = {k: (v, getattr(opt.config, k)) for k, v in self.settings.items() if getattr(opt.config, k) != v}
+        if clash:
+            desc = ", ".join(f"{k}={a!r} vs the optimizer's {b!r}" for k, (a, b) in clash.items())
+            raise ValueError(
+                f"OneBitAdamCallback: {desc}; configure_optimizers returned a OneBitAdam with other settings. "
+                "Set them in one place (leave the callback's arguments unset to use the optimizer's)."
+            )
+        rank_zero_info(f"OneBitAdamCallback: using the OneBitAdam from configure_optimizers ({opt.config})")
+
+    def _replace(self, trainer: pl.Trainer, old: torch.optim.Optimizer) -> OneBitAdam:
+        if not isinstance(old, torch.optim.Adam):  # AdamW subclasses Adam
+            raise ValueError(
+                f"OneBitAdamCallback: configure_optimizers returned {type(old).__module__}.{type(old).__qualname__}; "
+                "allowed: torch.optim.Adam, torch.optim.AdamW or lightning_qcomm.optim.OneBitAdam"
+            )
+        groups = []
+        for i, g in enumerate(old.param_groups):
+            if g.get("amsgrad") or g.get("maximize"):
+                raise ValueError(
+                    f"OneBitAdamCallback: {type(old).__name__} param_groups[{i}] has amsgrad={g.get('amsgrad')}, "
+                    f"maximize={g.get('maximize')}; allowed: both False"
+                )
+            group = {k: v for k, v in g.items() if k not in ("amsgrad", "maximize", "foreach", "fused", "capturable")}
+            group["decoupled_weight_decay"] = bool(g.get("decoupled_weight_decay", isinstance(old, torch.optim.AdamW)))
+            for k in ("lr", "eps", "weight_decay"):
+                if isinstance(group[k], torch.Tensor):
+                    group[k] = float(group[k])
+            group["betas"] = tuple(float(b) for b in group["betas"])
+            groups.append(group)
+        d = old.defaults
+        new = OneBitAdam(
+            groups,
+            lr=float(d["lr"]),
+            betas=tuple(float(b) for b in d["betas"]),
+            eps=d["eps"],
+            weight_decay=d["weight_decay"],
+            decoupled_weight_decay=bool(d.get("decoupled_weight_decay", isinstance(old, torch.optim.AdamW))),
+            **self.settings,
+        )
+        if old.state:  # e.g. a second fit of the same module: keep what the old optimizer learned
+            new.load_state_dict(old.state_dict())
+        strategy = trainer.strategy
+        strategy.optimizers = [new]
+        for cfg in strategy.lr_scheduler_configs:
+            if getattr(cfg.scheduler, "optimizer", None) is old:
+                cfg.scheduler.optimizer = new
+                _track_step_called(new)
+        rank_zero_info(
+            f"OneBitAdamCallback: replaced {type(old).__name__} by OneBitAdam with the same {len(groups)} param "
+            f"group(s) and hyperparameters ({new.config})"
+        )
+        return new
+
+    # ------------------------------------------------------------------ the switch
+    def _switch_if_frozen(self) -> None:
+        if self._switched or self.optimizer is None or not self.optimizer.frozen:
+            return
+        self._switched = True
+        if self.hook_state is not None:
+            self.hook_state.compressing = True
+        if self._ddp is not None:
+            self._ddp.require_backward_grad_sync = False
+        rank_zero_info(
+            f"OneBitAdamCallback: variance frozen after {self.optimizer.frozen_at} optimizer steps; gradient "
+            "all-reduce off, momentum all-reduced in 1 bit"
+        )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after Lightning restored the optimizer state: apply this rank's error buffers
+        if self._loaded is not None and self.optimizer is not None:
+            saved, self._loaded = self._loaded, None
+            if saved["world_size"] == trainer.world_size:
+                self.optimizer.load_rank_state_dict(saved["per_rank"][trainer.global_rank])
+            else:
+                rank_zero_warn(
+                    f"OneBitAdamCallback: the checkpoint's 1-bit error buffers were written by {saved['world_size']} "
+                    f"ranks, now {trainer.world_size}; they restart at zero"
+                )
+        self._switch_if_frozen()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self._switch_if_frozen()  # before the forward that would prepare DDP's gradient reduction
+
+    # ------------------------------------------------------------------ checkpoint (per rank)
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self.optimizer is None:
+            return
+        local = self.optimizer.rank_state_dict()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(local, gathered, dst=0)
+            per_rank = gathered
+        else:
+            per_rank = [local]
+        if per_rank is not None:
+            checkpoint[CHECKPOINT_KEY] = {"world_size": len(per_rank), "per_rank": per_rank}
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            rank_zero_warn(
+                f"OneBitAdamCallback: the checkpoint has no {CHECKPOINT_KEY!r} entry; 1-bit error buffers start at zero"
+            )
+        self._loaded = saved
+
+
+def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap ``optimizer.step`` like ``LRScheduler.__init__`` does, so torch's order check sees the new optimizer."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = ref(optimizer)
+    func = optimizer.step.__func__
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    optimizer.step = wrapper
+    optimizer._opt_called = getattr(optimizer, "_opt_called", False)
+
+
+__all__ = ["CHECKPOINT_KEY", "OneBitAdamCallback"]
