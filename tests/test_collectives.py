@@ -25,6 +25,7 @@ from lightning_qcomm.comm import (
     all_reduce_pieces,
     get_ledger,
     onebit_all_reduce,
+    onebit_pieces,
     onebit_server_error_numel,
     quantized_all_gather,
     quantized_all_reduce,
@@ -269,6 +270,37 @@ def check_onebit_oracle(rank, n):
             assert_close(out, expect, rtol=1e-6, atol=1e-7, msg=f"step {t}: output")
             assert_close(ew, o_ew[rank], rtol=1e-6, atol=atol, msg=f"step {t}: worker error")
             assert_close(es, o_es[rank], rtol=1e-6, atol=atol, msg=f"step {t}: server error")
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, failures
+    # pipelined pieces of n * 96 elements: each piece is the oracle on its own slice, with this rank's
+    # server error laid out as its chunk of every piece, in piece order
+    m = 96
+    step = n * m
+    pieces = [(o, min(step, D - o)) for o in range(0, D, step)]
+    assert onebit_pieces(D, n, m) == pieces
+    chunks = [-(-length // n) for _, length in pieces]
+    assert sum(chunks) == c
+    ew, es = torch.zeros(D), torch.zeros(c)
+    o_ew, o_es = [torch.zeros(D) for _ in range(n)], [torch.zeros(c) for _ in range(n)]
+    for t, xs in enumerate(xs_all[:3]):
+        y_max = float((xs[rank] + ew).abs().max())
+        out = onebit_all_reduce(xs[rank].clone(), ew, es, piece_numel=m)
+        expect = torch.empty(D)
+        e_off = 0
+        for (o, length), ck in zip(pieces, chunks):
+            sl = slice(o, o + length)
+            es_sl = slice(e_off, e_off + ck)
+            exp_k, ew_k, es_k = oracle_onebit([x[sl] for x in xs], [e[sl] for e in o_ew], [e[es_sl] for e in o_es])
+            expect[sl] = exp_k
+            for r in range(n):
+                o_ew[r][sl], o_es[r][es_sl] = ew_k[r], es_k[r]
+            e_off += ck
+        atol = 8 * torch.finfo(torch.float32).eps * max(y_max, 1.0)
+        try:
+            assert_close(out, expect, rtol=1e-6, atol=1e-7, msg=f"pieced step {t}: output")
+            assert_close(ew, o_ew[rank], rtol=1e-6, atol=atol, msg=f"pieced step {t}: worker error")
+            assert_close(es, o_es[rank], rtol=1e-6, atol=atol, msg=f"pieced step {t}: server error")
         except AssertionError as exc:
             failures.append(str(exc))
     assert not failures, failures

@@ -1,9 +1,11 @@
 """Compressed collectives over torch.distributed and the CommLedger (DESIGN §1, §3)."""
 
 from lightning_qcomm.comm.collectives import (
+    DEFAULT_ONEBIT_PIECE_NUMEL,
     DEFAULT_PIECE_NUMEL,
     all_reduce_pieces,
     onebit_all_reduce,
+    onebit_pieces,
     onebit_server_error_numel,
     quantized_all_gather,
     quantized_all_reduce,
@@ -21,6 +23,7 @@ from lightning_qcomm.comm.ledger import (
 )
 
 __all__ = [
+    "DEFAULT_ONEBIT_PIECE_NUMEL",
     "DEFAULT_PIECE_NUMEL",
     "CommLedger",
     "CommRecord",
@@ -30,6 +33,7 @@ __all__ = [
     "ensure_ledger",
     "get_ledger",
     "onebit_all_reduce",
+    "onebit_pieces",
     "onebit_server_error_numel",
     "quantized_all_gather",
     "quantized_all_reduce",

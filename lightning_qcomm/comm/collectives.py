@@ -53,6 +53,7 @@ from lightning_qcomm.comm.ledger import get_ledger
 REDUCE_OPS = ("sum", "avg")
 FP32_BYTES = 4
 DEFAULT_PIECE_NUMEL = 1 << 18  # elements per rank per pipelined piece of quantized_all_reduce (256 KB at 8 bits)
+DEFAULT_ONEBIT_PIECE_NUMEL = 1 << 21  # the same for onebit_all_reduce (256 KB of signs)
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 _OP_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "onebit_all_reduce": 4}
@@ -489,8 +490,19 @@ def _sign_codec() -> Codec:
     return _SIGN1
 
 
+def onebit_pieces(numel: int, world_size: int, piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL) -> list[tuple[int, int]]:
+    """(offset, length) of the pieces ``onebit_all_reduce`` pipelines ``numel`` elements in: N*m each
+    (m = ``piece_numel``), the last one shorter; at most N*m elements are one piece."""
+    _check_piece_numel(piece_numel)
+    step = world_size * piece_numel
+    if numel <= step:
+        return [(0, numel)]
+    return [(o, min(step, numel - o)) for o in range(0, numel, step)]
+
+
 def onebit_server_error_numel(numel: int, group: dist.ProcessGroup | None = None) -> int:
-    """Length of ``server_error`` for ``onebit_all_reduce`` of a tensor of ``numel`` elements: ceil(numel/N)."""
+    """Length of ``server_error`` for ``onebit_all_reduce`` of a tensor of ``numel`` elements: ceil(numel/N)
+    (the sum over pieces of each piece's chunk length, which adds up to the same)."""
     if not isinstance(numel, int) or numel < 1:
         raise ValueError(f"numel must be a positive int, got {numel!r}")
     return _chunk_len(numel, _rank_world(group)[1])
@@ -503,60 +515,98 @@ def onebit_all_reduce(
     group: dist.ProcessGroup | None = None,
     tag: str = "momentum",
     check: bool = True,
+    piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL,
 ) -> torch.Tensor:
     """Error-compensated 1-bit average over ranks (1-bit Adam, DESIGN §2), in place on a flat fused buffer.
 
-    C(v) = (||v||_2 / sqrt(len v)) * sign(v), sign(0) = +1, applied per chunk of c = ceil(d/N) elements
-    (the ``sign1`` codec with one bucket per chunk; the zero tail padding of the last chunk counts in its
-    length). With e_w = ``worker_error`` (d elements) and e_s = ``server_error`` (c elements, see
-    ``onebit_server_error_numel``):
+    The buffer is cut into pieces of N*m elements (``onebit_pieces``, m = ``piece_numel``); each piece,
+    of length n, runs the algorithm below on its own, with chunks of c = ceil(n/N) elements.
+    C(v) = (||v||_2 / sqrt(len v)) * sign(v), sign(0) = +1, applied per chunk (the ``sign1`` codec with one
+    bucket per chunk; the zero tail padding of the last chunk counts in its length). With e_w =
+    ``worker_error`` (d elements) and e_s = ``server_error`` (this rank's chunk of every piece, in piece
+    order: ceil(d/N) elements, see ``onebit_server_error_numel``):
 
-    worker r:  y = x + e_w (zero-padded to N*c); send C(y[chunk j]) to rank j; e_w <- y - C(y)  (d elements)
+    worker r:  y = x + e_w (zero-padded to N*c); send C(y[chunk j]) to rank j; e_w <- y - C(y)  (n elements)
     server j:  z = (1/N) sum_r C(y_r[chunk j]) + e_s  (padding positions of z set to 0);
                send C(z) to all; e_s <- z - C(z)  (padding positions kept 0)
-    all:       x <- concat_j C(z_j)[:d], identical on every rank.
+    all:       x <- concat_j C(z_j)[:n], identical on every rank.
 
-    Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1) bytes of scales (1/32 of an fp32 ring all-reduce).
-    Ledger: all_reduce, collective = N*P with P = ceil(c/8) + 4, payload (N+1)*P, baseline 4*d.
+    Pieces are pipelined as in ``quantized_all_reduce`` (async all-to-all per piece; each piece's
+    all-gather issued once its all-to-all is done). Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1)
+    bytes of scales per piece (1/32 of an fp32 ring all-reduce).
+    Ledger: all_reduce, collective = sum_k N*P_k with P_k = ceil(c_k/8) + 4, payload sum_k (N+1)*P_k,
+    baseline 4*d.
     """
     _check_tensor("x", x)
     _check_tensor("worker_error", worker_error)
     _check_tensor("server_error", server_error)
+    _check_piece_numel(piece_numel)
     rank, world = _rank_world(group)
     d = x.numel()
-    c = _chunk_len(d, world)
     if worker_error.numel() != d:
         raise ValueError(f"worker_error must have x.numel()={d} elements, got {worker_error.numel()}")
-    if server_error.numel() != c:
-        raise ValueError(f"server_error must have ceil(x.numel()/world_size)={c} elements, got {server_error.numel()}")
+    if server_error.numel() != _chunk_len(d, world):
+        raise ValueError(
+            f"server_error must have ceil(x.numel()/world_size)={_chunk_len(d, world)} elements, "
+            f"got {server_error.numel()}"
+        )
     if check and world > 1:
-        _check_consistent("onebit_all_reduce", group, world, tag, numel=d, dtype=x.dtype, codec=None, device=x.device)
+        _check_consistent(
+            "onebit_all_reduce",
+            group,
+            world,
+            tag,
+            numel=d,
+            dtype=x.dtype,
+            codec=None,
+            aux=piece_numel,
+            device=x.device,
+        )
     sign = _sign_codec()
-    p = sign.nbytes(c)
-
-    y = torch.zeros(world * c, dtype=torch.float32, device=x.device)
-    y[:d] = x.detach().reshape(-1) + worker_error.detach().reshape(-1).to(torch.float32)
-    chunks = y.view(world, c)
-    send = torch.cat([_encode_bytes(sign, chunks[j], 0) for j in range(world)])
-    _update_error(worker_error, y[:d] - _decode_rows(sign, send, world, c).view(-1)[:d])
-    recv = torch.empty_like(send)
-    _all_to_all(recv, send, group, world)
-
-    valid = min(c, d - rank * c)  # real (unpadded) elements of this rank's chunk; may be <= 0 on tail ranks
-    z = _decode_rows(sign, recv, world, c).sum(dim=0) / world
-    z += server_error.detach().reshape(-1).to(torch.float32)
-    if valid < c:
-        z[max(valid, 0) :] = 0.0
-    mine = _encode_bytes(sign, z, 0)
-    new_es = z - _decode_bytes(sign, mine, c)
-    if valid < c:
-        new_es[max(valid, 0) :] = 0.0
+    flat_x = x.detach().reshape(-1)
+    flat_ew = worker_error.detach().reshape(-1)
+    flat_es = server_error.detach().reshape(-1)
+    new_ew = torch.empty(d, dtype=torch.float32, device=x.device)
+    new_es = torch.empty(flat_es.numel(), dtype=torch.float32, device=x.device)
+    out_flat = torch.empty(d, dtype=torch.float32, device=x.device)
+    total_p = 0
+    phase1 = []
+    es_off = 0
+    for o, n in onebit_pieces(d, world, piece_numel):
+        c = _chunk_len(n, world)
+        y = torch.empty(world * c, dtype=torch.float32, device=x.device)
+        torch.add(flat_x[o : o + n], flat_ew[o : o + n], out=y[:n])
+        y[n:] = 0.0
+        send = torch.cat([_encode_bytes(sign, y[j * c : (j + 1) * c], 0) for j in range(world)])
+        torch.sub(y[:n], _decode_rows(sign, send, world, c).view(-1)[:n], out=new_ew[o : o + n])
+        recv = torch.empty_like(send)
+        phase1.append((o, n, c, es_off, recv, send, _all_to_all_async(recv, send, group, world)))
+        es_off += c
+        total_p += sign.nbytes(c)
+    phase2 = []
+    for o, n, c, e_off, recv, _send, work in phase1:
+        _wait(work)
+        valid = min(c, n - rank * c)  # real (unpadded) elements of this rank's chunk; may be <= 0 on tail ranks
+        z = _decode_rows(sign, recv, world, c).sum(dim=0).div_(world)
+        z += flat_es[e_off : e_off + c].to(torch.float32)
+        if valid < c:
+            z[max(valid, 0) :] = 0.0
+        mine = _encode_bytes(sign, z, 0)
+        es = torch.sub(z, _decode_bytes(sign, mine, c), out=new_es[e_off : e_off + c])
+        if valid < c:
+            es[max(valid, 0) :] = 0.0
+        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=x.device)
+        phase2.append((o, n, c, gathered, mine, _all_gather_async(gathered, mine, group, world)))
+    del phase1
+    for o, n, c, gathered, _mine, work in phase2:
+        _wait(work)
+        out_flat[o : o + n] = _decode_rows(sign, gathered, world, c).view(-1)[:n]
+    _update_error(worker_error, new_ew)
     _update_error(server_error, new_es)
-
-    gathered = torch.empty(world * p, dtype=torch.uint8, device=x.device)
-    _all_gather(gathered, mine, group, world)
-    x.copy_(_decode_rows(sign, gathered, world, c).view(-1)[:d].view(x.shape))
-    get_ledger().record("all_reduce", world * p, d * FP32_BYTES, world, _payload((world + 1) * p, world), tag)
+    x.copy_(out_flat.view(x.shape))
+    get_ledger().record(
+        "all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag
+    )
     return x
 
 
@@ -567,6 +617,7 @@ def wire_bytes_formula(
     codec: Codec | None = None,
     itemsize: int = FP32_BYTES,
     piece_numel: int = DEFAULT_PIECE_NUMEL,
+    onebit_piece_numel: int | None = None,
 ) -> float:
     """Ledger wire estimate (bytes this rank sends) of one call, for benchmarks and docs.
 
@@ -575,7 +626,11 @@ def wire_bytes_formula(
     """
     n = world_size
     if collective == "onebit_all_reduce":
-        return 2 * (n - 1) * _sign_codec().nbytes(_chunk_len(numel, n))
+        sign = _sign_codec()
+        pieces = onebit_pieces(
+            numel, n, DEFAULT_ONEBIT_PIECE_NUMEL if onebit_piece_numel is None else onebit_piece_numel
+        )
+        return 2 * (n - 1) * sum(sign.nbytes(_chunk_len(length, n)) for _, length in pieces)
     if collective == "all_reduce":
         if codec is None:
             return 2 * (n - 1) * itemsize * numel / n
@@ -590,9 +645,11 @@ def wire_bytes_formula(
 
 
 __all__ = [
+    "DEFAULT_ONEBIT_PIECE_NUMEL",
     "DEFAULT_PIECE_NUMEL",
     "REDUCE_OPS",
     "all_reduce_pieces",
+    "onebit_pieces",
     "onebit_all_reduce",
     "onebit_server_error_numel",
     "quantized_all_gather",
