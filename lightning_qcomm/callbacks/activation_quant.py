@@ -14,9 +14,8 @@ What this file owns (the math is in ``lightning_qcomm.memory`` and the uniform c
 * the budget policy's calibration: after ``calibration_steps`` optimizer steps the per-site statistics
   are summed over ranks (``strategy.reduce``) so every rank fixes the same plan; the plan is saved in and
   restored from checkpoints (``state_dict``);
-* metrics, logged through the LightningModule (so every Lightning logger gets them) every
-  ``log_every_n_steps`` optimizer steps (default: ``Trainer(log_every_n_steps)``), this rank's numbers, the
-  largest forward of the step: ``actq/saved_bytes`` (saved activations as stored), ``actq/baseline_bytes``
+* metrics, written by global rank 0 to every logger of the Trainer every ``log_every_n_steps`` optimizer
+  steps (default: ``Trainer(log_every_n_steps)``), rank 0's numbers for the largest forward of the step: ``actq/saved_bytes`` (saved activations as stored), ``actq/baseline_bytes``
   (the same saves unquantized), ``actq/ratio`` (= saved / baseline), ``actq/quantized_ratio`` (over the
   quantized tensors only: the codec's b/32 + scale overhead), ``actq/quantized_tensors``, ``actq/avg_bits``.
 """
@@ -58,7 +57,7 @@ class ActivationQuantization(pl.Callback):
         attention_patterns: fnmatch patterns (comma-separated str or list) of module attribute or class
             names treated as attention, kept in full precision; ``None`` or ``""``: only the attention ops.
         edge_bits: ``layer_aware`` width of the first and last quantized site (bits..8).
-        budget_bits: ``budget`` mean code bits per quantized element (bits..8).
+        budget_bits: ``budget`` mean code bits per quantized element (bits..8; None: bits + 1, at most 8).
         calibration_steps: optimizer steps measured (all sites at 8 bits) before the budget plan is fixed.
         stochastic: stochastic rounding (unbiased); False rounds to nearest.
         seed: user seed folded into every site's random bits.
@@ -76,7 +75,7 @@ class ActivationQuantization(pl.Callback):
         recompute: bool = True,
         attention_patterns: str | list[str] | None = "*attn*,*attention*",
         edge_bits: int = 8,
-        budget_bits: float = 5.0,
+        budget_bits: float | None = None,
         calibration_steps: int = 1,
         stochastic: bool = True,
         seed: int = 0,
@@ -169,8 +168,11 @@ class ActivationQuantization(pl.Callback):
                 self.config.budget_bits,
             )
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if trainer.global_step % every == 0 and trainer.loggers:
-            pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
+        if trainer.global_step % every or not trainer.is_global_zero or not trainer.loggers:
+            return
+        metrics = self.metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step - 1)  # Lightning's 0-based step index
 
     def metrics(self) -> dict[str, float]:
         """The ``actq/*`` numbers of the last finished optimizer step (see module docstring)."""

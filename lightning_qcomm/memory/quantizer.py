@@ -116,7 +116,7 @@ class ActivationQuantConfig:
     stay exact; recompute: norms and activations hold only their quantized input and recompute;
     attention_patterns: fnmatch patterns naming attention modules; edge_bits: layer_aware's width of the
     first and last site (bits..8); budget_bits: budget's mean code width per quantized element
-    (bits..8); calibration_steps: optimizer steps measured (at 8 bits) before the budget plan is fixed;
+    (bits..8; None: bits + 1, at most 8); calibration_steps: optimizer steps measured (at 8 bits) before the budget plan is fixed;
     stochastic: stochastic rounding (False: round to nearest, biased); seed: folded into every site's seed.
     """
 
@@ -127,7 +127,7 @@ class ActivationQuantConfig:
     recompute: bool = True
     attention_patterns: tuple[str, ...] = DEFAULT_ATTENTION_PATTERNS
     edge_bits: int = 8
-    budget_bits: float = 5.0
+    budget_bits: float | None = None
     calibration_steps: int = 1
     stochastic: bool = True
     seed: int = 0
@@ -146,6 +146,8 @@ class ActivationQuantConfig:
         ):
             raise ValueError(f"attention_patterns must be a tuple of str, got {self.attention_patterns!r}")
         _check_int("edge_bits", self.edge_bits, self.bits, 8)
+        if self.budget_bits is None:
+            object.__setattr__(self, "budget_bits", float(min(self.bits + 1, 8)))
         if isinstance(self.budget_bits, bool) or not isinstance(self.budget_bits, (int, float)):
             raise ValueError(f"budget_bits must be a float, got {self.budget_bits!r}")
         if not self.bits <= self.budget_bits <= 8:

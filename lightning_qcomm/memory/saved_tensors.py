@@ -96,8 +96,8 @@ def quantizable_reason(t: torch.Tensor, min_numel: int) -> str | None:
 
     Rules: a parameter (or a view / cast of one) is never quantized; nor a non-floating tensor (indices,
     masks), a tensor with fewer than ``min_numel`` elements, a tensor that is not an intermediate of the
-    autograd graph (no ``grad_fn``: inputs, buffers and leaves are held by their owners anyway, so a
-    quantized copy would only add memory), or a tensor whose layout overlaps (expanded views).
+    autograd graph (no ``grad_fn``, or a view of a tensor without one: inputs, buffers and leaves are held
+    by their owners anyway, so a quantized copy would only add memory), or a tensor whose layout overlaps (expanded views).
     """
     if is_parameter_like(t):
         return "parameter"
@@ -105,7 +105,7 @@ def quantizable_reason(t: torch.Tensor, min_numel: int) -> str | None:
         return "not floating"
     if t.numel() < min_numel:
         return "small"
-    if t.grad_fn is None:
+    if t.grad_fn is None or (t._base is not None and t._base.grad_fn is None):  # a leaf, or a view of one
         return "not an autograd intermediate"
     if not is_dense(t):
         return "overlapping layout"

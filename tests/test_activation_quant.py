@@ -1,0 +1,744 @@
+"""ActivationQuantization (callback) and lightning_qcomm.memory (quantizer, recompute, bit allocation).
+
+Single process: saved-bytes accounting against the codec formula, what is (never) quantized as seen by the
+hooks, unbiasedness and error bounds of the gradients derived from the codec (Hoeffding / |δ| < unit),
+recompute versus hook path, non-finite propagation, policies, seeds, argument validation, the CLI config.
+One 2-rank spawn (gloo): Lightning DDP with and without the callback (loss band), budget calibration
+agreeing across ranks, and QSDP (FSDP2) with the callback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_qcomm.callbacks import ActivationQuantization
+from lightning_qcomm.codecs import derive_seed, get_codec
+from lightning_qcomm.memory import (
+    ActivationQuantConfig,
+    ActivationQuantizer,
+    budget_plan,
+    count_saved_tensors,
+    is_parameter_like,
+    layer_aware_plan,
+    quantize_activation,
+    recompute_from_stored,
+)
+from lightning_qcomm.memory.bit_allocation import average_bits, error_at
+
+REPO = Path(__file__).resolve().parents[1]
+QUANT_OPS = {"linear", "layer_norm", "rms_norm", "gelu", "silu"}
+
+
+# ----------------------------------------------------------------------------------------- a test model
+
+
+class Attn(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Net(nn.Module):
+    """LayerNorm -> attention ('attn') -> LayerNorm -> GELU MLP -> RMSNorm -> SiLU MLP -> MHA -> head."""
+
+    def __init__(self, d: int = 64, heads: int = 4, vocab: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attn(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.rms = nn.RMSNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.act = nn.SiLU()
+        self.down = nn.Linear(2 * d, d)
+        self.mha = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        x = x + self.down(self.act(self.up(self.rms(x))))
+        x = x + self.mha(x, x, x, need_weights=False)[0]
+        return self.head(x)
+
+
+def _net_and_data(seed: int = 0):
+    torch.manual_seed(seed)
+    net = Net()
+    idx = torch.randint(0, 32, (4, 32))
+    return net, idx
+
+
+def _loss(net, idx):
+    logits = net(idx)
+    return F.cross_entropy(logits.flatten(0, 1), idx.flatten())
+
+
+def _quantized_grads(net, idx, **cfg):
+    q = ActivationQuantizer(ActivationQuantConfig(**cfg))
+    q.attach(net)
+    q.record = True
+    net.zero_grad()
+    with q.forward_context(step=0):
+        loss = _loss(net, idx)
+    loss.backward()
+    q.detach()
+    return {n: p.grad.clone() for n, p in net.named_parameters()}, q
+
+
+# ----------------------------------------------------------------------------------------- accounting
+
+
+def test_saved_bytes_match_codec_formula_and_baseline():
+    net, idx = _net_and_data()
+    with count_saved_tensors() as plain:
+        loss = _loss(net, idx)
+    del loss
+    _, q = _quantized_grads(net, idx, bits=4, block_size=128, min_numel=1024)
+    codec = get_codec("uniform", bits=4, bucket_size=128)
+    quantized = [r for r in q.records if r.action == "quantized"]
+    assert quantized, "nothing was quantized"
+    numels = [math.prod(r.shape) for r in quantized]
+    # exact: Σ (ceil(n/8)·b + ceil(n/B)·2·4) bytes over the quantized saves, against 4 bytes per fp32 element
+    assert q.stats.quantized_stored == sum(codec.nbytes(n) for n in numels)
+    assert q.stats.quantized_baseline == 4 * sum(numels)
+    # all numels here are multiples of 8·128, so the ratio is exactly b/32 + 64/(32·B)
+    assert all(n % 1024 == 0 for n in numels)
+    assert q.stats.quantized_ratio == pytest.approx(4 / 32 + 64 / (32 * 128), rel=1e-12)
+    # the kept tensors are counted at full size: stored - quantized_stored == baseline - quantized_baseline
+    assert q.stats.stored - q.stats.quantized_stored == q.stats.baseline - q.stats.quantized_baseline
+    # the baseline equals what plain autograd saves, less what a recomputed norm no longer saves besides its
+    # input (LayerNorm: per-row mean and rstd; the composite CPU RMSNorm: x², x·r, r, ...), measured in isolation
+    x = torch.randn(idx.numel(), 64).requires_grad_(True) * 1.0
+    extra = 0
+    for norm in (net.ln1, net.ln2, net.rms):
+        with count_saved_tensors() as alone:
+            norm(x)
+        extra += alone.baseline - x.numel() * 4
+    assert extra > 0
+    assert plain.baseline - q.stats.baseline == extra
+    assert q.stats.ratio < 0.6
+
+
+# ----------------------------------------------------------------------------------------- what is quantized
+
+
+def test_attention_and_parameters_are_never_quantized():
+    net, idx = _net_and_data()
+    _, q = _quantized_grads(net, idx, bits=4)
+    recs = q.records
+    quantized = [r for r in recs if r.action == "quantized"]
+    assert {r.op for r in quantized} == QUANT_OPS
+    assert not [r for r in quantized if r.module.startswith(("attn", "mha"))]
+    assert not [r for r in recs if r.parameter and r.action == "quantized"]
+    # the hooks did see parameters (the Linear weights), and kept them
+    assert len([r for r in recs if r.parameter]) >= 6
+    # SDPA's Q, K, V, output and log-sum-exp, and the projections inside the 'attn' module: kept as attention
+    sdpa = [r for r in recs if r.op == "scaled_dot_product_attention"]
+    assert len(sdpa) >= 4 and all(r.action == "kept" and r.reason == "attention" for r in sdpa)
+    inner = [r for r in recs if r.module in ("attn.qkv", "attn.proj") and not r.parameter]
+    assert len(inner) == 2 and all(r.reason == "attention" for r in inner)
+    mha = [r for r in recs if r.module == "mha" and not r.parameter]
+    assert mha and all(r.action == "kept" for r in mha)
+    # the loss' log-softmax output is not a quantized op's input
+    assert any(r.op == "other" and r.reason == "not a quantized op" and r.shape == (128, 32) for r in recs)
+
+
+def test_attention_patterns_are_configurable():
+    net, idx = _net_and_data()
+    _, q = _quantized_grads(net, idx, bits=4, attention_patterns=())
+    inner = [r for r in q.records if r.module in ("attn.qkv", "attn.proj") and not r.parameter]
+    assert all(r.action == "quantized" for r in inner) and len(inner) == 2
+    sdpa = [r for r in q.records if r.op == "scaled_dot_product_attention"]
+    assert sdpa and all(r.action == "kept" for r in sdpa)  # the attention op itself: always exact
+
+
+def test_parameter_views_and_casts_are_parameter_like():
+    lin = nn.Linear(64, 64)
+    w = lin.weight
+    assert is_parameter_like(w) and is_parameter_like(w.t()) and is_parameter_like(w.view(-1).unsqueeze(0).t())
+    with torch.enable_grad():
+        assert is_parameter_like(w.to(torch.bfloat16).t())  # autocast-style cast chain to AccumulateGrad
+        x = torch.randn(8, 64, requires_grad=True) * 2.0
+        assert not is_parameter_like(x) and not is_parameter_like(x.t())
+        assert not is_parameter_like(w * 2.0)  # a computed tensor is an activation
+    # under CPU autocast the saved weight is a bf16 cast of the parameter: kept; the input cast: quantized
+    q = ActivationQuantizer(ActivationQuantConfig(bits=4, min_numel=1))
+    q.record = True
+    x = torch.randn(32, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), q.forward_context():
+        y = lin(x * 1.0)
+    y.float().sum().backward()
+    lin_recs = [r for r in q.records if r.op == "linear"]
+    assert {(r.dtype, r.parameter, r.action) for r in lin_recs} == {
+        (torch.bfloat16, True, "kept"),
+        (torch.bfloat16, False, "quantized"),
+    }
+    assert lin.weight.grad is not None and torch.isfinite(lin.weight.grad).all()
+
+
+def test_small_and_leaf_saves_are_kept():
+    q = ActivationQuantizer(ActivationQuantConfig(bits=4, min_numel=1024))
+    q.record = True
+    lin = nn.Linear(16, 16)
+    leaf = torch.randn(128, 16)  # a leaf (data), 2048 elements: held by its owner anyway
+    small = torch.randn(4, 16, requires_grad=True) * 1.0
+    with q.forward_context():
+        (lin(leaf).sum() + lin(small).sum()).backward()
+    reasons = {r.reason for r in q.records if not r.parameter}
+    assert reasons == {"not an autograd intermediate", "small"}
+    assert q.stats.quantized_tensors == 0
+
+
+# ----------------------------------------------------------------------------------------- gradients
+
+
+def _linear_chain(seed: int = 0):
+    torch.manual_seed(seed)
+    lin1, lin2 = nn.Linear(128, 128), nn.Linear(128, 64)
+    x0 = torch.randn(64, 128)
+    c = torch.randn(64, 64)  # L = Σ c ⊙ y: dL/dy = c, independent of the quantization
+    return lin1, lin2, x0, c
+
+
+def _chain_grads(lin1, lin2, x0, c, cfg: ActivationQuantConfig | None):
+    lin1.zero_grad()
+    lin2.zero_grad()
+    if cfg is None:
+        y = lin2(lin1(x0 * 1.0))
+    else:
+        with ActivationQuantizer(cfg).forward_context():
+            y = lin2(lin1(x0 * 1.0))
+    (y * c).sum().backward()
+    return lin1.weight.grad.clone(), lin2.weight.grad.clone()
+
+
+def test_linear_gradients_unbiased_and_within_codec_bounds():
+    """dW2 = cᵀ h̃ and dW1 = (c W2)ᵀ ã are linear in the quantized saves with exact coefficients, so
+    E[dW] = dW_fp32. Per seed, |h̃ - h| < unit elementwise gives |ΔdW2[o,i]| <= Σ_n |c[n,o]| unit[n,i].
+    Over K seeds, Hoeffding on the K·N independent bounded terms (range |c[n,o]|·unit[n,i]/K) with a union
+    bound over all M elements at failure probability 1e-6 bounds |mean - dW_fp32|."""
+    lin1, lin2, x0, c = _linear_chain()
+    g1, g2 = _chain_grads(lin1, lin2, x0, c, None)
+    with torch.no_grad():
+        a, h = x0 * 1.0, lin1(x0)
+    codec = get_codec("uniform", bits=4, bucket_size=128)
+    unit_a = codec.encode(a).scales[:, 1].view(-1, 1).expand(-1, 128).reshape(a.shape)  # one block = one row
+    unit_h = codec.encode(h).scales[:, 1].view(-1, 1).expand(-1, 128).reshape(h.shape)
+    c1 = c @ lin2.weight.detach()  # dL/dh
+    det2 = c.abs().t() @ unit_h
+    det1 = c1.abs().t() @ unit_a
+    k = 48
+    s1, s2 = torch.zeros_like(g1), torch.zeros_like(g2)
+    for seed in range(k):
+        q1, q2 = _chain_grads(lin1, lin2, x0, c, ActivationQuantConfig(bits=4, block_size=128, seed=seed))
+        assert torch.all((q2 - g2).abs() <= det2 * (1 + 1e-5) + 1e-6)
+        assert torch.all((q1 - g1).abs() <= det1 * (1 + 1e-5) + 1e-6)
+        assert not torch.equal(q2, g2)
+        s1 += q1
+        s2 += q2
+    for mean, exact, coef, unit in ((s1 / k, g1, c1, unit_a), (s2 / k, g2, c, unit_h)):
+        var_sum = coef.square().t() @ unit.square() / k  # Σ ranges² of the Hoeffding terms
+        t = torch.sqrt(var_sum * math.log(2 * exact.numel() / 1e-6) / 2)
+        assert torch.all((mean - exact).abs() <= t + 1e-6)
+        # and the average is far closer than one draw's worst case: the estimator really averages out
+        assert (mean - exact).abs().mean() < 0.35 * (coef.abs().t() @ unit).mean()
+
+
+def test_runs_are_reproducible_and_seed_dependent():
+    net, idx = _net_and_data()
+    a, _ = _quantized_grads(net, idx, bits=4, seed=3)
+    b, _ = _quantized_grads(net, idx, bits=4, seed=3)
+    c, _ = _quantized_grads(net, idx, bits=4, seed=4)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not all(torch.equal(a[n], c[n]) for n in a)
+    assert derive_seed(3, 0, 0, 0, 0) != derive_seed(3, 0, 0, 0, 1)
+
+
+def test_transposed_saves_restore_with_their_strides():
+    """A transposed (non-contiguous) input is quantized in logical order and restored into its strides:
+    the weight gradient is exactly dYᵀ x̃ with x̃ the site-0 decode of that view."""
+    q = ActivationQuantizer(ActivationQuantConfig(bits=4, min_numel=1))
+    q.record = True
+    x = torch.randn(64, 96, requires_grad=True)
+    w = nn.Parameter(torch.randn(32, 64))
+    with q.forward_context():
+        xt = (x * 1.0).t()  # (96, 64), strides (1, 96)
+        y = F.linear(xt, w)
+    y.sum().backward()
+    assert [r.action for r in q.records if r.op == "linear" and not r.parameter] == ["quantized"]
+    x_tilde = quantize_activation(xt.detach(), q.codec(4), derive_seed(0, 0, 0, 0, 0)).restore()
+    assert x_tilde.stride() == xt.stride()
+    assert torch.allclose(w.grad, torch.ones(96, 32).t() @ x_tilde, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x.grad, (torch.ones(96, 32) @ w.detach()).t())  # dX = dY W does not use the save
+
+
+# ----------------------------------------------------------------------------------------- recompute
+
+
+def _norm_input(seed=0):
+    torch.manual_seed(seed)
+    return (torch.randn(16, 256) * 3 + 1).requires_grad_(True)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_recompute_norm_is_exact_gradient_at_the_quantized_input(kind):
+    """Recompute path: the gradient is exactly autograd's gradient of the norm evaluated at x̃."""
+    x = _norm_input()
+    mod = nn.LayerNorm(256) if kind == "layer_norm" else nn.RMSNorm(256)
+    with torch.no_grad():
+        mod.weight.uniform_(0.5, 1.5)
+    g = torch.randn(16, 256)
+    q = ActivationQuantizer(ActivationQuantConfig(bits=4, min_numel=1))
+    with q.forward_context():
+        y = mod(x * 1.0)
+    (y * g).sum().backward()
+    got_x, got_w = x.grad.clone(), mod.weight.grad.clone()
+    # reference: the site-0 seed, the same codec, autograd at x̃
+    xt = quantize_activation(x.detach() * 1.0, q.codec(4), derive_seed(0, 0, 0, 0, 0)).restore().requires_grad_(True)
+    mod.zero_grad()
+    (mod(xt) * g).sum().backward()
+    assert torch.allclose(got_x, xt.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got_w, mod.weight.grad, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got_w, _fp32_norm_grads(mod, x, g)[1], rtol=1e-3)  # quantization did act
+
+
+def _fp32_norm_grads(mod, x, g):
+    x = x.detach().clone().requires_grad_(True)
+    mod.zero_grad()
+    (mod(x * 1.0) * g).sum().backward()
+    return x.grad, mod.weight.grad.clone()
+
+
+def test_layer_norm_recompute_vs_hook_path_within_derived_bound():
+    """Hook path: native backward with x̃ but the exact mean μ and r = 1/σ; recompute: μ̃, r̃ of x̃.
+    With δ = x̃ - x, |δ| < u (row's largest unit): x̂_b = (x̃ - μ) r, x̂_a = (x̃ - μ̃) r̃, and
+    |r̃/r - 1| <= u r / (1 - u r) (std is a norm: |σ̃ - σ| <= rms(δ - δ̄) <= u), so
+    |x̂_a - x̂_b| <= |r̃/r - 1| (|x̂| + 2 u r) + u r, and dw = Σ_n g ⊙ x̂ differs by at most Σ_n |g| · that."""
+    x = _norm_input()
+    mod = nn.LayerNorm(256, elementwise_affine=True)
+    g = torch.randn(16, 256)
+    grads = {}
+    for recompute in (True, False):
+        mod.zero_grad()
+        with ActivationQuantizer(ActivationQuantConfig(bits=4, min_numel=1, recompute=recompute)).forward_context():
+            y = mod(x * 1.0)
+        (y * g).sum().backward()
+        grads[recompute] = mod.weight.grad.clone()
+    codec = get_codec("uniform", bits=4, bucket_size=128)
+    u = codec.encode(x.detach()).scales[:, 1].view(16, 2).amax(dim=1, keepdim=True)  # 2 blocks per row
+    xd = x.detach()
+    mu, var = xd.mean(dim=1, keepdim=True), xd.var(dim=1, unbiased=False, keepdim=True)
+    r = 1 / torch.sqrt(var + mod.eps)
+    xhat = (xd - mu) * r
+    ur = u * r
+    assert torch.all(ur < 1)
+    per_elem = ur / (1 - ur) * (xhat.abs() + 2 * ur) + ur
+    bound = (g.abs() * per_elem).sum(dim=0)
+    diff = (grads[True] - grads[False]).abs()
+    assert torch.all(diff <= bound * (1 + 1e-4) + 1e-5)
+    assert diff.max() > 0  # the two paths are different estimators
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu", "gelu_tanh"])
+def test_activation_recompute_equals_hook_path_exactly(act):
+    """GELU/SiLU backward uses only the input, so with the same codes both paths give identical gradients."""
+    torch.manual_seed(1)
+    x = torch.randn(32, 128, requires_grad=True)
+    fn = {"gelu": F.gelu, "silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act]
+    grads = []
+    for recompute in (True, False):
+        x.grad = None
+        q = ActivationQuantizer(ActivationQuantConfig(bits=4, min_numel=1, recompute=recompute))
+        q.record = True
+        with q.forward_context():
+            y = fn(x * 1.0)
+        (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+        assert [r.action for r in q.records if not r.parameter and r.op != "other"] == ["quantized"]
+        grads.append(x.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "gelu", "silu"])
+def test_recompute_without_quantization_is_bit_identical_to_torch(kind):
+    torch.manual_seed(2)
+    x = torch.randn(8, 64, 32).requires_grad_(True)
+    w, b = torch.rand(32, requires_grad=True), torch.randn(32, requires_grad=True)
+    fn, params = {
+        "layer_norm": (lambda t, w_, b_: F.layer_norm(t, (32,), w_, b_, 1e-5), (w, b)),
+        "rms_norm": (lambda t, w_: F.rms_norm(t, (32,), w_, 1e-6), (w,)),
+        "gelu": (lambda t: F.gelu(t), ()),
+        "silu": (lambda t: F.silu(t), ()),
+    }[kind]
+    g = torch.randn(8, 64, 32)
+    h = x * 1.5
+    (recompute_from_stored(fn, h, params, stored=h) * g).sum().backward()
+    got = [t.grad.clone() for t in (x, *params)]
+    for t in (x, *params):
+        t.grad = None
+    (fn(x * 1.5, *params) * g).sum().backward()
+    assert all(torch.equal(a, t.grad) for a, t in zip(got, (x, *params)))
+
+
+# ----------------------------------------------------------------------------------------- non-finite
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_non_finite_activations_stay_non_finite(recompute):
+    x = torch.randn(4, 256)
+    x[1, 7] = float("inf")
+    x = x.requires_grad_(True)
+    stored = quantize_activation(x.detach(), get_codec("uniform", bits=4, bucket_size=128), seed=0)
+    back = stored.restore()
+    assert torch.isnan(back[1, :128]).all() and torch.isfinite(back[1, 128:]).all() and torch.isfinite(back[0]).all()
+    lin, ln = nn.Linear(256, 8), nn.LayerNorm(256)
+    with ActivationQuantizer(ActivationQuantConfig(bits=4, min_numel=1, recompute=recompute)).forward_context():
+        y = lin(F.gelu(ln(x * 1.0) * 1.0))
+    y.sum().backward()
+    assert not torch.isfinite(lin.weight.grad).all()
+    assert not torch.isfinite(x.grad[1]).all()
+
+
+# ----------------------------------------------------------------------------------------- policies
+
+
+def test_budget_plan_meets_target_and_favours_sensitive_sites():
+    numels = [4096, 4096, 16384, 1024, 8192]
+    coefs = [1.0, 1000.0, 1.0, 50.0, 0.1]
+    plan = budget_plan(numels, coefs, bits=4, budget_bits=5.0)
+    assert set(plan) <= {4, 5, 6, 8}
+    assert average_bits(numels, plan) <= 5.0 + 1e-12
+    assert plan[1] == 8 and plan[1] >= max(plan)
+    assert plan[4] == 4  # least sensitive per element stays at the base width
+    # greedy is optimal here: no single feasible change of one site lowers the total error
+    total = sum(error_at(c, b) for c, b in zip(coefs, plan))
+    for i in range(len(plan)):
+        for b in (4, 5, 6, 8):
+            alt = plan[:i] + [b] + plan[i + 1 :]
+            if average_bits(numels, alt) <= 5.0:
+                assert sum(error_at(c, bb) for c, bb in zip(coefs, alt)) >= total - 1e-12
+    assert budget_plan(numels, coefs, bits=4, budget_bits=4.0) == [4] * 5
+    assert budget_plan(numels, coefs, bits=4, budget_bits=8.0) == [8] * 5
+    assert layer_aware_plan(4, 4, 8) == [8, 4, 4, 8]
+
+
+def test_budget_calibration_measures_sensitivity_end_to_end():
+    """Two independent branches; scaling branch 2's Linear output by 30 multiplies its dY (hence G) by 900
+    and touches no other site's dY: that site must get strictly the most bits."""
+
+    class TwoBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.c, self.s = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x1, x2):
+            return self.c(F.gelu(self.a(x1))) + 30.0 * self.s(x2)
+
+    torch.manual_seed(0)
+    net = TwoBranch()
+    x1, x2 = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+    q = ActivationQuantizer(ActivationQuantConfig(bits=4, policy="budget", budget_bits=5.0, min_numel=1))
+    q.attach(net)
+    q.record = True
+    assert q.calibrating
+    with q.forward_context():
+        y = net(x1 * 1.0, x2 * 1.0)
+    assert {r.bits for r in q.records if r.action == "quantized"} == {8}  # calibration at 8 bits
+    y.square().mean().backward()
+    sites = {r.module: r.site for r in q.records if r.action == "quantized"}
+    plan = q.finish_calibration()
+    assert not q.calibrating and len(plan) == 4 and set(sites) == {"a", "TwoBranch", "c", "s"}
+    assert all(plan[sites["s"]] > b for i, b in enumerate(plan) if i != sites["s"]), plan
+    assert average_bits([c.numel for c in q.calibration], plan) <= 5.0
+    state = q.state_dict()
+    q2 = ActivationQuantizer(q.config)
+    q2.load_state_dict(json.loads(json.dumps(state)))
+    assert q2.plan == plan and not q2.calibrating
+
+
+def test_layer_aware_widens_first_and_last_site():
+    net, idx = _net_and_data()
+    q = ActivationQuantizer(ActivationQuantConfig(bits=4, policy="layer_aware", edge_bits=8))
+    q.attach(net)
+    for _ in range(2):
+        q.record = True
+        with q.forward_context():
+            loss = _loss(net, idx)
+        loss.backward()
+    bits = [r.bits for r in q.records if r.action == "quantized"]
+    assert bits[0] == bits[-1] == 8 and set(bits[1:-1]) == {4}
+    assert q.plan == bits
+
+
+# ----------------------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        ({"bits": 9}, ["bits", "9", "1..8"]),
+        ({"bits": 0}, ["bits", "0", "1..8"]),
+        ({"bits": 4.0}, ["bits", "4.0"]),
+        ({"policy": "greedy"}, ["policy", "greedy", "uniform", "layer_aware", "budget"]),
+        ({"block_size": 0}, ["block_size", "0", ">= 1"]),
+        ({"min_numel": -1}, ["min_numel", "-1"]),
+        ({"edge_bits": 3}, ["edge_bits", "3", "4..8"]),
+        ({"budget_bits": 3.5}, ["budget_bits", "3.5", "8"]),
+        ({"budget_bits": 9.0}, ["budget_bits", "9.0"]),
+        ({"attention_patterns": 7}, ["attention_patterns", "7"]),
+        ({"calibration_steps": 0}, ["calibration_steps", "0"]),
+        ({"recompute": "yes"}, ["recompute", "yes"]),
+        ({"seed": -2}, ["seed", "-2"]),
+        ({"log_every_n_steps": 0}, ["log_every_n_steps", "0"]),
+    ],
+)
+def test_bad_arguments_raise_naming_argument_value_and_allowed(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        ActivationQuantization(**kwargs)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_attention_patterns_accept_str_and_list():
+    a = ActivationQuantization(attention_patterns="*Attn*, SelfAttention")
+    b = ActivationQuantization(attention_patterns=["*attn*", "selfattention"])
+    assert a.config.attention_patterns == b.config.attention_patterns == ("*attn*", "selfattention")
+    assert ActivationQuantization(attention_patterns=None).config.attention_patterns == ()
+
+
+# ----------------------------------------------------------------------------------------- Lightning
+
+
+class TinyGPT(pl.LightningModule):
+    """ByteGPT-like, on a fixed random token set (no files): logs train_loss, keeps the loss curve."""
+
+    def __init__(self, lr: float = 3e-3) -> None:
+        super().__init__()
+        from lightning_qcomm.demo import ByteGPT
+
+        self.gpt = ByteGPT(n_layer=2, n_head=2, n_embd=64, block_size=64)
+        self.lr = lr
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.gpt(x).flatten(0, 1), y.flatten())
+        self.losses.append(float(loss.detach()))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        # a learnable stream: token t+1 = (3 t + 1) mod 64 with 10% noise
+        start = torch.randint(0, 64, (512, 1), generator=g)
+        seq = (start * torch.pow(3, torch.arange(65)) + torch.arange(65)) % 64
+        noise = torch.rand(seq.shape, generator=g) < 0.1
+        seq = torch.where(noise, torch.randint(0, 64, seq.shape, generator=g), seq)
+        ds = torch.utils.data.TensorDataset(seq[:, :-1], seq[:, 1:])
+        return torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, generator=g)
+
+
+def test_single_device_trainer_logs_metrics(tmp_path):
+    torch.manual_seed(0)
+    cb = ActivationQuantization(bits=4, policy="budget", budget_bits=5.0, log_every_n_steps=1, record_saves=True)
+    model = TinyGPT()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        accumulate_grad_batches=2,
+        callbacks=[cb],
+        logger=pl.loggers.CSVLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model)
+    assert cb.quantizer.plan is not None and not cb.quantizer.active
+    m = cb.metrics()
+    assert 0 < m["actq/ratio"] < 1 and m["actq/saved_bytes"] < m["actq/baseline_bytes"]
+    assert m["actq/avg_bits"] == pytest.approx(average_bits([c.numel for c in cb.quantizer.calibration], cb.quantizer.plan))
+    header = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()[0]
+    assert "actq/saved_bytes" in header and "actq/ratio" in header
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=False)["callbacks"]
+    (saved,) = [v for k, v in state.items() if "ActivationQuantization" in k]
+    assert saved["plan"] == cb.quantizer.plan
+    # validation / prediction forwards are not touched
+    assert not cb.quantizer.active
+
+
+def test_cli_config_trains(tmp_path, monkeypatch):
+    from lightning_qcomm.cli import make_cli
+
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
+    monkeypatch.chdir(tmp_path)
+    cli = make_cli(
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs" / "activation_quant.yaml"),
+            "--trainer.devices=1",
+            "--trainer.strategy=auto",
+            "--trainer.max_steps=3",
+            "--trainer.val_check_interval=3",
+            "--trainer.limit_val_batches=1",
+            "--trainer.log_every_n_steps=1",
+            "--trainer.enable_progress_bar=false",
+            "--model.n_layer=1",
+            "--model.n_head=2",
+            "--model.n_embd=32",
+            "--model.block_size=32",
+            "--data.block_size=32",
+            "--data.batch_size=4",
+            "--data.max_bytes=40000",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+        ]
+    )
+    (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, ActivationQuantization)]
+    assert cb.config.bits == 4 and cb.config.policy == "layer_aware" and cb.config.block_size == 128
+    assert cli.trainer.global_step == 3 and cb.quantizer.plan is not None
+    assert cb.last_step_stats.quantized_tensors > 0
+    header = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()[0]
+    assert "actq/ratio" in header
+
+
+# ----------------------------------------------------------------------------------------- 2 ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+STEPS = 40
+
+
+def _worker(rank: int, port: int, outdir: str) -> None:
+    import warnings
+
+    from lightning_qcomm.strategies.qsdp import QSDPStrategy
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    res = {}
+
+    def fit(name, strategy, cb=None, steps=STEPS):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=steps,
+            callbacks=[cb] if cb else [],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model)
+        out = {"losses": model.losses}
+        if cb is not None:
+            out["metrics"] = cb.metrics()
+            out["plan"] = cb.quantizer.plan
+            recs = cb.quantizer.records
+            out["param_quantized"] = sum(r.parameter and r.action == "quantized" for r in recs)
+            out["params_seen"] = sum(r.parameter for r in recs)
+            out["ops_quantized"] = sorted({r.op for r in recs if r.action == "quantized"})
+            out["attention_kept"] = all(
+                r.action == "kept" for r in recs if r.op == "scaled_dot_product_attention" or ".attn" in r.module
+            )
+        res[name] = out
+
+    fit("ddp", "ddp")
+    fit("ddp_actq4", "ddp", ActivationQuantization(bits=4, record_saves=True))
+    fit("ddp_budget", "ddp", ActivationQuantization(bits=4, policy="budget", budget_bits=5.0), steps=6)
+    fit("qsdp_actq4", QSDPStrategy(bits=8), ActivationQuantization(bits=4, record_saves=True), steps=6)
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("actq2")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _tail(losses, k=8):
+    return sum(losses[-k:]) / k
+
+
+@pytest.mark.slow
+def test_ddp_trains_with_activation_quantization(two_ranks):
+    """Band: the mean of the last 8 step losses with 4-bit activations is within 0.05 nats of plain DDP's
+    (the gradient noise of 4-bit saves is a few % of the gradient, far below the loss drop of ~1.5 nats)."""
+    for r in two_ranks:
+        base, q = r["ddp"]["losses"], r["ddp_actq4"]["losses"]
+        assert len(q) == STEPS
+        assert _tail(q) < q[0] - 1.0, "loss did not decrease"
+        assert abs(_tail(q) - _tail(base)) <= 0.05, (_tail(q), _tail(base))
+        m = r["ddp_actq4"]["metrics"]
+        assert m["actq/ratio"] < 0.7 and m["actq/quantized_ratio"] == pytest.approx(4 / 32 + 64 / (32 * 128))
+        assert r["ddp_actq4"]["param_quantized"] == 0 and r["ddp_actq4"]["params_seen"] > 0
+        assert r["ddp_actq4"]["attention_kept"]
+        assert r["ddp_actq4"]["ops_quantized"] == ["gelu", "layer_norm", "linear"]
+
+
+@pytest.mark.slow
+def test_budget_plan_is_identical_on_every_rank(two_ranks):
+    plans = [r["ddp_budget"]["plan"] for r in two_ranks]
+    assert plans[0] is not None and plans[0] == plans[1]
+    assert set(plans[0]) <= {4, 5, 6, 8} and len(set(plans[0])) > 1
+    assert all(r["ddp_budget"]["metrics"]["actq/avg_bits"] <= 5.0 for r in two_ranks)
+
+
+@pytest.mark.slow
+def test_qsdp_fsdp2_with_activation_quantization(two_ranks):
+    """Under FSDP2 the saved weights are views of the unsharded parameters: seen, never quantized."""
+    for r in two_ranks:
+        q = r["qsdp_actq4"]
+        assert len(q["losses"]) == 6 and all(math.isfinite(v) for v in q["losses"])
+        assert q["param_quantized"] == 0 and q["params_seen"] > 0
+        assert q["ops_quantized"] == ["gelu", "layer_norm", "linear"] and q["attention_kept"]
+        assert q["metrics"]["actq/ratio"] < 0.7
