@@ -583,7 +583,9 @@ def test_single_device_trainer_logs_metrics(tmp_path):
     assert cb.quantizer.plan is not None and not cb.quantizer.active
     m = cb.metrics()
     assert 0 < m["actq/ratio"] < 1 and m["actq/saved_bytes"] < m["actq/baseline_bytes"]
-    assert m["actq/avg_bits"] == pytest.approx(average_bits([c.numel for c in cb.quantizer.calibration], cb.quantizer.plan))
+    assert m["actq/avg_bits"] == pytest.approx(
+        average_bits([c.numel for c in cb.quantizer.calibration], cb.quantizer.plan)
+    )
     header = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()[0]
     assert "actq/saved_bytes" in header and "actq/ratio" in header
     ckpt = tmp_path / "a.ckpt"

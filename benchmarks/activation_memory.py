@@ -1,0 +1,188 @@
+"""Saved-activation memory, step time and loss with and without activation quantization (single process).
+
+For each model (``bench``: the 3.3M-parameter GPT of ``bench_model.py`` on its Markov tokens; ``bytegpt``: the
+demo ``ByteGPT`` on the stdlib bytes) and each setting (``fp32`` baseline, ``uniform`` 4-bit, ``layer_aware``
+4-bit with 8-bit edges, ``budget`` 4/5/6/8 bits at a mean of 5), a fresh subprocess trains N AdamW steps from
+the same seed on the same batches and reports:
+
+* saved-activation bytes of one forward (peak: every save is alive when backward starts): the baseline
+  counts every tensor autograd saves (``count_saved_tensors``); the quantized settings read the
+  quantizer's counter (``SavedBytes.stored``), which counts the same saves, quantized ones at packed size;
+* process peak-RSS growth over the training loop (``ru_maxrss`` after the loop minus before it: the
+  allocator's view, includes the codec's temporaries, noisy);
+* median step time (first 3 steps dropped) and the mean loss of the last 5 steps.
+
+    python benchmarks/activation_memory.py --steps 30            # both models, all settings
+    python benchmarks/activation_memory.py --models bench --settings fp32,uniform --steps 10
+
+The training loop calls ``ActivationQuantizer`` directly (what the Lightning callback runs around each
+training forward); ``budget`` calibrates on step 0 and fixes its plan after that step's backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+SETTINGS = {
+    "fp32": None,
+    "uniform": {"bits": 4, "policy": "uniform"},
+    "layer_aware": {"bits": 4, "policy": "layer_aware", "edge_bits": 8},
+    "budget": {"bits": 4, "policy": "budget", "budget_bits": 5.0},
+}
+MODELS = ("bench", "bytegpt")
+
+
+def _build(model: str, batch: int):
+    """(nn.Module, list of (x, y) batches on CPU) for ``model``, deterministic."""
+    import torch
+
+    torch.manual_seed(0)
+    if model == "bench":
+        from bench_model import GPT, MODEL_PRESETS, MarkovTokens
+
+        cfg = MODEL_PRESETS["bench"]
+        net = GPT(cfg)
+        data = MarkovTokens(cfg.vocab_size, cfg.seq_len, n=batch * 64, seed=0)
+        loader = torch.utils.data.DataLoader(
+            data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0)
+        )
+    else:
+        from lightning_qcomm.demo import ByteGPT, StdlibBytes
+
+        net = ByteGPT(n_layer=4, n_head=4, n_embd=128, block_size=128)
+        dm = StdlibBytes(block_size=128, batch_size=batch, max_bytes=1_000_000)
+        dm.setup("fit")
+        loader = torch.utils.data.DataLoader(
+            dm.train_set, batch_size=batch, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0)
+        )
+    return net, loader
+
+
+def run_one(model: str, setting: str, steps: int, batch: int) -> dict:
+    """Train ``steps`` steps in this process and return the measurements (see module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_qcomm.memory import ActivationQuantConfig, ActivationQuantizer, count_saved_tensors
+
+    torch.set_flush_denormal(True)
+    net, loader = _build(model, batch)
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-3)
+    cfg = SETTINGS[setting]
+    quantizer = None
+    if cfg is not None:
+        quantizer = ActivationQuantizer(ActivationQuantConfig(**cfg))
+        quantizer.attach(net)
+    batches = iter(loader)
+    losses, times, saved, baseline, quantized_ratio, avg_bits = [], [], 0, 0, 1.0, 32.0
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for step in range(steps):
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            x, y = next(batches)
+        t0 = time.perf_counter()
+        if quantizer is None:
+            with count_saved_tensors() as stats:
+                logits = net(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        else:
+            with quantizer.forward_context(step=step):
+                logits = net(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            stats = quantizer.stats
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if quantizer is not None and quantizer.config.policy == "budget" and quantizer.plan is None:
+            quantizer.finish_calibration()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+        if step == steps - 1:  # the last forward: after calibration, the plan's widths
+            saved, baseline = stats.stored, stats.baseline
+            quantized_ratio, avg_bits = stats.quantized_ratio, stats.avg_bits if stats.quantized_numel else 32.0
+        del logits, loss
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "model": model,
+        "setting": setting,
+        "steps": steps,
+        "batch": batch,
+        "params": sum(p.numel() for p in net.parameters()),
+        "saved_bytes": saved,
+        "baseline_bytes": baseline,
+        "quantized_ratio": quantized_ratio,
+        "avg_bits": avg_bits,
+        "rss_growth_kib": rss1 - rss0,
+        "step_s_median": statistics.median(times[3:] if len(times) > 3 else times),
+        "final_loss": sum(losses[-5:]) / min(5, len(losses)),
+        "first_loss": losses[0],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--_one", default=None, help=argparse.SUPPRESS)  # internal: model:setting in this process
+    a = p.parse_args()
+    if a._one:
+        model, setting = a._one.split(":")
+        print(json.dumps(run_one(model, setting, a.steps, a.batch)))
+        return
+    rows = []
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for model in a.models.split(","):
+        for setting in a.settings.split(","):
+            if model not in MODELS or setting not in SETTINGS:
+                raise ValueError(f"unknown model/setting {model!r}/{setting!r}; allowed {MODELS} / {tuple(SETTINGS)}")
+            cmd = [
+                sys.executable,
+                __file__,
+                "--_one",
+                f"{model}:{setting}",
+                "--steps",
+                str(a.steps),
+                "--batch",
+                str(a.batch),
+            ]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+            print(f"done {model}:{setting}", file=sys.stderr, flush=True)
+    base = {r["model"]: r for r in rows if r["setting"] == "fp32"}
+    print(
+        "| model | setting | saved activations (MB) | vs fp32 | quantized part ratio | mean bits | peak RSS growth (MB) |"
+        " step time (s) | loss after N steps |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = base.get(r["model"])
+        rel = f"{r['saved_bytes'] / b['saved_bytes']:.3f}" if b else "-"
+        bits = "-" if r["setting"] == "fp32" else f"{r['avg_bits']:.2f}"
+        qr = "-" if r["setting"] == "fp32" else f"{r['quantized_ratio']:.4f}"
+        print(
+            f"| {r['model']} ({r['params'] / 1e6:.2f}M) | {r['setting']} | {r['saved_bytes'] / 1e6:.2f} | {rel} | {qr} | {bits}"
+            f" | {r['rss_growth_kib'] / 1024:.1f} | {r['step_s_median']:.3f} | {r['final_loss']:.4f} |"
+        )
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
