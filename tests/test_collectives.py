@@ -22,7 +22,9 @@ import torch.multiprocessing as mp
 from lightning_qcomm.codecs import derive_seed, get_codec
 from lightning_qcomm.comm import (
     CommLedger,
+    all_gather_bytes,
     all_reduce_pieces,
+    all_to_all_bytes,
     get_ledger,
     onebit_all_reduce,
     onebit_pieces,
@@ -346,6 +348,28 @@ def check_error_feedback(rank, n):
     assert drift_ef * 10 < drift_noef, f"EF drift {drift_ef} not well below no-EF drift {drift_noef}"
 
 
+def check_pieced_transfers(rank, n):
+    """all_to_all_bytes / all_gather_bytes in concurrent pieces move exactly what one torch call moves."""
+    row = 1000  # not a multiple of the piece
+    g = torch.Generator().manual_seed(50 + rank)
+    send = torch.randint(0, 256, (n * row,), dtype=torch.uint8, generator=g)
+    expect = torch.empty_like(send)
+    dist.all_to_all_single(expect, send)
+    with CountingDist() as counter:
+        got = torch.empty_like(send)
+        all_to_all_bytes(got, send, piece_bytes=64)
+    assert torch.equal(got, expect), "pieced all-to-all differs from all_to_all_single"
+    assert counter.calls == -(-row // 64) and counter.bytes == send.numel(), (counter.calls, counter.bytes)
+    mine = send[:row].clone()
+    expect = torch.empty(n * row, dtype=torch.uint8)
+    _all_gather(expect, mine)
+    with CountingDist() as counter:
+        got = torch.empty_like(expect)
+        all_gather_bytes(got, mine, piece_bytes=64)
+    assert torch.equal(got, expect), "pieced all-gather differs from all_gather_single"
+    assert counter.calls == -(-row // 64) and counter.bytes == row, (counter.calls, counter.bytes)
+
+
 def check_ledger_bytes(rank, n):
     codec = get_codec("qsgd", 4, BUCKET)
     ledger = CommLedger(keep_records=True)
@@ -511,6 +535,7 @@ CHECKS_2 = [
     check_all_reduce_codec,
     check_onebit_oracle,
     check_error_feedback,
+    check_pieced_transfers,
     check_ledger_bytes,
     check_bad_input,
     check_nan,
@@ -521,6 +546,7 @@ CHECKS_3 = [
     check_reduce_scatter_codec,
     check_all_reduce_codec,
     check_onebit_oracle,
+    check_pieced_transfers,
     check_ledger_bytes,
     check_bad_input,
 ]

@@ -19,9 +19,10 @@ bucket never mixes two parameters' scales. The wire row is ``[seg_0 bytes | seg_
 ``codec.nbytes(n)`` bytes (codes, then fp32 scales) per quantized segment: a pure function of the layout,
 so no sizes are exchanged.
 
-* All-gather (weights): this rank encodes its row, ``all_gather_single`` of the bytes, then every rank
-  decodes all N rows, its own included, so every rank computes with identical weights.
-* Reduce-scatter (grads): encode each of the N rows, ``all_to_all_single``, decode the received rows to
+* All-gather (weights): this rank encodes its row, ``all_gather_single`` of the bytes (``all_gather_bytes``:
+  concurrent pieces on gloo), then every rank decodes all N rows, its own included, so every rank computes
+  with identical weights.
+* Reduce-scatter (grads): encode each of the N rows, ``all_to_all_single`` (``all_to_all_bytes``), decode the received rows to
   fp32, replace the own row by its exact value (it never left the rank), sum in fp32 and write the shard.
   ``set_force_sum_reduction_for_comms(True)`` makes FSDP pass ``SUM`` and divide by N itself.
 
@@ -47,6 +48,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from lightning_qcomm.codecs import Codec, Packed, derive_seed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
+from lightning_qcomm.comm.collectives import all_gather_bytes, all_to_all_bytes
 from lightning_qcomm.comm.ledger import get_ledger
 
 log = logging.getLogger(__name__)
@@ -266,11 +268,7 @@ class QuantizedAllGather(_QSDPComm, AllGather):
         seed = derive_seed(self.state.seed, SEED_WEIGHTS, self.state.step, self.group_id, rank)
         payload = rc.encode(input_tensor.reshape(1, s_numel), seed).reshape(-1)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-        all_gather_single = getattr(dist, "all_gather_single", None)  # torch >= 2.13; looked up per call
-        if all_gather_single is not None:
-            all_gather_single(gathered, payload, group=group)
-        else:
-            dist.all_gather_into_tensor(gathered, payload, group=group)
+        all_gather_bytes(gathered, payload, group=group)
         rc.decode(gathered.view(world, -1), output_tensor.view(world, s_numel))
         get_ledger().record(
             "all_gather",
@@ -323,7 +321,7 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         rows = input_tensor.view(world, s_numel)
         send = rc.encode(rows, seed)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+        all_to_all_bytes(recv.view(-1), send.view(-1), group=group)
         decoded = torch.empty(world, s_numel, dtype=torch.float32, device=input_tensor.device)
         rc.decode(recv, decoded)
         decoded[rank].copy_(rows[rank])  # the own row never left this rank: keep it exact
