@@ -504,7 +504,9 @@ def quantized_all_reduce(
 
     flat_in = x.detach().reshape(-1)
     flat_err = None if error_feedback is None else error_feedback.detach().reshape(-1)
-    out_flat = torch.empty(d, dtype=torch.float32, device=x.device)
+    # decode straight into x when it is flat-viewable fp32 (phase 1 has read all of x before phase 3 writes)
+    direct = x.dtype == torch.float32 and x.is_contiguous()
+    out_flat = x.view(-1) if direct else torch.empty(d, dtype=torch.float32, device=x.device)
     residual = None if error_feedback is None else torch.empty(d, dtype=torch.float32, device=x.device)
     k_scale = world if op == "avg" else 1
     pieces = all_reduce_pieces(d, world, codec, piece_numel)
@@ -537,14 +539,20 @@ def quantized_all_reduce(
     del phase1
     for o, n, c, res, reduced, gathered, _mine, work in phase2:
         _wait(work)
-        out = _decode_rows(codec, gathered, world, c)
-        out_flat[o : o + n] = out.view(-1)[:n]
+        p_len = codec.nbytes(c)
+        for j in range(world):  # decode each rank's chunk straight into its place in the output
+            length = max(min(c, n - j * c), 0)
+            if length:
+                row = _decode_bytes(codec, gathered[j * p_len : (j + 1) * p_len], c)
+                out_flat[o + j * c : o + j * c + length] = row[:length]
+                if res is not None and j == rank:
+                    res.view(world, c)[rank] += k_scale * (reduced - row)
         if res is not None:
-            res.view(world, c)[rank] += k_scale * (reduced - out[rank])
             residual[o : o + n] = res[:n]
     if residual is not None:
         _update_error(error_feedback, residual)
-    x.copy_(out_flat.view(x.shape))
+    if out_flat.data_ptr() != x.data_ptr():
+        x.copy_(out_flat.view(x.shape))
     ledger.record("all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag)
     return x
 
