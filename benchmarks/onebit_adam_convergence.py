@@ -47,7 +47,7 @@ def _variants(steps: int) -> dict[str, dict]:
             "kind": "onebit",
             "cb": {
                 "freeze_step": max(1, steps // 2),
-                "auto_freeze_threshold": 0.05,
+                "auto_freeze_threshold": 0.1,
                 "auto_freeze_interval": 10,
                 "auto_freeze_patience": 3,
             },
@@ -83,6 +83,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         def __init__(self) -> None:
             self.t: list[float] = []
             self.bytes: list[dict[str, float]] = []
+            self.r: list[tuple[int, float]] = []  # (step, variance change) at each auto-freeze check
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self._t0 = time.perf_counter()
@@ -90,13 +91,25 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.t.append(time.perf_counter() - self._t0)
+            opt = trainer.optimizers[0]
+            cfg = getattr(opt, "config", None)
+            if (
+                cfg is not None
+                and cfg.auto_freeze_threshold is not None
+                and not (opt.frozen and opt.frozen_at < opt.num_steps)
+            ):
+                if opt.num_steps % cfg.auto_freeze_interval == 0:
+                    self.r.append((opt.num_steps, opt.last_variance_change))
             step: dict[str, float] = {}
             for (op, tag), t in get_ledger().cumulative.items():
                 step[tag] = step.get(tag, 0.0) + t.wire_bytes - self._b0.get((op, tag), 0.0)
             self.bytes.append(step)
 
     results = {}
-    for name, spec in _variants(args.steps).items():
+    variants = _variants(args.steps)
+    names = list(variants) if args.variants == "all" else ["ddp_adamw"] + [v for v in args.variants.split(",") if v]
+    for name in dict.fromkeys(names):
+        spec = variants[name]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
         os.environ["LOCAL_RANK"] = str(rank)
         ledger = CommLedger()
@@ -150,6 +163,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             "d": d,
             "total_wire": sum(t.wire_bytes for t in ledger.cumulative.values()),
             "total_base": sum(t.baseline_bytes for t in ledger.cumulative.values()),
+            "variance_changes": per_step.r,
         }
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
@@ -172,6 +186,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--lr-warmup", type=int, default=10)
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
+    ap.add_argument("--variants", default="all", help="comma list of variant names (ddp_adamw always runs) or all")
     ap.add_argument("--out", default=None, help="markdown file to write (default: print only)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
@@ -206,6 +221,12 @@ def main() -> None:
             f"{_median(comp):,.0f} | {_median(comp) / fp32_step:.4f} | {a['total_wire'] / a['total_base']:.4f} | "
             f"{1000 * _median(tw):.0f} / {1000 * _median(tc):.0f} |"
         )
+    for name in r0:
+        if r0[name]["variance_changes"]:
+            tr = ", ".join(f"{step}: {r:.3f}" for step, r in r0[name]["variance_changes"])
+            lines.append(
+                f"\n{name}: variance change r = ||v_hat_t - v_hat_(t-k)|| / ||v_hat_t|| at each check (step: r): {tr}"
+            )
     table = "\n".join(lines)
     cmd = "python benchmarks/onebit_adam_convergence.py " + " ".join(sys.argv[1:])
     header = (
