@@ -34,6 +34,9 @@ r = ‖v̂_t - v̂_{t-k}‖₂ / ‖v̂_t‖₂ over all parameters (max over ra
 ``auto_freeze_patience`` consecutive checks with r < τ the variance freezes. ``freeze_step`` stays an
 upper bound on the warm-up. Costs one extra copy of v during warm-up.
 
+**Memory**: m and v as AdamW; in the compression phase also this rank's error buffers (d fp32 worker +
+ceil(d_b/N) fp32 server elements per bucket of d_b) and one flat fp32 bucket while it is synced.
+
 **Non-finite gradients** stay non-finite: NaN/Inf reach m and, through the 1-bit all-reduce, every rank's
 m and p (the error buffers keep their last finite values), as torch's AdamW would make them.
 
@@ -180,7 +183,6 @@ class OneBitAdam(Optimizer):
         self.last_variance_change: float | None = None  # r of the last auto-freeze check
         self._sync: OneBitMomentumSync | None = None
         self._layout: list[torch.Tensor] | None = None
-        self._denoms: dict[torch.Tensor, torch.Tensor] = {}
         self._pending_rank_state: dict | None = None
         self._warned_stateless = False
 
@@ -294,11 +296,9 @@ class OneBitAdam(Optimizer):
                 state["step"] += 1
                 if wd != 0 and group["decoupled_weight_decay"]:
                     p.mul_(1 - lr * wd)
-                denom = self._denoms.get(p)
-                if denom is None or denom[1] != eps:
-                    denom = (state["exp_avg_sq"].sqrt().add_(eps), eps)
-                    self._denoms[p] = denom
-                p.addcdiv_(state["exp_avg"], denom[0], value=-lr / (1 - beta1 ** state["step"].item()))
+                # recomputed each step (two cheap passes) rather than cached: a cache would cost another d floats
+                denom = state["exp_avg_sq"].sqrt().add_(eps)
+                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** state["step"].item()))
 
     # ------------------------------------------------------------------ freezing
     def _maybe_freeze(self) -> None:
@@ -366,7 +366,6 @@ class OneBitAdam(Optimizer):
                 state["exp_avg_sq"].div_(1 - beta2 ** state["step"].item())
                 state.pop("exp_avg_sq_ref", None)
         self.frozen_at = self.num_steps
-        self._denoms.clear()
         log.info("OneBitAdam: variance frozen after %d warm-up steps; momentum now travels 1-bit", self.num_steps)
 
     # ------------------------------------------------------------------ checkpointing
@@ -394,7 +393,6 @@ class OneBitAdam(Optimizer):
         for group in self.param_groups:  # Adam/AdamW groups lack our key; keep their semantics
             group.setdefault("decoupled_weight_decay", False)
         self._sync, self._layout = None, None
-        self._denoms.clear()
         if extra is not None:
             self.num_steps = int(extra["num_steps"])
             self.frozen_at = None if extra["frozen_at"] is None else int(extra["frozen_at"])
