@@ -619,6 +619,16 @@ def _cli_check(rank: int, outdir: str) -> dict:
     }
 
 
+def _local_sgd_is_rejected(rank: int, port: int) -> str | None:
+    from lightning_qcomm.strategies.local_sgd import LocalSGDStrategy
+
+    try:
+        _fit(rank, port, _Module(), [OneBitAdamCallback()], strategy=LocalSGDStrategy(sync="constant"), max_steps=2)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def _worker(rank: int, port: int, outdir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -633,6 +643,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     res = {"torch": _torch_ddp_checks(rank)}
     res.update(_lightning_checks(rank, port, os.path.join(outdir, "ckpt")))
     res["cli"] = _cli_check(rank, os.path.join(outdir, "cli"))
+    res["local_sgd_error"] = _local_sgd_is_rejected(rank, port)  # last: it ends a fit with an exception
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(res, f)
 
@@ -771,6 +782,13 @@ def test_cli_config_runs_both_phases(results):
         assert calls == 2 * 2 and wire == base  # 2 warm-up steps x 2 ranks, fp32
         calls, wire, base = cli["totals"]["all_reduce|momentum"]
         assert calls == 2 * 2 and wire < base / 30
+
+
+def test_strategy_without_ddp_wrapper_is_rejected(results):
+    for r in results:
+        msg = r["local_sgd_error"]
+        assert msg and "LocalSGDStrategy does not wrap the model in DistributedDataParallel" in msg
+        assert "allowed strategies" in msg
 
 
 def test_callback_rejects_other_optimizers_and_clashing_settings(tmp_path):
