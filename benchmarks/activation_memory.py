@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 
 SETTINGS = {
     "fp32": None,
+    "fp32_seed1": None,  # the fp32 run from another seed (init and batch order): run-to-run spread yardstick
     "uniform": {"bits": 4, "policy": "uniform"},
     "layer_aware": {"bits": 4, "policy": "layer_aware", "edge_bits": 8},
     "budget": {"bits": 4, "policy": "budget", "budget_bits": 5.0},
@@ -44,11 +45,11 @@ SETTINGS = {
 MODELS = ("bench", "bytegpt")
 
 
-def _build(model: str, batch: int):
-    """(nn.Module, list of (x, y) batches on CPU) for ``model``, deterministic."""
+def _build(model: str, batch: int, seed: int = 0):
+    """(nn.Module, DataLoader of (x, y) batches on CPU) for ``model``, deterministic given ``seed``."""
     import torch
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     if model == "bench":
         from bench_model import GPT, MODEL_PRESETS, MarkovTokens
 
@@ -56,7 +57,7 @@ def _build(model: str, batch: int):
         net = GPT(cfg)
         data = MarkovTokens(cfg.vocab_size, cfg.seq_len, n=batch * 64, seed=0)
         loader = torch.utils.data.DataLoader(
-            data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0)
+            data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(seed)
         )
     else:
         from lightning_qcomm.demo import ByteGPT, StdlibBytes
@@ -65,7 +66,7 @@ def _build(model: str, batch: int):
         dm = StdlibBytes(block_size=128, batch_size=batch, max_bytes=1_000_000)
         dm.setup("fit")
         loader = torch.utils.data.DataLoader(
-            dm.train_set, batch_size=batch, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0)
+            dm.train_set, batch_size=batch, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed)
         )
     return net, loader
 
@@ -78,7 +79,7 @@ def run_one(model: str, setting: str, steps: int, batch: int) -> dict:
     from lightning_qcomm.memory import ActivationQuantConfig, ActivationQuantizer, count_saved_tensors
 
     torch.set_flush_denormal(True)
-    net, loader = _build(model, batch)
+    net, loader = _build(model, batch, seed=1 if setting == "fp32_seed1" else 0)
     opt = torch.optim.AdamW(net.parameters(), lr=2e-3)
     cfg = SETTINGS[setting]
     quantizer = None
@@ -166,6 +167,7 @@ def main() -> None:
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(f"done {model}:{setting}", file=sys.stderr, flush=True)
     base = {r["model"]: r for r in rows if r["setting"] == "fp32"}
+    print(f"{a.steps} steps, batch {a.batch}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
     print(
         "| model | setting | saved activations (MB) | vs fp32 | quantized part ratio | mean bits | peak RSS growth (MB) |"
         " step time (s) | loss after N steps |"
@@ -174,8 +176,9 @@ def main() -> None:
     for r in rows:
         b = base.get(r["model"])
         rel = f"{r['saved_bytes'] / b['saved_bytes']:.3f}" if b else "-"
-        bits = "-" if r["setting"] == "fp32" else f"{r['avg_bits']:.2f}"
-        qr = "-" if r["setting"] == "fp32" else f"{r['quantized_ratio']:.4f}"
+        fp = r["setting"].startswith("fp32")
+        bits = "-" if fp else f"{r['avg_bits']:.2f}"
+        qr = "-" if fp else f"{r['quantized_ratio']:.4f}"
         print(
             f"| {r['model']} ({r['params'] / 1e6:.2f}M) | {r['setting']} | {r['saved_bytes'] / 1e6:.2f} | {rel} | {qr} | {bits}"
             f" | {r['rss_growth_kib'] / 1024:.1f} | {r['step_s_median']:.3f} | {r['final_loss']:.4f} |"
