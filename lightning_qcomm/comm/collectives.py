@@ -52,9 +52,11 @@ from lightning_qcomm.comm.ledger import get_ledger
 
 REDUCE_OPS = ("sum", "avg")
 FP32_BYTES = 4
-DEFAULT_PIECE_NUMEL = 1 << 18  # elements per rank per pipelined piece of quantized_all_reduce (256 KB at 8 bits)
+DEFAULT_PIECE_NUMEL = 1 << 15  # min elements per rank per pipelined piece of quantized_all_reduce (32 KB at 8 bits)
+MAX_ALL_REDUCE_PIECES = 16  # ... and at most this many pieces per call
 DEFAULT_ONEBIT_PIECE_NUMEL = 1 << 21  # the same for onebit_all_reduce (256 KB of signs)
-TRANSFER_PIECE_BYTES = 1 << 18  # bytes per rank per concurrent sub-exchange of all_to_all_bytes / all_gather_bytes
+TRANSFER_PIECE_BYTES = 1 << 15  # min bytes per rank per concurrent sub-exchange of all_to_all_bytes / all_gather_bytes
+MAX_TRANSFER_PIECES = 16  # ... and at most this many sub-exchanges per call
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 _OP_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "onebit_all_reduce": 4}
@@ -172,10 +174,12 @@ def _decode_rows(codec: Codec, buf: torch.Tensor, rows: int, numel: int) -> torc
 
 
 def _column_pieces(row_bytes: int, piece_bytes: int) -> list[tuple[int, int]]:
-    """[a, b) byte ranges of a row cut for ``all_to_all_bytes`` / ``all_gather_bytes``; one range if short."""
-    if row_bytes <= 2 * piece_bytes:
+    """[a, b) byte ranges of a row cut for ``all_to_all_bytes`` / ``all_gather_bytes``: pieces of at least
+    ``piece_bytes``, at most ``MAX_TRANSFER_PIECES`` of them; one range if the row is short."""
+    if row_bytes <= piece_bytes:
         return [(0, row_bytes)]
-    return [(a, min(a + piece_bytes, row_bytes)) for a in range(0, row_bytes, piece_bytes)]
+    size = max(piece_bytes, -(-row_bytes // MAX_TRANSFER_PIECES))
+    return [(a, min(a + size, row_bytes)) for a in range(0, row_bytes, size)]
 
 
 def all_to_all_bytes(
@@ -185,7 +189,7 @@ def all_to_all_bytes(
     piece_bytes: int = TRANSFER_PIECE_BYTES,
 ) -> None:
     """``all_to_all_single`` of N equal rows of bytes (row j of ``send`` to rank j, row r of ``recv`` from
-    rank r), issued as several concurrent exchanges of at most ``piece_bytes`` per row on CPU/gloo.
+    rank r), issued on CPU/gloo as up to 16 concurrent exchanges of >= ``piece_bytes`` per row.
 
     One blocking gloo exchange of a few MB leaves a shaped TCP link partly idle (2.1 MB per rank at
     100 Mbit/s, Linux defaults: 345 ms as one call, 190 ms as 8 concurrent ones, 168 ms at line rate;
@@ -218,8 +222,8 @@ def all_gather_bytes(
     group: dist.ProcessGroup | None = None,
     piece_bytes: int = TRANSFER_PIECE_BYTES,
 ) -> None:
-    """``all_gather_single`` (rank r's ``inp`` into row r of ``out``), issued as several concurrent
-    gathers of at most ``piece_bytes`` per rank on CPU/gloo (see ``all_to_all_bytes``)."""
+    """``all_gather_single`` (rank r's ``inp`` into row r of ``out``), issued on CPU/gloo as up to 16
+    concurrent gathers of >= ``piece_bytes`` per rank (see ``all_to_all_bytes``)."""
     _, world = _rank_world(group)
     if world == 1:
         out.copy_(inp)
@@ -378,12 +382,13 @@ def all_reduce_pieces(
 ) -> list[tuple[int, int]]:
     """(offset, length) of the pieces ``quantized_all_reduce`` pipelines a tensor of ``numel`` elements in.
 
-    A piece holds N*m elements, m = ``piece_numel`` rounded up to a multiple of the codec's bucket (so the
-    buckets of a piece's chunks are the buckets of the unpieced algorithm); the last piece holds the rest.
-    A tensor of at most N*m elements is one piece. codec=None is never pieced (one fp32 all_reduce).
+    A piece holds N*m elements, m = max(``piece_numel``, ceil(d / (N * MAX_ALL_REDUCE_PIECES))) rounded up
+    to a multiple of the codec's bucket (so the buckets of a piece's chunks are the buckets of the unpieced
+    algorithm); the last piece holds the rest. A tensor of at most N*m elements is one piece. codec=None
+    is never pieced (one fp32 all_reduce).
     """
     _check_piece_numel(piece_numel)
-    m = piece_numel
+    m = max(piece_numel, -(-numel // (world_size * MAX_ALL_REDUCE_PIECES)))
     if codec is not None and codec.bucket_size is not None:
         m = -(-m // codec.bucket_size) * codec.bucket_size
     step = world_size * m
@@ -429,9 +434,9 @@ def quantized_all_reduce(
 ) -> torch.Tensor:
     """Precision-preserving compressed all-reduce, in place (also returned). Any length, any N.
 
-    The flat tensor is cut into pieces (``all_reduce_pieces``: N*m elements each, m = ``piece_numel``
-    rounded up to the bucket); piece k runs the algorithm below with seed s_k = ``seed`` for k = 0 and
-    ``derive_seed(seed, 3, k)`` after. With y_r = x_r + e_r (e_r = ``error_feedback``, 0 if None) of one
+    The flat tensor is cut into pieces (``all_reduce_pieces``: N*m elements each, m >= ``piece_numel``,
+    at most 16 pieces, m rounded up to the bucket); piece k runs the algorithm below with seed
+    s_k = ``seed`` for k = 0 and ``derive_seed(seed, 3, k)`` after. With y_r = x_r + e_r (e_r = ``error_feedback``, 0 if None) of one
     piece, zero-padded to N*c, c = ceil(len/N):
 
     1. rank r encodes chunk j of y_r (seed ``derive_seed(s_k, 1, r, j)``) and sends it to rank j
