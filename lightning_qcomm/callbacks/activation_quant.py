@@ -14,10 +14,17 @@ What this file owns (the math is in ``lightning_qcomm.memory`` and the uniform c
 * the budget policy's calibration: after ``calibration_steps`` optimizer steps the per-site statistics
   are summed over ranks (``strategy.reduce``) so every rank fixes the same plan; the plan is saved in and
   restored from checkpoints (``state_dict``);
+* optionally (``grad_storage="fp8_e4m3"`` / ``"fp8_e5m2"``, AGoQ QuanGrad) holding the accumulated gradients
+  in FP8 between the micro-batches of a gradient-accumulation window (``memory.grad_storage``): compressed
+  after every backward that Lightning follows by another micro-batch (automatic optimization only),
+  restored to fp32 before the next backward, so the accumulation itself is fp32 and the optimizer (and the
+  DDP reduction, which runs in the last backward) see ordinary gradients;
 * metrics, written by global rank 0 to every logger of the Trainer every ``log_every_n_steps`` optimizer
   steps (default: ``Trainer(log_every_n_steps)``), rank 0's numbers for the largest forward of the step: ``actq/saved_bytes`` (saved activations as stored), ``actq/baseline_bytes``
   (the same saves unquantized), ``actq/ratio`` (= saved / baseline), ``actq/quantized_ratio`` (over the
-  quantized tensors only: the codec's b/32 + scale overhead), ``actq/quantized_tensors``, ``actq/avg_bits``.
+  quantized tensors only: the codec's b/32 + scale overhead), ``actq/quantized_tensors``, ``actq/avg_bits``;
+  with FP8 gradient storage also ``actq/grad_stored_bytes`` and ``actq/grad_baseline_bytes`` (the last
+  window's gradients held between micro-batches, FP8 versus as ``p.grad``).
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
+from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.memory.bit_allocation import average_bits
+from lightning_qcomm.memory.grad_storage import FP8GradientStore
 from lightning_qcomm.memory.quantizer import (
     ActivationQuantConfig,
     ActivationQuantizer,
@@ -39,6 +48,7 @@ from lightning_qcomm.memory.saved_tensors import SavedBytes
 log = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 1
+GRAD_STORAGE = ("fp32", "fp8_e4m3", "fp8_e5m2")
 
 
 class ActivationQuantization(pl.Callback):
@@ -64,6 +74,8 @@ class ActivationQuantization(pl.Callback):
         log_every_n_steps: metric period in optimizer steps; ``None`` follows the Trainer's.
         record_saves: keep, for the last forward, a record of every saved tensor and the decision
             (``self.quantizer.records``), for inspection.
+        grad_storage: ``"fp32"`` (off), or ``"fp8_e4m3"`` / ``"fp8_e5m2"``: hold accumulated gradients in FP8
+            (blocks of ``block_size``) between gradient-accumulation micro-batches.
     """
 
     def __init__(
@@ -81,6 +93,7 @@ class ActivationQuantization(pl.Callback):
         seed: int = 0,
         log_every_n_steps: int | None = None,
         record_saves: bool = False,
+        grad_storage: Literal["fp32", "fp8_e4m3", "fp8_e5m2"] = "fp32",
     ) -> None:
         if isinstance(budget_bits, int) and not isinstance(budget_bits, bool):
             budget_bits = float(budget_bits)
@@ -103,6 +116,16 @@ class ActivationQuantization(pl.Callback):
             raise ValueError(f"log_every_n_steps must be None or an int >= 1, got {log_every_n_steps!r}")
         if not isinstance(record_saves, bool):
             raise ValueError(f"record_saves must be a bool, got {record_saves!r}")
+        if grad_storage not in GRAD_STORAGE:
+            raise ValueError(f"grad_storage={grad_storage!r} is not supported; allowed: {', '.join(GRAD_STORAGE)}")
+        self.grad_storage = grad_storage
+        self.grad_store = (
+            None
+            if grad_storage == "fp32"
+            else FP8GradientStore(get_codec(grad_storage, bucket_size=block_size), min_numel=min_numel)
+        )
+        self.grad_bytes = (0, 0)  # (stored, baseline) of the last compress
+        self._warned_manual = False
         self.log_every_n_steps = log_every_n_steps
         self.quantizer = ActivationQuantizer(self.config)
         self.quantizer.record = record_saves
@@ -118,10 +141,34 @@ class ActivationQuantization(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.quantizer.end()
         self.quantizer.detach()
+        self._restore_grads()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.quantizer.end()
         self.quantizer.detach()
+        self._restore_grads()
+
+    def _restore_grads(self) -> None:
+        if self.grad_store is not None and self.grad_store.holding:
+            self.grad_store.restore()
+
+    def _compress_grads(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            if not self._warned_manual:
+                self._warned_manual = True
+                log.warning("ActivationQuantization: grad_storage applies to automatic optimization only; ignored")
+            return
+        should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
+        if should_accumulate is None or not should_accumulate():
+            return  # the optimizer step follows this backward
+        self.grad_store.compress(pl_module.parameters())
+        self.grad_bytes = (self.grad_store.nbytes, self.grad_store.original_nbytes)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        self._restore_grads()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_grads()
 
     def _begin(self, trainer: pl.Trainer) -> None:
         if trainer.global_step != self._step:
@@ -145,8 +192,11 @@ class ActivationQuantization(pl.Callback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._end()
+        self._restore_grads()  # autograd accumulates this micro-batch into fp32 gradients
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.grad_store is not None:
+            self._compress_grads(trainer, pl_module)
         if not pl_module.automatic_optimization:  # a manual training_step may run more forwards
             self._begin(trainer)
 
@@ -177,7 +227,14 @@ class ActivationQuantization(pl.Callback):
     def metrics(self) -> dict[str, float]:
         """The ``actq/*`` numbers of the last finished optimizer step (see module docstring)."""
         s = self.last_step_stats
+        grads = {}
+        if self.grad_store is not None:
+            grads = {
+                "actq/grad_stored_bytes": float(self.grad_bytes[0]),
+                "actq/grad_baseline_bytes": float(self.grad_bytes[1]),
+            }
         return {
+            **grads,
             "actq/saved_bytes": float(s.stored),
             "actq/baseline_bytes": float(s.baseline),
             "actq/ratio": s.ratio,

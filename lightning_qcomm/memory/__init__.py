@@ -2,10 +2,12 @@
 
 ``saved_tensors`` holds the quantized container and the rules for what may be quantized, ``recompute``
 the norm / activation ops that keep only their quantized input, ``bit_allocation`` the width policies, and
-``quantizer`` the runtime that ties them to a forward pass. The quantization math is the uniform codec's.
+``quantizer`` the runtime that ties them to a forward pass, ``grad_storage`` FP8 gradients between
+accumulation micro-batches. The quantization math is the codecs' (uniform; fp8 for gradients).
 """
 
 from lightning_qcomm.memory.bit_allocation import POLICIES, budget_plan, layer_aware_plan, uniform_plan
+from lightning_qcomm.memory.grad_storage import FP8GradientStore
 from lightning_qcomm.memory.quantizer import ActivationQuantConfig, ActivationQuantizer, SaveRecord, parse_patterns
 from lightning_qcomm.memory.recompute import recompute_from_stored
 from lightning_qcomm.memory.saved_tensors import (
@@ -20,6 +22,7 @@ __all__ = [
     "POLICIES",
     "ActivationQuantConfig",
     "ActivationQuantizer",
+    "FP8GradientStore",
     "QuantizedActivation",
     "SaveRecord",
     "SavedBytes",
