@@ -213,6 +213,25 @@ def test_small_and_leaf_saves_are_kept():
     assert q.stats.quantized_tensors == 0
 
 
+def test_activation_checkpointing_regions_are_left_to_checkpoint():
+    """Inside torch.utils.checkpoint (non-reentrant) the checkpoint's hooks decide what is saved: the quantizer
+    must not intercept (quantizing there breaks the recompute's metadata check); outside it still quantizes."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    blk = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    head = nn.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    q = ActivationQuantizer(ActivationQuantConfig(bits=4, min_numel=1))
+    q.attach(nn.ModuleDict({"blk": blk, "head": head}))
+    q.record = True
+    with q.forward_context():
+        y = head(checkpoint(blk, x * 1.0, use_reentrant=False))
+    y.sum().backward()
+    assert [(r.module, r.action) for r in q.records if r.op != "other" and not r.parameter] == [("head", "quantized")]
+    assert all(p.grad is not None for p in blk.parameters())
+
+
 # ----------------------------------------------------------------------------------------- gradients
 
 

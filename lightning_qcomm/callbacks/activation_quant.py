@@ -20,9 +20,10 @@ What this file owns (the math is in ``lightning_qcomm.memory`` and the uniform c
   restored to fp32 before the next backward, so the accumulation itself is fp32 and the optimizer (and the
   DDP reduction, which runs in the last backward) see ordinary gradients;
 * metrics, written by global rank 0 to every logger of the Trainer every ``log_every_n_steps`` optimizer
-  steps (default: ``Trainer(log_every_n_steps)``), rank 0's numbers for the largest forward of the step: ``actq/saved_bytes`` (saved activations as stored), ``actq/baseline_bytes``
-  (the same saves unquantized), ``actq/ratio`` (= saved / baseline), ``actq/quantized_ratio`` (over the
-  quantized tensors only: the codec's b/32 + scale overhead), ``actq/quantized_tensors``, ``actq/avg_bits``;
+  steps (default: ``Trainer(log_every_n_steps)``), rank 0's numbers for the largest forward of the step:
+  ``actq/saved_bytes`` (saved activations as stored), ``actq/baseline_bytes`` (the same saves unquantized),
+  ``actq/ratio`` (= saved / baseline), ``actq/quantized_ratio`` (over the quantized tensors only: the codec's
+  b/32 + scale overhead), ``actq/quantized_tensors``, ``actq/avg_bits``;
   with FP8 gradient storage also ``actq/grad_stored_bytes`` and ``actq/grad_baseline_bytes`` (the last
   window's gradients held between micro-batches, FP8 versus as ``p.grad``).
 """
@@ -37,12 +38,9 @@ import torch
 
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.memory.bit_allocation import average_bits
+from lightning_qcomm.memory.config import ActivationQuantConfig, parse_patterns
 from lightning_qcomm.memory.grad_storage import FP8GradientStore
-from lightning_qcomm.memory.quantizer import (
-    ActivationQuantConfig,
-    ActivationQuantizer,
-    parse_patterns,
-)
+from lightning_qcomm.memory.quantizer import ActivationQuantizer
 from lightning_qcomm.memory.saved_tensors import SavedBytes
 
 log = logging.getLogger(__name__)
@@ -209,7 +207,8 @@ class ActivationQuantization(pl.Callback):
         self.last_step_stats = self.step_stats
         q = self.quantizer
         if self.config.policy == "budget" and q.plan is None and trainer.global_step >= self.config.calibration_steps:
-            plan = q.finish_calibration(reduce=lambda t: trainer.strategy.reduce(t, reduce_op="sum"))
+            device = trainer.strategy.root_device
+            plan = q.finish_calibration(reduce=lambda t: trainer.strategy.reduce(t.to(device), reduce_op="sum").cpu())
             numels = [c.numel for c in q.calibration]
             log.info(
                 "ActivationQuantization: budget plan fixed: %d sites, mean %.2f bits (target %.2f)",

@@ -1,14 +1,15 @@
 """Memory adapters (DESIGN §1 adapters layer): quantized storage of saved activations (AGoQ LAAQ).
 
-``saved_tensors`` holds the quantized container and the rules for what may be quantized, ``recompute``
-the norm / activation ops that keep only their quantized input, ``bit_allocation`` the width policies, and
-``quantizer`` the runtime that ties them to a forward pass, ``grad_storage`` FP8 gradients between
-accumulation micro-batches. The quantization math is the codecs' (uniform; fp8 for gradients).
+``config`` holds the validated settings, ``saved_tensors`` the quantized container and the rules for what
+may be quantized, ``recompute`` the norm / activation ops that keep only their quantized input,
+``bit_allocation`` the width policies, ``quantizer`` the runtime that ties them to a forward pass, and
+``grad_storage`` FP8 gradients between accumulation micro-batches. The quantization math is the codecs' (uniform; fp8 for gradients).
 """
 
 from lightning_qcomm.memory.bit_allocation import POLICIES, budget_plan, layer_aware_plan, uniform_plan
+from lightning_qcomm.memory.config import ActivationQuantConfig, parse_patterns
 from lightning_qcomm.memory.grad_storage import FP8GradientStore
-from lightning_qcomm.memory.quantizer import ActivationQuantConfig, ActivationQuantizer, SaveRecord, parse_patterns
+from lightning_qcomm.memory.quantizer import ActivationQuantizer, SaveRecord
 from lightning_qcomm.memory.recompute import recompute_from_stored
 from lightning_qcomm.memory.saved_tensors import (
     QuantizedActivation,

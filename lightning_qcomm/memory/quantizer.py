@@ -26,6 +26,10 @@ reproducible. Every saved tensor is also counted (``SavedBytes``): ``stats`` hol
 bytes with and without quantization. ``records`` (when ``record`` is set) lists every save it saw with
 the decision and the reason, for inspection and tests.
 
+Regions under another owner's saved-tensor hooks (``torch.utils.checkpoint`` with ``use_reentrant=False``,
+``torch.autograd.graph.save_on_cpu``, ...) are left to that owner: nothing inside is intercepted or counted
+(a checkpointed region keeps no activations anyway, and quantizing inside it would break its recompute).
+
 Not supported: ``torch.compile`` (saved-tensor hooks then run at the compiled-graph boundary,
 pytorch#148222), double backward through a recomputed op, ops called from another thread than the one
 that called ``begin()``.
@@ -36,7 +40,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -48,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_qcomm.codecs import Codec, derive_seed, get_codec
 from lightning_qcomm.memory import bit_allocation as alloc
+from lightning_qcomm.memory.config import ActivationQuantConfig
 from lightning_qcomm.memory.recompute import (
     activation_fn,
     bypass_active,
@@ -66,7 +71,6 @@ from lightning_qcomm.memory.saved_tensors import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ATTENTION_PATTERNS = ("*attn*", "*attention*")
 CALIBRATION_BITS = 8
 MAX_RECORDS = 100_000
 
@@ -84,76 +88,6 @@ _NORMS = ("layer_norm", "rms_norm")
 _SIG_LAYER_NORM = inspect.signature(F.layer_norm)
 _SIG_RMS_NORM = inspect.signature(F.rms_norm)
 _SIG_SILU = inspect.signature(F.silu)
-
-
-def parse_patterns(value: str | Sequence[str] | None, arg: str = "attention_patterns") -> tuple[str, ...]:
-    """A comma-separated string or a list of fnmatch patterns -> tuple (None or "" -> no pattern)."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        items = value.split(",")
-    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        items = list(value)
-    else:
-        raise ValueError(f"{arg} must be a comma-separated str, a list of str or None, got {value!r}")
-    return tuple(p.strip().lower() for p in items if p.strip())
-
-
-def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name}={value} is out of range; allowed: {allowed}")
-
-
-@dataclass(frozen=True)
-class ActivationQuantConfig:
-    """Everything the quantizer needs; validated on construction (ValueError names the argument).
-
-    bits: code width of quantized activations (1..8); block_size: elements per (min, unit) scale pair;
-    policy: ``uniform`` | ``layer_aware`` | ``budget`` (see ``bit_allocation``); min_numel: smaller saves
-    stay exact; recompute: norms and activations hold only their quantized input and recompute;
-    attention_patterns: fnmatch patterns naming attention modules; edge_bits: layer_aware's width of the
-    first and last site (bits..8); budget_bits: budget's mean code width per quantized element
-    (bits..8; None: bits + 1, at most 8); calibration_steps: optimizer steps measured (at 8 bits) before the budget plan is fixed;
-    stochastic: stochastic rounding (False: round to nearest, biased); seed: folded into every site's seed.
-    """
-
-    bits: int = 4
-    block_size: int = 128
-    policy: str = "uniform"
-    min_numel: int = 1024
-    recompute: bool = True
-    attention_patterns: tuple[str, ...] = DEFAULT_ATTENTION_PATTERNS
-    edge_bits: int = 8
-    budget_bits: float | None = None
-    calibration_steps: int = 1
-    stochastic: bool = True
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        _check_int("bits", self.bits, 1, 8)
-        _check_int("block_size", self.block_size, 1)
-        if self.policy not in alloc.POLICIES:
-            raise ValueError(f"policy={self.policy!r} is not supported; allowed: {', '.join(alloc.POLICIES)}")
-        _check_int("min_numel", self.min_numel, 1)
-        for name in ("recompute", "stochastic"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.attention_patterns, tuple) or not all(
-            isinstance(p, str) for p in self.attention_patterns
-        ):
-            raise ValueError(f"attention_patterns must be a tuple of str, got {self.attention_patterns!r}")
-        _check_int("edge_bits", self.edge_bits, self.bits, 8)
-        if self.budget_bits is None:
-            object.__setattr__(self, "budget_bits", float(min(self.bits + 1, 8)))
-        if isinstance(self.budget_bits, bool) or not isinstance(self.budget_bits, (int, float)):
-            raise ValueError(f"budget_bits must be a float, got {self.budget_bits!r}")
-        if not self.bits <= self.budget_bits <= 8:
-            raise ValueError(f"budget_bits={self.budget_bits} is out of range; allowed: bits ({self.bits})..8")
-        _check_int("calibration_steps", self.calibration_steps, 1)
-        _check_int("seed", self.seed, 0)
 
 
 @dataclass(frozen=True)
@@ -225,6 +159,7 @@ class ActivationQuantizer:
         self._stack: list[tuple[str, bool]] = []
         self._attention_depth = 0
         self._mode: _QuantMode | None = None
+        self._outer_pack: Callable | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._site = 0
         self._seed_prefix: tuple[int, ...] = (0, 0, 0)
@@ -327,7 +262,8 @@ class ActivationQuantizer:
         self.records = []
         self._site = 0
         self._seed_prefix = (int(step), int(micro), int(rank))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_other, restore)
+        self._outer_pack = self._pack_other  # the exact object registered, to recognise our hooks on top
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._outer_pack, restore)
         self._hooks.__enter__()
         self._mode = _QuantMode(self)
         self._mode.__enter__()
@@ -399,7 +335,15 @@ class ActivationQuantizer:
             watches.append(_Watch(site, kind, t.numel(), self._var_sum(stored, bits)))
         return stored
 
+    def _foreign_hooks_on_top(self) -> bool:
+        """True inside another owner's saved-tensor hooks (activation checkpointing, ``save_on_cpu``, ...):
+        that region decides what is saved, so the quantizer must not intercept it."""
+        top = _top_saved_tensors_hooks()
+        return top is not None and top[0] is not self._outer_pack
+
     def _handle(self, kind: str, func, args: tuple, kwargs: dict):
+        if self._foreign_hooks_on_top():
+            return func(*args, **kwargs)
         op = getattr(func, "__name__", str(func))
         if kind == "attention" or self._attention_depth > 0:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self._keep_attention(t, op), restore):
@@ -453,6 +397,12 @@ class ActivationQuantizer:
                 self.calibration[w.site].coef += g2 * w.r2 * w.var_sum
 
         y.register_hook(on_grad)
+
+
+def _top_saved_tensors_hooks():
+    """(pack, unpack) of the innermost active saved-tensor hooks, or None (private torch API, guarded)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
 
 
 def _bind(kind: str, func, args: tuple, kwargs: dict):
