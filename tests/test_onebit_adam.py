@@ -851,3 +851,27 @@ def test_single_device_trains_both_phases(tmp_path):
     trainer.fit(module)
     assert cb.optimizer.frozen_at == 4 and cb.optimizer.num_steps == 12
     assert _full_loss(module) < init
+
+
+def test_rank_state_with_another_layout_resets_with_a_warning(caplog):
+    torch.manual_seed(0)
+    model = _net()
+    opt = OneBitAdam(model.parameters(), freeze_step=1, bucket_mb=0.001)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, N_FEAT)).sum().backward()
+        opt.step()
+    saved = opt.rank_state_dict()
+    same = OneBitAdam(model.parameters(), freeze_step=1, bucket_mb=0.001)
+    same.load_state_dict(opt.state_dict())
+    same.load_rank_state_dict(saved)
+    other = OneBitAdam(model.parameters(), freeze_step=1, bucket_mb=1.0)
+    other.load_state_dict(opt.state_dict())
+    other.load_rank_state_dict(saved)
+    for o in (same, other):
+        o.zero_grad()
+        model(torch.randn(8, N_FEAT)).sum().backward()
+        with caplog.at_level("WARNING", logger="lightning_qcomm.optim.onebit_adam"):
+            o.step()
+    assert len(same._sync.buckets) > 1 and len(other._sync.buckets) == 1
+    assert "restart at zero" in caplog.text and caplog.text.count("restart at zero") == 1

@@ -414,8 +414,8 @@ class OneBitAdam(Optimizer):
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's error buffers (from ``rank_state_dict`` on the same rank and layout).
 
-        Applied when the momentum layout exists (now, or at the first compression step); a mismatching
-        layout or world size raises ``ValueError`` then.
+        Applied when the momentum layout exists (now, or at the first compression step); if the layout or
+        world size differs (another ``bucket_mb``, other parameters) the buffers restart at zero, with a warning.
         """
         if state.get("worker_error") is None:
             self._pending_rank_state = None
@@ -427,7 +427,11 @@ class OneBitAdam(Optimizer):
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
         assert self._sync is not None and self._layout is not None
-        self._sync.load_rank_state_dict(state)
+        try:
+            self._sync.load_rank_state_dict(state)
+        except ValueError as err:  # e.g. another bucket_mb: the residuals do not fit this layout
+            log.warning("OneBitAdam: %s; the 1-bit error buffers restart at zero", err)
+            return
         self._sync.to(self._layout[0].device)
 
 
