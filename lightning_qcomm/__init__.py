@@ -3,12 +3,14 @@
 Public API (re-exported here): codecs (``get_codec``), compressed collectives and the ``CommLedger``
 (``lightning_qcomm.comm``), the strategies ``QSDPStrategy``, ``QuantDDPStrategy`` and
 ``LocalSGDStrategy`` (registered lowercase in Lightning's ``StrategyRegistry`` at import, so
-``Trainer(strategy="qsdp")`` works), and the callback ``CommVolumeLogger``.
+``Trainer(strategy="qsdp")`` works), the callbacks ``CommVolumeLogger``, ``OneBitAdamCallback`` and
+``ActivationQuantization``, the optimizer ``OneBitAdam`` (1-bit Adam), and the activation quantizer
+underneath the callback (``lightning_qcomm.memory``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_qcomm.callbacks import CommVolumeLogger
+from lightning_qcomm.callbacks import ActivationQuantization, CommVolumeLogger, OneBitAdamCallback
 from lightning_qcomm.codecs import CODEC_NAMES, Codec, Packed, derive_seed, get_codec
 from lightning_qcomm.comm import (
     CommLedger,
@@ -20,6 +22,8 @@ from lightning_qcomm.comm import (
     quantized_reduce_scatter,
     set_ledger,
 )
+from lightning_qcomm.memory import ActivationQuantConfig, ActivationQuantizer, count_saved_tensors
+from lightning_qcomm.optim import OneBitAdam
 from lightning_qcomm.strategies import LocalSGDStrategy, QSDPStrategy, QuantDDPStrategy, register_all_strategies
 
 __version__ = "0.1.0"
@@ -28,15 +32,21 @@ __version__ = "0.1.0"
 register_all_strategies(StrategyRegistry)
 
 __all__ = [
+    "ActivationQuantConfig",
+    "ActivationQuantization",
+    "ActivationQuantizer",
     "CODEC_NAMES",
     "Codec",
     "CommLedger",
     "CommVolumeLogger",
     "LocalSGDStrategy",
+    "OneBitAdam",
+    "OneBitAdamCallback",
     "Packed",
     "QSDPStrategy",
     "QuantDDPStrategy",
     "__version__",
+    "count_saved_tensors",
     "derive_seed",
     "ensure_ledger",
     "get_codec",
