@@ -17,7 +17,9 @@ held" is a property of the op, not of the kernel.
 ``stored`` may also be a plain tensor (no quantization): the backward is then bit-identical to torch's.
 Autocast state is captured in forward and re-entered for the recompute. While recomputing,
 ``bypass()`` is on so the activation quantizer leaves the recompute graph alone (no nested
-quantization, no byte counting). Double backward is not supported.
+quantization, no byte counting). ``stored`` lives as long as the graph (autograd frees ``ctx`` with it), so a
+second backward through a retained graph (``retain_graph=True``) recomputes again. Double backward
+(differentiating the gradient) is not supported.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ class _RecomputeFromStored(torch.autograd.Function):
         inputs = [t for t, n in zip([x, *ps], needs) if n and t is not None]
         grads = iter(torch.autograd.grad(y, inputs, grad_out, allow_unused=True)) if inputs else iter(())
         out = [next(grads) if n and t is not None else None for t, n in zip([x, *ps], needs)]
-        ctx.stored = None
         return (None, None, *out)
 
 
