@@ -11,9 +11,10 @@ Policies (``policy=``):
   error reaches every parameter's gradient (the first) or enters the loss gradient directly (the last);
   they are 2 of the 8-9·L sites of an L-layer transformer, so the memory cost is small. This is the
   long-standing "keep first and last layers at higher precision" practice of quantized training.
-* ``budget``: widths in {bits, 5, 6, 8} (those >= ``bits``) chosen to minimise the estimated gradient
-  error subject to an average of at most ``budget_bits`` code bits per quantized element
-  (AGoQ's DBCA "more bits where memory is spare", generalised from pipeline stages to layers).
+* ``budget``: widths in ``widths_for(bits)`` = {bits} ∪ {w in (4, 5, 6, 8): w > bits} (4 is one of them
+  when bits < 4) chosen to minimise the estimated gradient error subject to an average of at most
+  ``budget_bits`` code bits per quantized element (AGoQ's DBCA "more bits where memory is spare",
+  generalised from pipeline stages to layers).
 
 The rule ``budget`` uses (stated, and measured on calibration steps by the quantizer):
 
@@ -27,11 +28,17 @@ G_l turns activation variance into gradient variance: for a Linear, E‖ΔdW‖�
 backward scales input errors by r); for an element-wise activation rows = numel. Allocation is greedy on
 the marginal error reduction per added bit·element, which is optimal for this separable convex problem up
 to the one 2-bit step (6 -> 8).
+
+The measurement side lives here too: ``output_grad_energy`` (G_l from the consuming op's output gradient),
+``norm_r2`` (the norm factor) and ``site_coefficient`` (A_l = G_l · r² · V_l of one calibration forward). A
+non-finite output gradient (an fp16 overflow step) gives no finite G_l: the quantizer skips that
+measurement and the calibration step is rejected, and ``budget_plan`` refuses non-finite coefficients.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +57,30 @@ def rounding_variance_sum(scales: torch.Tensor, bits: int, numel: int, block_siz
     counts[-1] = numel - (rng.numel() - 1) * block_size
     terms = counts * rng.square() / 6.0
     return float(torch.where(torch.isfinite(terms), terms, torch.zeros_like(terms)).sum())
+
+
+def output_grad_energy(g: torch.Tensor, elementwise: bool) -> float:
+    """G_l = ‖g‖²_F / rows for the gradient g of a consuming op's output (module doc).
+
+    rows = numel for an element-wise op (and for a 0-d g), numel / last dim otherwise. Non-finite when g holds
+    Inf/NaN (the caller skips such a measurement).
+    """
+    rows = g.numel() if elementwise or g.dim() == 0 else g.numel() // max(g.shape[-1], 1)
+    return float(g.detach().double().square().sum()) / max(rows, 1)
+
+
+def norm_r2(x: torch.Tensor, normalized_ndim: int, eps: float, rms: bool) -> float:
+    """Mean over rows of r² = 1/(σ² + eps) (layer norm; σ² the biased variance over the normalized dims) or
+    1/(mean x² + eps) (RMS norm): the factor by which a norm's backward scales its input error, squared."""
+    with torch.no_grad():
+        xf = x.detach().double().flatten(-normalized_ndim)
+        second = xf.square().mean(dim=-1) if rms else xf.var(dim=-1, unbiased=False)
+        return float((1.0 / (second + eps)).mean())
+
+
+def site_coefficient(grad_energy: float, r2: float, var_sum: float) -> float:
+    """A_l contribution of one calibration forward: G_l · r² · V_l (r² = 1 for non-norm ops)."""
+    return grad_energy * r2 * var_sum
 
 
 def widths_for(bits: int) -> tuple[int, ...]:
@@ -82,6 +113,9 @@ def budget_plan(numels: Sequence[int], coefs: Sequence[float], bits: int, budget
     """
     if len(numels) != len(coefs):
         raise ValueError(f"numels and coefs differ in length: {len(numels)} != {len(coefs)}")
+    bad = [i for i, c in enumerate(coefs) if not math.isfinite(c) or c < 0]
+    if bad:
+        raise ValueError(f"coefs must be finite and >= 0; site {bad[0]} has {coefs[bad[0]]!r} ({len(bad)} such sites)")
     widths = widths_for(bits)
     plan = [bits] * len(numels)
     capacity = budget_bits * sum(numels) - bits * sum(numels)

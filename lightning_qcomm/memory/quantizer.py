@@ -7,7 +7,11 @@ What it quantizes. Only the *inputs* that these ops save for backward, intercept
   (torch's own backward runs on the restored tensor); the saved weight is parameter-like and kept.
 * ``F.layer_norm`` / ``F.rms_norm`` and ``F.gelu`` / ``F.silu``: with ``recompute`` (default) the op runs
   as ``recompute.recompute_from_stored``, holding only the quantized input and recomputing the op in
-  backward; without it, the same saved-tensor hook as for linear (only saves with the input's size).
+  backward; without it, the same saved-tensor hook as for linear.
+
+Of an intercepted op's saves only its input is quantized: a save of the input's size that *is* the input,
+a view of it or a view/cast chain reaching it (``saved_tensors.derives_from``). Anything else the op saves
+(a computed weight such as ``weight_norm``'s or a merged LoRA ``W + BA``, a norm's statistics) stays exact.
 
 What it keeps in full precision, whatever the policy:
 
@@ -21,8 +25,12 @@ What it keeps in full precision, whatever the policy:
   tensors saved by any other op (softmax, log-softmax, embedding, losses): see ``saved_tensors``.
 
 Each quantized save is a *site*, numbered in forward order; its width comes from the policy's plan
-(``bit_allocation``) and its random bits from ``derive_seed(seed, step, micro, rank, site)``, so runs are
-reproducible. Every saved tensor is also counted (``SavedBytes``): ``stats`` holds the current forward's
+(``bit_allocation``); its random bits come from ``derive_seed(seed, step, micro, rank, site)``, so runs
+are reproducible. Before a plan exists every site is stored at ``CALIBRATION_BITS`` = 8: the first forward
+of ``layer_aware`` (which counts the sites) and the ``calibration_steps`` optimizer steps of ``budget`` hold
+about twice the saved-activation bytes of a 4-bit step, so size the batch for that peak.
+
+Every saved tensor is also counted (``SavedBytes``): ``stats`` holds the current forward's
 bytes with and without quantization. ``records`` (when ``record`` is set) lists every save it saw with
 the decision and the reason, for inspection and tests.
 
@@ -32,7 +40,9 @@ Regions under another owner's saved-tensor hooks (``torch.utils.checkpoint`` wit
 
 Not supported: ``torch.compile`` (saved-tensor hooks then run at the compiled-graph boundary,
 pytorch#148222), double backward through a recomputed op, ops called from another thread than the one
-that called ``begin()``.
+that called ``begin()``. Leaving checkpointed regions alone needs torch's private
+``torch._C._autograd._top_saved_tensors_default_hooks``; on a torch without it the quantizer logs one
+warning and stays off (``begin()`` quantizes nothing).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +73,7 @@ from lightning_qcomm.memory.recompute import (
 )
 from lightning_qcomm.memory.saved_tensors import (
     SavedBytes,
+    derives_from,
     is_parameter_like,
     quantizable_reason,
     quantize_activation,
@@ -73,6 +85,9 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_BITS = 8
 MAX_RECORDS = 100_000
+STATE_VERSION = 2
+# private torch API: (pack, unpack) of the innermost active saved-tensor hooks (None if this torch lacks it)
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 # intercepted functions -> kind
 _KINDS: dict[Callable, str] = {
@@ -164,6 +179,9 @@ class ActivationQuantizer:
         self._site = 0
         self._seed_prefix: tuple[int, ...] = (0, 0, 0)
         self._warned_sites = False
+        self._warned_no_api = False
+        self._warned_nonfinite = False
+        self.nonfinite_grads = 0  # calibration measurements skipped since the last reset (non-finite gradient)
 
     # ------------------------------------------------------------------ policy
     @property
@@ -195,22 +213,77 @@ class ActivationQuantizer:
             )
         return cfg.bits
 
+    def reset_calibration(self) -> None:
+        """Drop the budget statistics gathered so far (a rejected calibration step starts over)."""
+        self.calibration = []
+        self.nonfinite_grads = 0
+
     def finish_calibration(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
-        """Fix the budget plan from the calibration statistics (``reduce`` sums them over ranks)."""
+        """Fix the budget plan from the calibration statistics.
+
+        ``reduce`` sums a float64 tensor over ranks. Every rank must have measured the same number of sites
+        (checked first, with one reduce of [1, n, n²]: Σn² · ranks = (Σn)² iff all n are equal, so every rank
+        raises the same ``ValueError`` instead of hanging in a mismatched collective); then numels and
+        coefficients are summed, so every rank computes the same plan (for the summed, i.e. mean, sizes).
+        """
         cfg = self.config
-        numels = [c.numel for c in self.calibration]
-        coefs = torch.tensor([c.coef for c in self.calibration], dtype=torch.float64)
+        n = len(self.calibration)
+        numels = [float(c.numel) for c in self.calibration]
+        coefs = [c.coef for c in self.calibration]
         if reduce is not None:
-            coefs = reduce(coefs)
-        self.plan = alloc.budget_plan(numels, coefs.tolist(), cfg.bits, cfg.budget_bits)
+            ranks, total, total_sq = reduce(torch.tensor([1.0, n, n * n], dtype=torch.float64)).tolist()
+            if total_sq * ranks != total * total:
+                raise ValueError(
+                    f"budget calibration: the ranks measured different numbers of quantized sites (this rank {n}, "
+                    f"mean {total / ranks:g} over {ranks:g} ranks); the sites of a forward must not depend on the "
+                    "batch (e.g. a variable sequence length crossing min_numel): fix the shapes, raise min_numel, "
+                    "or use policy='layer_aware' or 'uniform'"
+                )
+            summed = reduce(torch.tensor(numels + coefs, dtype=torch.float64)).tolist()
+            numels, coefs = summed[:n], summed[n:]
+        self.plan = alloc.budget_plan([int(v) for v in numels], coefs, cfg.bits, cfg.budget_bits)
         return self.plan
 
     def state_dict(self) -> dict:
-        return {"plan": None if self.plan is None else list(self.plan)}
+        cfg = self.config
+        return {
+            "version": STATE_VERSION,
+            "plan": None if self.plan is None else list(self.plan),
+            "policy": cfg.policy,
+            "bits": cfg.bits,
+            "edge_bits": cfg.edge_bits,
+            "budget_bits": cfg.budget_bits,
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the plan. It is used only if it was made for this policy and these widths; otherwise (or
+        from a version-1 state, which did not record them) a warning is logged and the policy calibrates anew.
+        Widths outside 1..8 or an unknown version raise ``ValueError``."""
+        cfg = self.config
+        version = state.get("version", 1)
+        if version not in (1, STATE_VERSION):
+            raise ValueError(
+                f"ActivationQuantizer state version={version!r} is not supported; allowed: 1, {STATE_VERSION}"
+            )
         plan = state.get("plan")
-        self.plan = None if plan is None else [int(b) for b in plan]
+        if plan is not None and not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 8 for b in plan):
+            raise ValueError(f"ActivationQuantizer state plan={plan!r} has widths outside the allowed 1..8")
+        self.plan = None
+        if plan is None or cfg.policy == "uniform":
+            return
+        made_for = {k: state.get(k) for k in ("policy", "bits", "edge_bits", "budget_bits")}
+        wanted = {"policy": cfg.policy, "bits": cfg.bits}
+        wanted.update({"edge_bits": cfg.edge_bits} if cfg.policy == "layer_aware" else {"budget_bits": cfg.budget_bits})
+        if version == 1 or any(made_for[k] != v for k, v in wanted.items()):
+            log.warning(
+                "ActivationQuantizer: the checkpoint's plan was made for %s, not %s; it is discarded and the %s "
+                "policy calibrates again",
+                "an unrecorded policy (state version 1)" if version == 1 else made_for,
+                wanted,
+                cfg.policy,
+            )
+            return
+        self.plan = list(plan)
 
     # ------------------------------------------------------------------ module scope
     def is_attention_module(self, name: str, module: nn.Module) -> bool:
@@ -258,6 +331,14 @@ class ActivationQuantizer:
         """Start quantizing this thread's saved activations (a new forward: stats and sites restart)."""
         if self.active:
             raise RuntimeError("ActivationQuantizer.begin() called twice without end()")
+        if _TOP_HOOKS is None:
+            if not self._warned_no_api:
+                self._warned_no_api = True
+                log.warning(
+                    "ActivationQuantizer: this torch has no torch._C._autograd._top_saved_tensors_default_hooks, "
+                    "so activation-checkpointed regions cannot be recognised; activation quantization is OFF"
+                )
+            return
         self.stats = SavedBytes()
         self.records = []
         self._site = 0
@@ -322,11 +403,11 @@ class ActivationQuantizer:
         self._record(t, op, "quantized", kind, site=site, bits=bits)
         return site, bits, stored
 
-    def _op_pack(self, op: str, kind: str, input_numel: int, watches: list | None, t: torch.Tensor):
+    def _op_pack(self, op: str, kind: str, x: torch.Tensor, watches: list | None, t: torch.Tensor):
         if bypass_active():
             return t
         reason = quantizable_reason(t, self.config.min_numel)
-        if reason is None and t.numel() != input_numel:
+        if reason is None and (t.numel() != x.numel() or not derives_from(t, x)):
             reason = "not the op input"
         if reason is not None:
             return self._keep(t, op, reason)
@@ -338,7 +419,7 @@ class ActivationQuantizer:
     def _foreign_hooks_on_top(self) -> bool:
         """True inside another owner's saved-tensor hooks (activation checkpointing, ``save_on_cpu``, ...):
         that region decides what is saved, so the quantizer must not intercept it."""
-        top = _top_saved_tensors_hooks()
+        top = _TOP_HOOKS(False)
         return top is not None and top[0] is not self._outer_pack
 
     def _handle(self, kind: str, func, args: tuple, kwargs: dict):
@@ -363,7 +444,7 @@ class ActivationQuantizer:
                     self._watch(y, [_Watch(site, kind, x.numel(), self._var_sum(stored, bits), r2)])
                 return y
         watches: list[_Watch] | None = [] if collect else None
-        with torch.autograd.graph.saved_tensors_hooks(partial(self._op_pack, op, kind, x.numel(), watches), restore):
+        with torch.autograd.graph.saved_tensors_hooks(partial(self._op_pack, op, kind, x, watches), restore):
             y = func(*args, **kwargs)
         if watches:
             r2 = _norm_r2(kind, x, args, kwargs)
@@ -382,7 +463,8 @@ class ActivationQuantizer:
         return alloc.rounding_variance_sum(stored.packed.scales, bits, stored.packed.numel, self.config.block_size)
 
     def _watch(self, y: torch.Tensor, watches: list[_Watch]) -> None:
-        """On y's gradient g, add G·V to each watched site (G = ‖g‖²/rows, times r² for norms)."""
+        """On y's gradient g, add ``alloc.site_coefficient`` (G·r²·V) to each watched site; a non-finite g
+        (fp16 overflow) is skipped and counted in ``nonfinite_grads`` (the caller rejects that step)."""
         if not isinstance(y, torch.Tensor) or not y.requires_grad:
             return
         for w in watches:
@@ -391,18 +473,22 @@ class ActivationQuantizer:
             self.calibration[w.site].numel = max(self.calibration[w.site].numel, w.numel)
 
         def on_grad(g: torch.Tensor) -> None:
-            rows = g.numel() if g.dim() == 0 or watches[0].kind in ("gelu", "silu") else g.numel() // g.shape[-1]
-            g2 = float(g.detach().double().square().sum()) / max(rows, 1)
+            energy = alloc.output_grad_energy(g, elementwise=watches[0].kind in ("gelu", "silu"))
+            if not math.isfinite(energy):
+                self.nonfinite_grads += 1
+                if not self._warned_nonfinite:
+                    self._warned_nonfinite = True
+                    log.warning("ActivationQuantizer: non-finite gradient during budget calibration; step rejected")
+                return
             for w in watches:
-                self.calibration[w.site].coef += g2 * w.r2 * w.var_sum
+                self.calibration[w.site].coef += alloc.site_coefficient(energy, w.r2, w.var_sum)
 
         y.register_hook(on_grad)
 
 
 def _top_saved_tensors_hooks():
-    """(pack, unpack) of the innermost active saved-tensor hooks, or None (private torch API, guarded)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
+    """(pack, unpack) of the innermost active saved-tensor hooks, or None (also when the API is missing)."""
+    return None if _TOP_HOOKS is None else _TOP_HOOKS(False)
 
 
 def _bind(kind: str, func, args: tuple, kwargs: dict):
@@ -428,17 +514,14 @@ def _bind(kind: str, func, args: tuple, kwargs: dict):
 
 
 def _norm_r2(kind: str, x: torch.Tensor, args: tuple, kwargs: dict) -> float:
-    """Mean over rows of r² = 1/(σ² + eps) (layer norm) or 1/(mean x² + eps) (RMS norm); 1 for other ops."""
+    """``alloc.norm_r2`` with the call's normalized_shape and eps (RMS norm's default eps: the dtype's); 1 for
+    other ops."""
     if kind not in _NORMS:
         return 1.0
     sig = _SIG_LAYER_NORM if kind == "layer_norm" else _SIG_RMS_NORM
     a = sig.bind(*args, **kwargs)
     a.apply_defaults()
-    ndim = len(a.arguments["normalized_shape"])
     eps = a.arguments["eps"]
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    with torch.no_grad():
-        xf = x.detach().double().flatten(-ndim)
-        second = xf.var(dim=-1, unbiased=False) if kind == "layer_norm" else xf.square().mean(dim=-1)
-        return float((1.0 / (second + eps)).mean())
+    return alloc.norm_r2(x, len(a.arguments["normalized_shape"]), eps, rms=kind == "rms_norm")

@@ -12,6 +12,7 @@ What this file owns:
   (``t._base`` is a Parameter: under FSDP2 ``nn.Linear`` saves ``weight.t()`` of the unsharded parameter),
   or a chain of view/cast autograd nodes ending at a parameter's ``AccumulateGrad`` (the autocast weight
   cast). Quantizing those would pin a second copy of the weight and perturb dX = dY W.
+* ``derives_from``: whether a save of an intercepted op is that op's input (the only save it quantizes).
 * ``quantizable_reason``: the other rules (floating dtype, ``numel >= min_numel``, an intermediate of the
   autograd graph, a dense layout), returning why a tensor is kept, or None when it may be quantized.
 * ``SavedBytes`` and ``count_saved_tensors``: byte accounting of what autograd saves (each save counted
@@ -56,6 +57,30 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _view_or_cast_origin(t: torch.Tensor, stop=None):
+    """Follow ``t.grad_fn`` through view/cast nodes with a single input (at most ``_MAX_NODE_WALK``).
+
+    Returns the node ``stop`` if the walk meets it, the ``AccumulateGrad`` node of a leaf if it ends at one,
+    else None (a computing node, several inputs, no ``grad_fn``, or too long a chain).
+    """
+    node = t.grad_fn
+    for _ in range(_MAX_NODE_WALK):
+        if node is None:
+            return None
+        if stop is not None and node is stop:
+            return node
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return node
+        if not name.startswith(_VIEW_OR_CAST_NODES):
+            return None
+        parents = [n for n, _ in node.next_functions if n is not None]
+        if len(parents) != 1:
+            return None
+        node = parents[0]
+    return None
+
+
 def is_parameter_like(t: torch.Tensor) -> bool:
     """True if ``t`` is a parameter, a view of one, or a view/cast chain of one (see module docstring)."""
     if isinstance(t, nn.Parameter):
@@ -63,20 +88,28 @@ def is_parameter_like(t: torch.Tensor) -> bool:
     base = t._base
     if base is not None and isinstance(base, nn.Parameter):
         return True
-    node = t.grad_fn
-    for _ in range(_MAX_NODE_WALK):
-        if node is None:
-            return False
-        name = type(node).__name__
-        if name == "AccumulateGrad":
-            return isinstance(node.variable, nn.Parameter)
-        if not name.startswith(_VIEW_OR_CAST_NODES):
-            return False
-        parents = [n for n, _ in node.next_functions if n is not None]
-        if len(parents) != 1:
-            return False
-        node = parents[0]
-    return False
+    origin = _view_or_cast_origin(t)
+    return origin is not None and isinstance(origin.variable, nn.Parameter)
+
+
+def derives_from(t: torch.Tensor, x: torch.Tensor) -> bool:
+    """True if the saved tensor ``t`` is ``x`` itself, shares ``x``'s storage (a view), or reaches ``x``
+    through view/cast autograd nodes only (a reshape copy, an autocast cast).
+
+    This is how an op's *input* is told apart from its other saves of the same size: a computed weight
+    (``weight_norm``, a merged LoRA ``W + BA``, a masked weight) has its own storage and a computing node.
+    """
+    if t is x:
+        return True
+    plain = type(t) is type(x) is torch.Tensor and t.layout == x.layout == torch.strided and t.device == x.device
+    if plain and t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return True
+    origin = _view_or_cast_origin(t, stop=x.grad_fn)
+    if origin is None:
+        return False
+    if x.grad_fn is not None:
+        return origin is x.grad_fn
+    return type(origin).__name__ == "AccumulateGrad" and origin.variable is x
 
 
 def is_dense(t: torch.Tensor) -> bool:
