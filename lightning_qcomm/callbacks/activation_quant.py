@@ -8,17 +8,27 @@ What this file owns (the math is in ``lightning_qcomm.memory`` and the uniform c
 * validating the typed constructor arguments (a ``ValueError`` names the argument, the value and what is
   allowed) and building an ``ActivationQuantizer``;
 * attaching it to the LightningModule's modules at fit start, and running it around every training
-  forward: from ``on_train_batch_start`` to ``on_before_backward`` (and again after a manual backward
-  until the batch ends), never during validation, prediction or the optimizer step;
+  forward: from ``on_train_batch_start`` to ``on_before_backward``; under manual optimization also from
+  after each ``manual_backward`` until the next one or the end of the batch, which includes an
+  ``opt.step()`` called in between (an optimizer step saves nothing for backward, so nothing is quantized
+  there). Never during validation or prediction. A forward left open (a LightningModule whose
+  ``on_train_batch_start`` returns -1 skips ``on_train_batch_end``) is closed at the next batch start and at
+  the end of the epoch;
 * seeds: ``derive_seed(seed, global_step, forward index within the step, global rank, site)``;
 * the budget policy's calibration: after ``calibration_steps`` optimizer steps the per-site statistics
-  are summed over ranks (``strategy.reduce``) so every rank fixes the same plan; the plan is saved in and
-  restored from checkpoints (``state_dict``);
+  are summed over ranks (``strategy.reduce``) so every rank fixes the same plan (ranks that measured a
+  different number of sites raise ``ValueError``); a step in which any rank saw a non-finite gradient (fp16
+  overflow) is rejected (logged) and calibration restarts on the next step. The plan is saved in and
+  restored from checkpoints (``state_dict``; a plan made for another policy or widths is discarded with a
+  warning). Before the plan exists the saves are 8-bit: ``layer_aware``'s first forward and ``budget``'s
+  calibration steps hold about twice the saved-activation bytes of later 4-bit steps;
 * optionally (``grad_storage="fp8_e4m3"`` / ``"fp8_e5m2"``, AGoQ QuanGrad) holding the accumulated gradients
   in FP8 between the micro-batches of a gradient-accumulation window (``memory.grad_storage``): compressed
-  after every backward that Lightning follows by another micro-batch (automatic optimization only),
-  restored to fp32 before the next backward, so the accumulation itself is fp32 and the optimizer (and the
-  DDP reduction, which runs in the last backward) see ordinary gradients;
+  at the start of the next micro-batch of the same window (``on_train_batch_start``, before its forward;
+  automatic optimization only), restored to fp32 in ``on_before_backward``, so the accumulation itself is
+  fp32, every ``on_after_backward`` / ``on_train_batch_end`` hook still sees ``p.grad``, and the optimizer
+  (and the DDP reduction, which runs in the last backward) see ordinary gradients. ``p.grad`` is None only
+  between a non-first micro-batch's ``on_train_batch_start`` and its ``on_before_backward``;
 * metrics, written by global rank 0 to every logger of the Trainer every ``log_every_n_steps`` optimizer
   steps (default: ``Trainer(log_every_n_steps)``), rank 0's numbers for the largest forward of the step:
   ``actq/saved_bytes`` (saved activations as stored), ``actq/baseline_bytes`` (the same saves unquantized),
@@ -45,7 +55,6 @@ from lightning_qcomm.memory.saved_tensors import SavedBytes
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_VERSION = 1
 GRAD_STORAGE = ("fp32", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -62,11 +71,13 @@ class ActivationQuantization(pl.Callback):
         block_size: elements per scale block (min, unit): overhead 64 / block_size bits per element.
         min_numel: saved tensors with fewer elements stay in full precision.
         recompute: norms and activations keep only their quantized input and recompute in backward.
-        attention_patterns: fnmatch patterns (comma-separated str or list) of module attribute or class
+        attention_patterns: comma-separated fnmatch patterns (case-insensitive) of module attribute or class
             names treated as attention, kept in full precision; ``None`` or ``""``: only the attention ops.
-        edge_bits: ``layer_aware`` width of the first and last quantized site (bits..8).
+        edge_bits: ``layer_aware`` width of the first and last quantized site (bits..8). The first forward
+            (which counts the sites) stores every site at 8 bits.
         budget_bits: ``budget`` mean code bits per quantized element (bits..8; None: bits + 1, at most 8).
-        calibration_steps: optimizer steps measured (all sites at 8 bits) before the budget plan is fixed.
+        calibration_steps: optimizer steps measured (all sites at 8 bits: about twice the saved bytes of a
+            4-bit step) before the budget plan is fixed.
         stochastic: stochastic rounding (unbiased); False rounds to nearest.
         seed: user seed folded into every site's random bits.
         log_every_n_steps: metric period in optimizer steps; ``None`` follows the Trainer's.
@@ -83,7 +94,7 @@ class ActivationQuantization(pl.Callback):
         block_size: int = 128,
         min_numel: int = 1024,
         recompute: bool = True,
-        attention_patterns: str | list[str] | None = "*attn*,*attention*",
+        attention_patterns: str | None = "*attn*,*attention*",
         edge_bits: int = 8,
         budget_bits: float | None = None,
         calibration_steps: int = 1,
@@ -95,6 +106,8 @@ class ActivationQuantization(pl.Callback):
     ) -> None:
         if isinstance(budget_bits, int) and not isinstance(budget_bits, bool):
             budget_bits = float(budget_bits)
+        if attention_patterns is not None and not isinstance(attention_patterns, str):
+            raise ValueError(f"attention_patterns must be a comma-separated str or None, got {attention_patterns!r}")
         self.config = ActivationQuantConfig(
             bits=bits,
             block_size=block_size,
@@ -131,6 +144,8 @@ class ActivationQuantization(pl.Callback):
         self.last_step_stats = SavedBytes()  # ... of the last finished optimizer step
         self._step = -1
         self._forward_in_step = 0
+        self._grads_to_compress = False  # an accumulating backward ran; compress before the next forward
+        self._calibration_start: int | None = None  # global step where the current budget calibration began
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -150,25 +165,38 @@ class ActivationQuantization(pl.Callback):
         if self.grad_store is not None and self.grad_store.holding:
             self.grad_store.restore()
 
-    def _compress_grads(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _mark_grads(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a backward: remember to compress if another micro-batch of this window follows."""
         if not pl_module.automatic_optimization:
             if not self._warned_manual:
                 self._warned_manual = True
                 log.warning("ActivationQuantization: grad_storage applies to automatic optimization only; ignored")
             return
         should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
-        if should_accumulate is None or not should_accumulate():
-            return  # the optimizer step follows this backward
+        self._grads_to_compress = should_accumulate is not None and should_accumulate()
+
+    def _compress_grads(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before a forward: hold the gradients in FP8 if the last backward's window is still open."""
+        pending, self._grads_to_compress = self._grads_to_compress, False
+        if not pending or trainer.global_step != self._step or self.grad_store.holding:
+            return  # nothing accumulated, or the optimizer step already consumed the gradients
         self.grad_store.compress(pl_module.parameters())
         self.grad_bytes = (self.grad_store.nbytes, self.grad_store.original_nbytes)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        self._grads_to_compress = False
         self._restore_grads()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end()
+        self._grads_to_compress = False
         self._restore_grads()
 
     def _begin(self, trainer: pl.Trainer) -> None:
+        if self.quantizer.active:  # the last forward was never closed (on_train_batch_end skipped)
+            self._end()
+        if self.config.policy == "budget" and self.quantizer.plan is None and self._calibration_start is None:
+            self._calibration_start = trainer.global_step
         if trainer.global_step != self._step:
             self._step = trainer.global_step
             self._forward_in_step = 0
@@ -186,6 +214,8 @@ class ActivationQuantization(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self.grad_store is not None:
+            self._compress_grads(trainer, pl_module)
         self._begin(trainer)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -194,7 +224,7 @@ class ActivationQuantization(pl.Callback):
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.grad_store is not None:
-            self._compress_grads(trainer, pl_module)
+            self._mark_grads(trainer, pl_module)
         if not pl_module.automatic_optimization:  # a manual training_step may run more forwards
             self._begin(trainer)
 
@@ -205,23 +235,46 @@ class ActivationQuantization(pl.Callback):
         if trainer.global_step == self._step:
             return  # gradient accumulation: the optimizer step has not happened yet
         self.last_step_stats = self.step_stats
-        q = self.quantizer
-        if self.config.policy == "budget" and q.plan is None and trainer.global_step >= self.config.calibration_steps:
-            device = trainer.strategy.root_device
-            plan = q.finish_calibration(reduce=lambda t: trainer.strategy.reduce(t.to(device), reduce_op="sum").cpu())
-            numels = [c.numel for c in q.calibration]
-            log.info(
-                "ActivationQuantization: budget plan fixed: %d sites, mean %.2f bits (target %.2f)",
-                len(plan),
-                average_bits(numels, plan),
-                self.config.budget_bits,
-            )
+        if self.config.policy == "budget" and self.quantizer.plan is None:
+            self._calibrate(trainer)
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if trainer.global_step % every or not trainer.is_global_zero or not trainer.loggers:
             return
         metrics = self.metrics()
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step - 1)  # Lightning's 0-based step index
+
+    def _calibrate(self, trainer: pl.Trainer) -> None:
+        """At the end of a budget calibration step: reject it if any rank saw a non-finite gradient, else fix
+        the plan once ``calibration_steps`` accepted steps are in (every rank takes the same branches)."""
+        q = self.quantizer
+        device = trainer.strategy.root_device
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            return trainer.strategy.reduce(t.to(device), reduce_op="sum").cpu()
+
+        nonfinite = float(reduce(torch.tensor([float(q.nonfinite_grads)], dtype=torch.float64))[0])
+        if nonfinite > 0:
+            log.warning(
+                "ActivationQuantization: budget calibration step %d rejected (%d non-finite gradient measurements "
+                "over all ranks, e.g. an fp16 overflow step); calibrating again from step %d",
+                trainer.global_step - 1,
+                int(nonfinite),
+                trainer.global_step,
+            )
+            q.reset_calibration()
+            self._calibration_start = trainer.global_step
+            return
+        start = self._calibration_start if self._calibration_start is not None else 0
+        if trainer.global_step - start < self.config.calibration_steps:
+            return
+        plan = q.finish_calibration(reduce=reduce)
+        log.info(
+            "ActivationQuantization: budget plan fixed: %d sites, mean %.2f bits (target %.2f)",
+            len(plan),
+            average_bits([c.numel for c in q.calibration], plan),
+            self.config.budget_bits,
+        )
 
     def metrics(self) -> dict[str, float]:
         """The ``actq/*`` numbers of the last finished optimizer step (see module docstring)."""
@@ -244,7 +297,8 @@ class ActivationQuantization(pl.Callback):
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"version": CHECKPOINT_VERSION, **self.quantizer.state_dict()}
+        """The quantizer's state (versioned there): the plan and the policy / widths it was made for."""
+        return self.quantizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.quantizer.load_state_dict(state_dict)
