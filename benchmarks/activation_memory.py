@@ -10,10 +10,14 @@ the same seed on the same batches and reports:
   quantizer's counter (``SavedBytes.stored``), which counts the same saves, quantized ones at packed size;
 * process peak-RSS growth over the training loop (``ru_maxrss`` after the loop minus before it: the
   allocator's view, includes the codec's temporaries, noisy);
-* median step time (first 3 steps dropped) and the mean loss of the last 5 steps.
+* median step time (first 3 steps dropped; printed only with ``--timings``: on a shared machine two runs of the
+  same computation differ by more than the effect) and the mean loss of the last 5 steps.
+
+Bytes are reported in MiB (2^20 bytes) in every column.
 
     python benchmarks/activation_memory.py --steps 30            # both models, all settings
     python benchmarks/activation_memory.py --models bench --settings fp32,uniform --steps 10
+    python benchmarks/activation_memory.py --from-json rows.json  # reprint a saved run's table (no training)
 
 The training loop calls ``ActivationQuantizer`` directly (what the Lightning callback runs around each
 training forward); ``budget`` calibrates on step 0 and fixes its plan after that step's backward.
@@ -134,6 +138,28 @@ def run_one(model: str, setting: str, steps: int, batch: int) -> dict:
     }
 
 
+def table(rows: list[dict], timings: bool = False) -> str:
+    """Markdown table of result rows; bytes in MiB (2^20)."""
+    mib = float(1 << 20)
+    base = {r["model"]: r for r in rows if r["setting"] == "fp32"}
+    head = "| model | setting | saved activations (MiB) | vs fp32 | quantized part ratio | mean bits |"
+    head += " peak RSS growth (MiB) |"
+    head += " step time (s) |" if timings else ""
+    lines = [head + " loss after N steps |", "|---" * (8 + timings) + "|"]
+    for r in rows:
+        b = base.get(r["model"])
+        rel = f"{r['saved_bytes'] / b['saved_bytes']:.3f}" if b else "-"
+        fp = r["setting"].startswith("fp32")
+        bits = "-" if fp else f"{r['avg_bits']:.2f}"
+        qr = "-" if fp else f"{r['quantized_ratio']:.4f}"
+        step = f" {r['step_s_median']:.3f} |" if timings else ""
+        lines.append(
+            f"| {r['model']} ({r['params'] / 1e6:.2f}M) | {r['setting']} | {r['saved_bytes'] / mib:.2f} | {rel} | {qr}"
+            f" | {bits} | {r['rss_growth_kib'] / 1024:.1f} |{step} {r['final_loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
@@ -141,11 +167,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--from-json", default=None, help="print the table of rows saved by --json (no training)")
+    p.add_argument("--timings", action="store_true", help="also print the median step time (quiet machine only)")
     p.add_argument("--_one", default=None, help=argparse.SUPPRESS)  # internal: model:setting in this process
     a = p.parse_args()
     if a._one:
         model, setting = a._one.split(":")
         print(json.dumps(run_one(model, setting, a.steps, a.batch)))
+        return
+    if a.from_json:
+        rows = json.loads(Path(a.from_json).read_text())
+        print(table(rows, a.timings))
         return
     rows = []
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -166,23 +198,8 @@ def main() -> None:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(f"done {model}:{setting}", file=sys.stderr, flush=True)
-    base = {r["model"]: r for r in rows if r["setting"] == "fp32"}
     print(f"{a.steps} steps, batch {a.batch}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
-    print(
-        "| model | setting | saved activations (MB) | vs fp32 | quantized part ratio | mean bits | peak RSS growth (MB) |"
-        " step time (s) | loss after N steps |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        b = base.get(r["model"])
-        rel = f"{r['saved_bytes'] / b['saved_bytes']:.3f}" if b else "-"
-        fp = r["setting"].startswith("fp32")
-        bits = "-" if fp else f"{r['avg_bits']:.2f}"
-        qr = "-" if fp else f"{r['quantized_ratio']:.4f}"
-        print(
-            f"| {r['model']} ({r['params'] / 1e6:.2f}M) | {r['setting']} | {r['saved_bytes'] / 1e6:.2f} | {rel} | {qr} | {bits}"
-            f" | {r['rss_growth_kib'] / 1024:.1f} | {r['step_s_median']:.3f} | {r['final_loss']:.4f} |"
-        )
+    print(table(rows, a.timings))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
 
