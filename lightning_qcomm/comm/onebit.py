@@ -1,6 +1,6 @@
-"""1-bit Adam's process logic (adapter layer, DESIGN §2 "1-bit Adam"): fused momentum sync and the warm-up DDP hook.
+"""1-bit Adam's process logic (adapter layer, DESIGN §2 "1-bit Adam"): fused momentum sync, warm-up DDP hook.
 
-This file owns two things and knows nothing of Lightning or of the optimizer's math:
+This file owns the collectives 1-bit Adam issues and knows nothing of Lightning or of the optimizer's math:
 
 * ``OneBitMomentumSync``: the compressed average of a fixed list of tensors (the momenta) over ranks.
   The tensors are laid out, in order, into a few flat fp32 buckets of at most ``bucket_numel``
@@ -19,7 +19,8 @@ This file owns two things and knows nothing of Lightning or of the optimizer's m
 
   ``rank_state_dict`` / ``load_rank_state_dict`` hold the error buffers, which differ per rank and
   must be saved per rank; a saved state only loads into the same layout and world size (else
-  ``ValueError``; the caller decides to reset).
+  ``ValueError``; the caller decides to reset). ``sync_(tensors, read_only=...)`` lets a tensor take
+  part without being overwritten (a parameter that is not trained: its slot keeps the bucket layout).
 
 * ``OneBitGradHookState`` + ``onebit_adam_grad_hook``: a DDP communication hook for the warm-up. While
   ``state.compressing`` is False it averages the gradient bucket in fp32 through
@@ -27,6 +28,12 @@ This file owns two things and knows nothing of Lightning or of the optimizer's m
   once True it returns the local gradient untouched and communicates nothing. (The Lightning callback
   additionally turns DDP's gradient synchronisation off after the freeze, so the hook is then not even
   called.)
+
+* ``max_over_ranks``: the auto-freeze decision's max of one float over ranks (one 8-byte fp64
+  all-reduce, ledger op ``all_reduce`` with tag ``"control"`` -- kept apart from ``"momentum"`` and
+  ``"grads"`` so the per-phase bytes stay clean; baseline 0 bytes, it has no fp32 counterpart).
+* ``gather_to_rank0``: ``gather_object`` of one picklable object per rank (the error buffers at
+  checkpoint save); not in the ledger (checkpoint I/O, not training traffic).
 
 No ``from __future__ import annotations`` here: DDP checks a hook's annotations against real classes.
 """
@@ -37,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.comm.collectives import onebit_all_reduce, onebit_server_error_numel, quantized_all_reduce
+from lightning_qcomm.comm.ledger import get_ledger
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +112,29 @@ class OneBitMomentumSync:
                 for n in self.bucket_numels
             ]
 
-    def sync_(self, tensors: list[torch.Tensor]) -> None:
-        """Replace every tensor by the compressed average over ranks, in place (same values on all ranks)."""
+    def sync_(self, tensors: list[torch.Tensor], read_only: list[bool] | None = None) -> None:
+        """Replace every tensor by the compressed average over ranks, in place (same values on all ranks).
+
+        ``read_only[i]`` True: tensor i enters the average (and its error buffers move on) but is not
+        overwritten. The flags must be equal on all ranks.
+        """
         if len(tensors) != len(self.numels):
             raise ValueError(f"expected {len(self.numels)} tensors, got {len(tensors)}")
+        if read_only is None:
+            read_only = [False] * len(tensors)
+        elif len(read_only) != len(tensors):
+            raise ValueError(f"read_only has {len(read_only)} flags; allowed: one per tensor ({len(tensors)})")
         for i, (t, n) in enumerate(zip(tensors, self.numels)):
             if t.numel() != n:
                 raise ValueError(f"tensor {i} has {t.numel()} elements, the layout expects {n}")
         self._ensure_errors(tensors[0].device)
         for b, members in enumerate(self.buckets):
             parts = [tensors[i].detach().reshape(-1) for i in members]
-            # one fp32 contiguous tensor: reduce it in place; otherwise a fused fp32 copy
-            flat = torch.cat(parts).to(torch.float32) if len(parts) > 1 else parts[0].to(torch.float32)
+            # one fp32 contiguous tensor: reduce it in place (a copy if read-only); otherwise a fused fp32 copy
+            if len(parts) > 1:
+                flat = torch.cat(parts).to(torch.float32)
+            else:
+                flat = parts[0].to(torch.float32, copy=read_only[members[0]])
             onebit_all_reduce(
                 flat,
                 self.worker_error[b],
@@ -126,7 +145,7 @@ class OneBitMomentumSync:
             )
             self._checked[b] = True
             for i, piece in zip(members, torch.split(flat, [self.numels[i] for i in members])):
-                if piece.data_ptr() != tensors[i].data_ptr():
+                if not read_only[i] and piece.data_ptr() != tensors[i].data_ptr():
                     tensors[i].copy_(piece.view_as(tensors[i]))
 
     # ------------------------------------------------------------------ per-rank state
@@ -167,6 +186,37 @@ class OneBitMomentumSync:
         return self
 
 
+def max_over_ranks(
+    value: float, group: dist.ProcessGroup | None = None, device: torch.device | None = None, tag: str = "control"
+) -> float:
+    """max(value) over the ranks of ``group``: one 8-byte fp64 all-reduce on ``device`` (CPU if None).
+
+    Recorded in the ``CommLedger`` as (``all_reduce``, ``tag``) with a 0-byte baseline. A world of one
+    (or torch.distributed not initialised) returns ``value`` and communicates nothing.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return float(value)
+    world = dist.get_world_size(group)
+    if world == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    get_ledger().record("all_reduce", t.numel() * t.element_size(), 0, world, tag=tag)
+    return float(t.item())
+
+
+def gather_to_rank0(obj: object) -> list | None:
+    """Every rank's ``obj`` as a list on global rank 0 (``dist.gather_object``), None on the other ranks.
+
+    A world of one (or torch.distributed not initialised) returns ``[obj]``. Not recorded in the ledger.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
 class OneBitGradHookState:
     """State of ``onebit_adam_grad_hook``: the process group and whether the warm-up is over."""
 
@@ -189,4 +239,11 @@ def onebit_adam_grad_hook(state: OneBitGradHookState, bucket: dist.GradBucket) -
     return fut
 
 
-__all__ = ["OneBitGradHookState", "OneBitMomentumSync", "bucket_layout", "onebit_adam_grad_hook"]
+__all__ = [
+    "OneBitGradHookState",
+    "OneBitMomentumSync",
+    "bucket_layout",
+    "gather_to_rank0",
+    "max_over_ranks",
+    "onebit_adam_grad_hook",
+]

@@ -27,12 +27,15 @@ bias corrections, which after a short warm-up (1-β2^100 ≈ 0.095) would multip
 The momentum keeps its bias correction 1/(1-β1^t) (t keeps counting; it tends to 1), so the update is
 AdamW with v frozen. Parameters without a gradient on this rank in a step contribute g = 0 (every rank
 must take part in the collective); parameters that never had a gradient during warm-up have no v and
-are not updated after the freeze (warned once).
+are not updated after the freeze (warned once). A parameter with ``requires_grad=False`` is skipped as
+torch's AdamW skips it: its m, v̂, step and value stay as they are (its m still enters the 1-bit
+average, read-only, so the bucket layout does not change; the flag must be the same on every rank).
 
 **Auto-freeze** (``auto_freeze_threshold`` = τ): every ``auto_freeze_interval`` = k steps it measures
-r = ‖v̂_t - v̂_{t-k}‖₂ / ‖v̂_t‖₂ over all parameters (max over ranks, one 8-byte all-reduce); after
-``auto_freeze_patience`` consecutive checks with r < τ the variance freezes. ``freeze_step`` stays an
-upper bound on the warm-up. Costs one extra copy of v during warm-up.
+r = ‖v̂_t - v̂_{t-k}‖₂ / ‖v̂_t‖₂ over all parameters (max over ranks: ``comm.onebit.max_over_ranks``,
+one 8-byte all-reduce, ledger tag "control"); after ``auto_freeze_patience`` consecutive checks with
+r < τ the variance freezes. ``freeze_step`` stays an upper bound on the warm-up. Costs one extra copy of v
+during warm-up.
 
 **Memory**: m and v as AdamW; in the compression phase also this rank's error buffers (d fp32 worker +
 ceil(d_b/N) fp32 server elements per bucket of d_b) and one flat fp32 bucket while it is synced.
@@ -61,8 +64,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_qcomm.comm.ledger import get_ledger
-from lightning_qcomm.comm.onebit import OneBitMomentumSync
+from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +174,10 @@ class OneBitAdam(Optimizer):
         for i, group in enumerate(self.param_groups):
             check_adam_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]")
             if group.get("amsgrad") or group.get("maximize"):
-                raise ValueError(f"OneBitAdam: param_groups[{i}] sets amsgrad/maximize; allowed: both False")
+                raise ValueError(
+                    f"OneBitAdam: param_groups[{i}] has amsgrad={group.get('amsgrad')!r}, "
+                    f"maximize={group.get('maximize')!r}; allowed: both False (amsgrad/maximize are not supported)"
+                )
             for p in group["params"]:
                 if torch.is_complex(p):
                     raise ValueError("OneBitAdam: complex parameters are not supported; allowed: real floating tensors")
@@ -195,7 +200,10 @@ class OneBitAdam(Optimizer):
     def set_process_group(self, process_group: dist.ProcessGroup | None) -> None:
         """Group of the momentum all-reduce; call before the first compression step."""
         if self._sync is not None and self._sync.process_group is not process_group:
-            raise ValueError("OneBitAdam.set_process_group: the momentum sync already runs on another group")
+            raise ValueError(
+                f"OneBitAdam.set_process_group(process_group={process_group!r}): the momentum sync already runs on "
+                f"{self._sync.process_group!r}; allowed: that group (it is fixed at the first compression step)"
+            )
         self.process_group = process_group
 
     # ------------------------------------------------------------------ step
@@ -276,6 +284,8 @@ class OneBitAdam(Optimizer):
                             tuple(p.shape),
                         )
                     continue
+                if not p.requires_grad:  # not trained now (same flag on every rank): m, v̂, step, p untouched
+                    continue
                 m = self.state[p]["exp_avg"]
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
                 if p.grad is not None and p.grad.is_sparse:
@@ -285,12 +295,12 @@ class OneBitAdam(Optimizer):
                 m.lerp_(grad, 1 - beta1)
         # momenta in layout order (param_groups order), the order the sync was built with
         momenta = [self.state[p]["exp_avg"] for p in self._layout]
-        self._sync.sync_(momenta)
+        self._sync.sync_(momenta, read_only=[not p.requires_grad for p in self._layout])
         for group in self.param_groups:
             beta1 = group["betas"][0]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             for p in group["params"]:
-                if p not in in_layout:
+                if p not in in_layout or not p.requires_grad:
                     continue
                 state = self.state[p]
                 state["step"] += 1
@@ -335,17 +345,10 @@ class OneBitAdam(Optimizer):
                 diff2 += (vhat - (ref if ref is not None else 0.0)).double().pow(2).sum().cpu()
                 norm2 += vhat.double().pow(2).sum().cpu()
                 state["exp_avg_sq_ref"] = vhat
-        r = torch.tensor([float((diff2 / norm2).sqrt()) if norm2 > 0 else 1.0], dtype=torch.float64)
-        if not math.isfinite(float(r)):
-            r.fill_(1.0)  # a non-finite variance never counts as stable
-        world = dist.get_world_size(self.process_group) if dist.is_available() and dist.is_initialized() else 1
-        if world > 1:
-            dev = self._collective_device()
-            rr = r.to(dev)
-            dist.all_reduce(rr, op=dist.ReduceOp.MAX, group=self.process_group)
-            r = rr.cpu()
-            get_ledger().record("all_reduce", 8, 0, world, tag="momentum")
-        return float(r)
+        r = float((diff2 / norm2).sqrt()) if norm2 > 0 else 1.0
+        if not math.isfinite(r):
+            r = 1.0  # a non-finite variance never counts as stable
+        return max_over_ranks(r, self.process_group, device=self._collective_device())
 
     def _collective_device(self) -> torch.device:
         for g in self.param_groups:
@@ -387,6 +390,12 @@ class OneBitAdam(Optimizer):
         A state without ``"onebit"`` (plain Adam/AdamW) resumes at the largest per-parameter step count and
         freezes at once if that is already >= ``freeze_step``.
         """
+        for i, g in enumerate(state_dict.get("param_groups", [])):
+            if g.get("amsgrad") or g.get("maximize"):
+                raise ValueError(
+                    f"OneBitAdam.load_state_dict: param_groups[{i}] has amsgrad={g.get('amsgrad')!r}, "
+                    f"maximize={g.get('maximize')!r}; allowed: both False"
+                )
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
         super().load_state_dict(state_dict)
