@@ -8,7 +8,10 @@ What it does (the math is ``optim.OneBitAdam``, the compressed momentum average 
   optimizer state is loaded) the single optimizer from ``configure_optimizers`` must be
   ``torch.optim.Adam``/``AdamW`` or a ``OneBitAdam``. Adam/AdamW is replaced by a ``OneBitAdam`` with
   the same param groups (lr, betas, eps, weight decay, its decoupled/L2 mode, scheduler keys such as
-  ``initial_lr``); LR schedulers are re-pointed to the new optimizer; this is logged once. A
+  ``initial_lr``); LR schedulers are re-pointed to the new optimizer, nested ones too (the inner
+  schedulers of ``SequentialLR`` / ``ChainedScheduler``); a scheduler that still holds the old optimizer
+  elsewhere is refused (ValueError). This is logged once, and so are Adam settings OneBitAdam does not
+  honour (``fused``, ``foreach``, ``capturable``, ``differentiable``: its step is a plain per-tensor loop). A
   ``OneBitAdam`` returned by the user is kept; any callback argument that is set (not None) must then
   agree with it (ValueError otherwise). Unset callback arguments mean OneBitAdam's defaults.
 * **Gradient all-reduce.** On a DDP-wrapped model without a comm hook (``strategy="ddp"``, CPU or CUDA)
@@ -18,18 +21,23 @@ What it does (the math is ``optim.OneBitAdam``, the compressed momentum average 
   variance is frozen, before the next forward, DDP's gradient synchronisation is switched off
   (``require_backward_grad_sync = False``, what ``no_sync()`` does): from then on no gradient bytes
   move at all, whichever hook is registered; the momentum travels through the 1-bit all-reduce (tag
-  "momentum"). DDP then also stops broadcasting buffers (BatchNorm statistics stay per rank).
+  "momentum"). DDP then also stops broadcasting buffers (BatchNorm statistics stay per rank), and
+  ``gradient_clip_val`` clips each rank's *local* gradient (before it enters the momentum), not the
+  average. Auto-freeze's 8-byte max of the variance change is recorded under tag "control".
 * **Checkpoints.** The optimizer's ``state_dict`` (m, frozen v̂, step counts, freeze step) is saved by
   Lightning as usual. Each rank's 1-bit error buffers are gathered to rank 0 at save
-  (``gather_object``) and stored as ``checkpoint["onebit_adam"] = {"world_size": N, "per_rank": [...]}``;
-  on resume each rank restores entry ``per_rank[global_rank]`` after the optimizer state. With another
-  world size the buffers restart at zero (logged). Rank 0 holds N copies (about 4·d·(1 + 1/N) bytes
-  each, d = trainable parameters) while saving, only in the compression phase.
+  (``comm.onebit.gather_to_rank0``) and stored as ``checkpoint["onebit_adam"] = {"world_size": N,
+  "per_rank": [...]}``; on resume (``trainer.fit(ckpt_path=...)`` only) each rank restores entry
+  ``per_rank[global_rank]`` after the optimizer state. With another world size the buffers restart at
+  zero (logged). Rank 0 holds N copies (about 4·d·(1 + 1/N) bytes each, d = trainable parameters) while
+  saving, only in the compression phase. A checkpoint loaded by ``validate``/``test``/``predict`` is
+  ignored, and each ``fit`` starts without a previous one's loaded buffers.
 
-Requirements (ValueError at setup otherwise): exactly one optimizer; a DDP-wrapped model when more
-than one process trains (not FSDP/QSDP/LocalSGD); no fp16 ``GradScaler`` (``precision="16-mixed"``):
-its per-rank inf check would let one rank skip a step the other takes, and after the freeze the
-gradients are local. bf16 and fp32 work.
+Requirements (ValueError at setup otherwise): automatic optimization (with ``automatic_optimization =
+False`` Lightning switches DDP's gradient sync back on after every forward); exactly one optimizer; a
+DDP-wrapped model when more than one process trains (not FSDP/QSDP/LocalSGD); no fp16 ``GradScaler``
+(``precision="16-mixed"``): its per-rank inf check would let one rank skip a step the other takes, and
+after the freeze the gradients are local. bf16 and fp32 work.
 """
 
 from __future__ import annotations
@@ -41,16 +49,17 @@ from weakref import ref
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_qcomm.comm.onebit import OneBitGradHookState, onebit_adam_grad_hook
+from lightning_qcomm.comm.onebit import OneBitGradHookState, gather_to_rank0, onebit_adam_grad_hook
 from lightning_qcomm.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "onebit_adam"
+_UNHONOURED = ("foreach", "fused", "capturable", "differentiable")  # Adam group keys OneBitAdam does not implement
 _SETTINGS = ("freeze_step", "auto_freeze_threshold", "auto_freeze_interval", "auto_freeze_patience", "bucket_mb")
 
 
@@ -97,6 +106,13 @@ class OneBitAdamCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._loaded = None  # runs before a checkpoint is restored: no buffers from an earlier fit/validate
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "OneBitAdamCallback: LightningModule.automatic_optimization=False; allowed: True (under manual "
+                "optimization Lightning re-enables DDP's gradient sync after every forward, which would bring the "
+                "gradient all-reduce back after the freeze)"
+            )
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise ValueError(
                 f"OneBitAdamCallback: precision={trainer.precision!r} uses a GradScaler, whose per-rank inf check "
@@ -157,13 +173,15 @@ class OneBitAdamCallback(pl.Callback):
                 "allowed: torch.optim.Adam, torch.optim.AdamW or lightning_qcomm.optim.OneBitAdam"
             )
         groups = []
+        unhonoured: set[str] = set()
         for i, g in enumerate(old.param_groups):
             if g.get("amsgrad") or g.get("maximize"):
                 raise ValueError(
                     f"OneBitAdamCallback: {type(old).__name__} param_groups[{i}] has amsgrad={g.get('amsgrad')}, "
                     f"maximize={g.get('maximize')}; allowed: both False"
                 )
-            group = {k: v for k, v in g.items() if k not in ("amsgrad", "maximize", "foreach", "fused", "capturable")}
+            unhonoured.update(k for k in _UNHONOURED if g.get(k))
+            group = {k: v for k, v in g.items() if k not in ("amsgrad", "maximize", *_UNHONOURED)}
             group["decoupled_weight_decay"] = bool(g.get("decoupled_weight_decay", isinstance(old, torch.optim.AdamW)))
             for k in ("lr", "eps", "weight_decay"):
                 if isinstance(group[k], torch.Tensor):
@@ -183,15 +201,19 @@ class OneBitAdamCallback(pl.Callback):
         if old.state:  # e.g. a second fit of the same module: keep what the old optimizer learned
             new.load_state_dict(old.state_dict())
         strategy = trainer.strategy
-        strategy.optimizers = [new]
         for cfg in strategy.lr_scheduler_configs:
-            if getattr(cfg.scheduler, "optimizer", None) is old:
-                cfg.scheduler.optimizer = new
+            if _repoint_scheduler(cfg.scheduler, old, new):
                 _track_step_called(new)
+        strategy.optimizers = [new]
         rank_zero_info(
             f"OneBitAdamCallback: replaced {type(old).__name__} by OneBitAdam with the same {len(groups)} param "
             f"group(s) and hyperparameters ({new.config})"
         )
+        if unhonoured:
+            rank_zero_warn(
+                f"OneBitAdamCallback: {type(old).__name__} asked for {'/'.join(sorted(unhonoured))}=True; OneBitAdam "
+                "has one implementation (a per-tensor loop), which is used instead"
+            )
         return new
 
     # ------------------------------------------------------------------ the switch
@@ -228,23 +250,41 @@ class OneBitAdamCallback(pl.Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if self.optimizer is None:
             return
-        local = self.optimizer.rank_state_dict()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            dist.gather_object(local, gathered, dst=0)
-            per_rank = gathered
-        else:
-            per_rank = [local]
+        per_rank = gather_to_rank0(self.optimizer.rank_state_dict())
         if per_rank is not None:
             checkpoint[CHECKPOINT_KEY] = {"world_size": len(per_rank), "per_rank": per_rank}
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:  # validate/test/predict(ckpt_path=...): no optimizer to feed
+            return
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
             rank_zero_warn(
                 f"OneBitAdamCallback: the checkpoint has no {CHECKPOINT_KEY!r} entry; 1-bit error buffers start at zero"
             )
         self._loaded = saved
+
+
+def _repoint_scheduler(sched: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> bool:
+    """Make ``sched`` (and the inner schedulers of SequentialLR/ChainedScheduler) drive ``new`` instead of ``old``.
+
+    Returns whether anything was re-pointed. ValueError if an attribute other than ``optimizer`` /
+    ``_schedulers`` still refers to ``old`` afterwards (a scheduler type this swap does not understand).
+    """
+    moved = False
+    if getattr(sched, "optimizer", None) is old:
+        sched.optimizer = new
+        moved = True
+    for inner in getattr(sched, "_schedulers", None) or ():
+        moved = _repoint_scheduler(inner, old, new) or moved
+    stale = [k for k, v in vars(sched).items() if v is old] if hasattr(sched, "__dict__") else []
+    if stale:
+        raise ValueError(
+            f"OneBitAdamCallback: the LR scheduler {type(sched).__qualname__} holds the replaced optimizer in "
+            f"{', '.join(stale)}; allowed: schedulers that reach it only through .optimizer (and ._schedulers), "
+            "or return OneBitAdam from configure_optimizers so nothing needs re-pointing"
+        )
+    return moved
 
 
 def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
