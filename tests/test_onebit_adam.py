@@ -1,7 +1,10 @@
 """OneBitAdam (optimizer), comm.onebit (fused momentum sync, warm-up hook) and OneBitAdamCallback (Lightning).
 
-Single process: bit-exact equality with torch.optim.AdamW / Adam during warm-up, the freeze (v <- v̂),
-argument validation, bucket layout, a world-of-one compressed step against the formula.
+Single process: bit-exact equality with torch.optim.AdamW / Adam during warm-up (per-group lr, betas, eps),
+the freeze (v <- v̂), argument validation, bucket layout, a world-of-one compressed step against the formula
+(AdamW and L2 decay), requires_grad=False parameters left alone after the freeze; the callback with
+SequentialLR / ChainedScheduler (inner schedulers re-pointed), refusals (SGD, clashing settings, manual
+optimization, unknown scheduler, fp16 GradScaler), and validate(ckpt_path) not leaking buffers into a fit.
 
 Two gloo ranks, ONE ``torch.multiprocessing`` spawn for everything (each Lightning ``Trainer`` runs
 in-process on its rank: ``LOCAL_RANK`` is set, so Lightning does not launch). Inside the workers:
@@ -9,10 +12,12 @@ in-process on its rank: ``LOCAL_RANK`` is set, so Lightning does not launch). In
 * plain torch DDP + ``onebit_adam_grad_hook`` + OneBitAdam: torch.distributed calls counted per step
   (all_reduce during warm-up, none after the freeze -- only the 1-bit all-to-all + all-gather), and the
   first compressed step's momentum and parameters against an independent oracle of DESIGN §2's formulas,
-  computed from both ranks' local momenta; NaN gradients stay NaN; auto-freeze;
+  computed from both ranks' local momenta; NaN gradients stay NaN; auto-freeze on rank-local gradients
+  (the max over ranks decides, booked under ledger tag "control");
 * Lightning ``strategy="ddp"``: plain AdamW vs ``OneBitAdamCallback`` (AdamW + LambdaLR replaced), loss
   and ledger per phase; a checkpoint in the compression phase, then a resumed fit: error buffers, frozen
   step and v restored per rank, and the resumed run ends bit-identical to the uninterrupted one;
+  accumulate_grad_batches=2 (one gradient all-reduce per warm-up step, none after the freeze);
 * ``strategy="quant_ddp"`` + the callback; ``configs/onebit_adam.yaml`` through the CLI (both phases).
 """
 
@@ -22,6 +27,7 @@ import copy
 import math
 import os
 import pickle
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -58,13 +64,36 @@ def _net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(N_FEAT, N_HID), torch.nn.Tanh(), torch.nn.Linear(N_HID, N_CLS))
 
 
+class _HoldingLR(torch.optim.lr_scheduler.LambdaLR):
+    """A scheduler that keeps a second reference to its optimizer (the swap cannot re-point it)."""
+
+    def __init__(self, optimizer) -> None:
+        super().__init__(optimizer, lambda t: 1.0)
+        self.held = optimizer
+
+
+def _scheduler(opt, name: str):
+    """The test schedules: per-step LambdaLR warm-up, or nested ones (warm-up 4 steps then cosine / exponential)."""
+    lrs = torch.optim.lr_scheduler
+    if name == "sequential":
+        inner = [lrs.LinearLR(opt, start_factor=0.1, total_iters=4), lrs.CosineAnnealingLR(opt, T_max=8)]
+        return lrs.SequentialLR(opt, inner, milestones=[4])
+    if name == "chained":
+        return lrs.ChainedScheduler([lrs.LinearLR(opt, start_factor=0.1, total_iters=4), lrs.ExponentialLR(opt, 0.8)])
+    if name == "holding":
+        return _HoldingLR(opt)
+    return lrs.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 8))
+
+
 class _Module(pl.LightningModule):
     """AdamW with two param groups (weights decay, biases do not) and a per-step LambdaLR schedule."""
 
-    def __init__(self, optimizer: str = "adamw", **onebit_kw) -> None:
+    def __init__(self, optimizer: str = "adamw", sched: str = "lambda", adamw_kw=None, **onebit_kw) -> None:
         super().__init__()
         self.net = _net()
         self.optimizer_name = optimizer
+        self.sched = sched
+        self.adamw_kw = adamw_kw or {}
         self.onebit_kw = onebit_kw
         self.losses: list[float] = []
 
@@ -85,12 +114,40 @@ class _Module(pl.LightningModule):
         elif self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=LR)
         else:
-            opt = torch.optim.AdamW(groups, lr=LR)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 8))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+            opt = torch.optim.AdamW(groups, lr=LR, **self.adamw_kw)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": _scheduler(opt, self.sched), "interval": "step"}}
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(_dataset(), batch_size=BATCH, shuffle=True)
+
+
+class _ManualModule(_Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(torch.nn.functional.cross_entropy(self(batch[0]), batch[1]))
+        opt.step()
+
+
+class _ValModule(_Module):
+    def validation_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(_dataset(), batch_size=256)
+
+
+def _trainer(tmp_path, callbacks, max_steps, **kw) -> pl.Trainer:
+    """A quiet one-process CPU Trainer."""
+    tkw = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    tkw.update(kw)
+    return pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks, default_root_dir=tmp_path, **tkw
+    )
 
 
 def _full_loss(model) -> float:
@@ -128,15 +185,17 @@ def onebit_oracle(xs: list[torch.Tensor]) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- single process
 def _groups(model):
+    """Two groups; the second has its own lr, betas and eps (and no weight decay)."""
     return [
         {"params": list(model[0].parameters()), "weight_decay": 0.1},
-        {"params": list(model[2].parameters()), "lr": 0.02, "weight_decay": 0.0},
+        {"params": list(model[2].parameters()), "lr": 0.02, "betas": (0.7, 0.95), "eps": 1e-6, "weight_decay": 0.0},
     ]
 
 
 @pytest.mark.parametrize("reference", ["adamw", "adam_l2"])
 def test_warmup_equals_torch_adam_bitwise(reference):
-    """One rank, never frozen: OneBitAdam is torch's AdamW (or Adam with L2 decay), bit for bit, incl. an lr schedule."""
+    """One rank, never frozen: OneBitAdam is torch's AdamW (or Adam with L2 decay), bit for bit, incl. an lr schedule
+    and a param group with its own lr, betas and eps."""
     torch.manual_seed(0)
     m1 = _net()
     m2 = copy.deepcopy(m1)
@@ -163,10 +222,18 @@ def test_warmup_equals_torch_adam_bitwise(reference):
     assert not ours.frozen
 
 
-def test_freeze_bias_corrects_v_and_world1_step_matches_formula():
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
+def test_freeze_bias_corrects_v_and_world1_step_matches_formula(decoupled):
+    """World of one, first compressed step against DESIGN §2, per group (own lr/betas/eps/wd), both decay modes."""
     torch.manual_seed(0)
     model = _net()
-    opt = OneBitAdam(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, freeze_step=3)
+    groups = _groups(model)
+    groups[1]["weight_decay"] = 0.05  # both groups decay: the L2 term reaches m in both
+    opt = OneBitAdam(
+        groups, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, decoupled_weight_decay=decoupled, freeze_step=3
+    )
+    hp = {p: (g["lr"], g["betas"][0], g["eps"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
+    assert hp[model[2].weight] == (0.02, 0.7, 1e-6, 0.05)
     x = torch.randn(16, N_FEAT)
     for t in range(1, 5):
         opt.zero_grad()
@@ -174,21 +241,56 @@ def test_freeze_bias_corrects_v_and_world1_step_matches_formula():
         if t == 4:  # first compressed step: build the expectation from the formulas before stepping
             params = list(model.parameters())
             before = [p.detach().clone() for p in params]
-            m_local = [0.9 * opt.state[p]["exp_avg"] + 0.1 * p.grad for p in params]
+            m_local = []
+            for p in params:
+                _, b1, _, wd = hp[p]
+                g = p.grad if decoupled else p.grad + wd * p.detach()  # L2: g <- g + wd p
+                m_local.append(b1 * opt.state[p]["exp_avg"] + (1 - b1) * g)
             flat = torch.cat([m.reshape(-1) for m in m_local])
             m_expect = onebit_oracle([flat])  # world of one: C(C(y)) = C(y)
         opt.step()
         assert opt.frozen == (t >= 3)
     got = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params])
     torch.testing.assert_close(got.double(), m_expect, rtol=1e-6, atol=1e-7)
-    # p <- p(1 - lr wd) - lr / (1 - b1^4) * m / (sqrt(v̂) + eps)
+    # p <- p(1 - lr wd) - lr / (1 - b1^4) * m / (sqrt(v̂) + eps)   (no (1 - lr wd) factor in the L2 mode)
     off = 0
     for p, p0 in zip(params, before):
+        lr, b1, eps, wd = hp[p]
         m = m_expect[off : off + p.numel()].view_as(p).float()
         off += p.numel()
         vhat = opt.state[p]["exp_avg_sq"]
-        expect = p0 * (1 - 1e-2 * 0.1) - 1e-2 / (1 - 0.9**4) * m / (vhat.sqrt() + 1e-8)
+        decay = (1 - lr * wd) if decoupled else 1.0
+        expect = p0 * decay - lr / (1 - b1**4) * m / (vhat.sqrt() + eps)
         torch.testing.assert_close(p.detach(), expect, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("bucket_mb", [32.0, 600 * 4 / 2**20], ids=["shared_bucket", "own_bucket"])
+def test_parameter_without_requires_grad_is_not_moved_after_freeze(bucket_mb):
+    """As torch's AdamW: a parameter switched to requires_grad=False keeps p, m, v̂ and step; the layout stays."""
+    torch.manual_seed(0)
+    model = _net()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, weight_decay=0.1, freeze_step=2, bucket_mb=bucket_mb)
+    x = torch.randn(16, N_FEAT)
+    w = model[0].weight  # 2048 elements: with 600-element buckets it is a bucket of its own
+    for t in range(6):
+        if t == 3:  # compression phase, layout already built with w in it
+            w.requires_grad_(False)
+            layout, n_buckets = list(opt._layout), len(opt._sync.buckets)
+            frozen_w = {k: v.clone() for k, v in opt.state[w].items()}
+            w0, b0 = w.detach().clone(), model[0].bias.detach().clone()
+        if t == 5:
+            w.requires_grad_(True)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        if t == 4:
+            assert torch.equal(w, w0)
+            for k, v in frozen_w.items():
+                assert torch.equal(opt.state[w][k], v), k
+            assert not torch.equal(model[0].bias, b0)  # the others train on
+            assert len(opt._layout) == len(layout) and all(a is b for a, b in zip(opt._layout, layout))
+            assert len(opt._sync.buckets) == n_buckets
+    assert not torch.equal(w, w0)  # trained again once requires_grad is back
 
 
 def test_freeze_replaces_v_by_bias_corrected_v():
@@ -242,6 +344,9 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, needle):
 def test_amsgrad_and_maximize_groups_are_rejected():
     with pytest.raises(ValueError, match="amsgrad/maximize"):
         OneBitAdam([{"params": list(_net().parameters()), "amsgrad": True}])
+    params = list(_net().parameters())
+    with pytest.raises(ValueError, match="load_state_dict: param_groups.0. has amsgrad=True.*allowed: both False"):
+        OneBitAdam(params).load_state_dict(torch.optim.Adam(params, amsgrad=True).state_dict())
 
 
 def test_bucket_layout_greedy_in_order():
@@ -391,29 +496,57 @@ def _torch_ddp_checks(rank: int) -> dict:
     out["nan_errors_finite"] = all(bool(torch.isfinite(e).all()) for e in opt._sync.worker_error)
     out["nan_errors"] = (errs_before[0], opt._sync.worker_error[0].clone())
 
-    # auto-freeze: threshold 0.3 on the variance change over 2 steps, 2 checks in a row; freeze_step only a bound
-    torch.manual_seed(0)
-    model = _net()
-    ddp2 = DDP(model)
-    hook2 = OneBitGradHookState()
-    ddp2.register_comm_hook(hook2, onebit_adam_grad_hook)
-    opt = OneBitAdam(
-        model.parameters(), freeze_step=1000, auto_freeze_threshold=0.3, auto_freeze_interval=2, auto_freeze_patience=2
-    )
-    changes = []
-    for _ in range(60):
-        idx = torch.randint(0, N_SAMPLES, (BATCH,), generator=g)
-        opt.zero_grad()
-        hook2.compressing = opt.frozen
-        torch.nn.functional.cross_entropy(ddp2(ds.tensors[0][idx]), ds.tensors[1][idx]).backward()
-        opt.step()
-        if opt.num_steps % 2 == 0:
-            changes.append(opt.last_variance_change)
-        if opt.frozen:
-            break
-    out["auto"] = {"frozen_at": opt.frozen_at, "changes": changes}
+    out["auto"] = _auto_freeze_checks(rank)
     set_ledger(None)
     return out
+
+
+AUTO = dict(freeze_step=1000, auto_freeze_threshold=0.3, auto_freeze_interval=2, auto_freeze_patience=2)
+AUTO_STEPS = 60
+
+
+def _auto_freeze_checks(rank: int) -> dict:
+    """Auto-freeze on rank-LOCAL gradients (no DDP), so each rank's variance change r differs: rank 1's loss
+    is scaled by 1.2^t for t < 16 (its v̂ keeps growing, r stays high), rank 0's is not. A shadow optimizer
+    per rank on a one-rank group makes the local decision; the real one must take the max over ranks."""
+    import torch.distributed as dist
+
+    from lightning_qcomm.comm.ledger import CommLedger, set_ledger
+
+    solo = [dist.new_group([0]), dist.new_group([1])][rank]  # every rank creates both groups, same order
+    ledger = CommLedger(keep_records=True)
+    set_ledger(ledger)
+    torch.manual_seed(0)
+    model = _net()
+    shadow_model = copy.deepcopy(model)
+    opt = OneBitAdam(model.parameters(), **AUTO)
+    shadow = OneBitAdam(shadow_model.parameters(), process_group=solo, **AUTO)
+    ds = _dataset()
+    g = torch.Generator().manual_seed(200 + rank)
+    changes, warmup_keys = [], set()
+    for t in range(AUTO_STEPS):
+        idx = torch.randint(0, N_SAMPLES, (BATCH,), generator=g)
+        scale = 1.2 ** min(t, 16) if rank == 1 else 1.0
+        for m, o in ((model, opt), (shadow_model, shadow)):
+            if o.frozen:
+                continue
+            o.zero_grad()
+            (scale * torch.nn.functional.cross_entropy(m(ds.tensors[0][idx]), ds.tensors[1][idx])).backward()
+            o.step()
+        if opt.num_steps % 2 == 0:
+            changes.append(opt.last_variance_change)
+        warmup_keys |= {(r.op, r.tag, r.payload_bytes) for r in ledger.records}
+        if opt.frozen:
+            break
+    set_ledger(None)
+    return {
+        "frozen_at": opt.frozen_at,
+        "changes": changes,
+        "local_frozen_at": shadow.frozen_at,
+        "n_checks": opt.num_steps // 2,
+        "ledger_keys": warmup_keys,
+        "control_calls": ledger.cumulative[("all_reduce", "control")].calls,
+    }
 
 
 def _fit(rank, port, module, callbacks=(), strategy="ddp", max_steps=STEPS, ckpt_path=None, **kw):
@@ -550,6 +683,26 @@ def _lightning_checks(rank: int, port: int, outdir: str) -> dict:
     trainer, ledger = _fit(rank, port, module, [OneBitAdamCallback()], max_steps=12)
     out["user_onebit"] = {"frozen_at": trainer.optimizers[0].frozen_at, "loss": _full_loss(module)}
 
+    # accumulate_grad_batches=2: DDP syncs only the last micro-batch in warm-up, nothing after the freeze
+    pl.seed_everything(0, verbose=False)
+    module = _Module()
+    probe = _PhaseProbe()
+    trainer, ledger = _fit(
+        rank, port, module, [OneBitAdamCallback(freeze_step=4), probe], max_steps=8, accumulate_grad_batches=2
+    )
+    opt = trainer.optimizers[0]
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat)
+    out["accumulate"] = {
+        "frozen_at": opt.frozen_at,
+        "num_steps": opt.num_steps,
+        "global_step": trainer.global_step,
+        "keys": probe.keys,
+        "calls": probe.calls,
+        "params_equal_across_ranks": bool(torch.equal(both[0], both[1])),
+    }
+
     # quant_ddp: warm-up gradients compressed by QuantDDP's hook, nothing after the freeze
     from lightning_qcomm.strategies.quant_ddp import QuantDDPStrategy
 
@@ -649,15 +802,18 @@ def _worker(rank: int, port: int, outdir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
     import torch.multiprocessing as mp
 
+    keep = tmp_path_factory.mktemp("onebit_ckpt")
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_worker, args=(_free_port(), d), nprocs=2, start_method="spawn", join=True)
         out = []
         for r in range(2):
             with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
                 out.append(pickle.load(f))
+        shutil.copy(os.path.join(d, "ckpt", "onebit.ckpt"), keep / "onebit.ckpt")
+    out[0]["ckpt_copy"] = keep / "onebit.ckpt"  # the 2-rank compression-phase checkpoint, for a 1-rank resume
     return out
 
 
@@ -697,14 +853,23 @@ def test_nan_gradient_on_one_rank_stays_nonfinite_on_both(results):
     assert not torch.equal(before[1024:], after[1024:])
 
 
-def test_auto_freeze_triggers_before_freeze_step_on_both_ranks(results):
+def test_auto_freeze_uses_the_max_over_ranks_and_freezes_both_at_once(results):
     a0, a1 = results[0]["torch"]["auto"], results[1]["torch"]["auto"]
+    # the setup discriminates: alone, the ranks would freeze at different steps (rank 0 first)
+    assert a0["local_frozen_at"] is not None and a1["local_frozen_at"] is not None
+    assert a0["local_frozen_at"] < a1["local_frozen_at"], (a0["local_frozen_at"], a1["local_frozen_at"])
+    # together: the same r on both ranks (the max), one freeze step, not before the later rank is stable
+    assert a0["changes"] == a1["changes"]
     assert a0["frozen_at"] == a1["frozen_at"] is not None
-    assert a0["frozen_at"] < 1000 and a0["frozen_at"] % 2 == 0
+    assert a1["local_frozen_at"] <= a0["frozen_at"] < AUTO_STEPS and a0["frozen_at"] % 2 == 0
     ch = a0["changes"]
     assert ch[0] == pytest.approx(1.0)  # the first check compares with nothing: r = 1, never "stable"
     assert ch[-1] < 0.3 and ch[-2] < 0.3  # the two checks that froze it
-    assert len(ch) >= 3 and ch[-3] >= 0.3 or len(ch) == 3, ch
+    assert len(ch) == 2 or ch[-3] >= 0.3, ch
+    # the 8-byte max is booked as "control" (one per check), never as "momentum" or "grads"
+    for a in (a0, a1):
+        assert a["ledger_keys"] == {("all_reduce", "control", 8)}, a["ledger_keys"]
+        assert a["control_calls"] == a["n_checks"]
 
 
 def test_lightning_callback_replaces_adamw_and_switches_phase(results):
@@ -738,7 +903,11 @@ def test_lightning_ledger_bytes_per_phase(results):
 
 
 def test_lightning_loss_decreases_and_is_near_ddp_adamw(results):
-    """48 steps (16 warm-up), same seed/data: measured 1.1624 vs DDP+AdamW 1.1601 (+0.2%); band 3%."""
+    """48 steps (16 warm-up), same seed/data: measured 1.1624 vs DDP+AdamW 1.1601 (+0.2%).
+
+    The 3% band is empirical (about 15x the measured gap), not derived from the math: it only catches a
+    broken compression phase (e.g. a wrong step size), which moves the loss by far more.
+    """
     r0 = results[0]
     assert r0["onebit"]["loss"] < 0.7 * r0["init_loss"]
     assert abs(r0["onebit"]["loss"] - r0["ddp_loss"]) / r0["ddp_loss"] < 0.03, (r0["onebit"]["loss"], r0["ddp_loss"])
@@ -756,6 +925,41 @@ def test_lightning_resume_restores_per_rank_state_and_reproduces_run(results):
     assert results[0]["saved_errors_differ_between_ranks"], "error buffers are per rank"
     assert results[0]["saved"]["rank_state"]["worker_error"] is not None
     assert results[0]["resume"]["ckpt_world"] == 2
+
+
+def test_gradient_accumulation_syncs_last_micro_batch_in_warmup_and_nothing_after(results):
+    """accumulate_grad_batches=2, freeze after 4 of 8 optimizer steps (16 micro-batches)."""
+    for r in results:
+        a = r["accumulate"]
+        assert (a["frozen_at"], a["num_steps"], a["global_step"]) == (4, 8, 8)
+        assert len(a["keys"]) == 16
+        for i, (keys, calls) in enumerate(zip(a["keys"], a["calls"])):
+            step, last = i // 2, i % 2 == 1
+            if not last:  # accumulating micro-batch: DDP's no_sync, no optimizer step
+                assert keys == [] and calls == [], (i, keys, calls)
+            elif step < 4:  # warm-up step: the accumulated gradient all-reduced once, fp32
+                assert keys == [("all_reduce", "grads")] and set(calls) == {"all_reduce"}, (i, keys, calls)
+            else:  # compression step: momentum only (+ the one-off shape check, an all_gather, at the first)
+                assert ("all_reduce", "momentum") in keys and {t for _, t in keys} == {"momentum"}, (i, keys)
+                assert "all_reduce" not in calls, (i, calls)
+        assert a["params_equal_across_ranks"]
+
+
+def test_resume_with_another_world_size_restarts_error_buffers(results, tmp_path):
+    """The 2-rank checkpoint resumed by one process: m, v̂, freeze step restored; error buffers at zero (warned)."""
+    seen = {}
+
+    class StartProbe(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            opt = trainer.optimizers[0]
+            seen["state"] = (opt.frozen_at, opt.num_steps, opt.rank_state_dict()["worker_error"])
+
+    cb = OneBitAdamCallback(freeze_step=FREEZE)
+    trainer = _trainer(tmp_path, [cb, StartProbe()], max_steps=RESUME_AT + 2)
+    with pytest.warns(UserWarning, match="written by 2 ranks, now 1; they restart at zero"):
+        trainer.fit(_Module(), ckpt_path=results[0]["ckpt_copy"])
+    assert seen["state"] == (FREEZE, RESUME_AT, None)
+    assert cb.optimizer.num_steps == RESUME_AT + 2 and cb.optimizer._sync.worker_error is not None
 
 
 def test_user_onebit_optimizer_is_kept(results):
@@ -792,40 +996,73 @@ def test_strategy_without_ddp_wrapper_is_rejected(results):
 
 
 def test_callback_rejects_other_optimizers_and_clashing_settings(tmp_path):
-    """One process (world of one): SGD is refused; a OneBitAdam with another freeze_step clashes."""
+    """One process (world of one): SGD is refused; a OneBitAdam with another freeze_step clashes; manual
+    optimization is refused (Lightning would turn DDP's gradient sync back on after each forward); a
+    scheduler holding the old optimizer outside ``.optimizer`` is refused."""
     for module, cb, needle in (
         (_Module("sgd"), OneBitAdamCallback(), "allowed: torch.optim.Adam, torch.optim.AdamW"),
         (_Module("onebit", freeze_step=8), OneBitAdamCallback(freeze_step=9), "freeze_step=9 vs the optimizer's 8"),
+        (_ManualModule(), OneBitAdamCallback(), "automatic_optimization=False; allowed: True"),
+        (_Module(sched="holding"), OneBitAdamCallback(), "_HoldingLR holds the replaced optimizer in held"),
     ):
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=1,
-            callbacks=[cb],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        )
         with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-            trainer.fit(module)
+            _trainer(tmp_path, [cb], max_steps=1).fit(module)
+
+
+class _LrProbe(pl.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("sched", ["sequential", "chained"])
+def test_nested_lr_schedulers_drive_the_new_optimizer(tmp_path, sched):
+    """SequentialLR / ChainedScheduler step inner schedulers: those must move to the OneBitAdam too."""
+    steps = 10
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+    ref = _scheduler(dummy, sched)
+    expect = []
+    for _ in range(steps):
+        expect.append(dummy.param_groups[0]["lr"])
+        dummy.step()
+        ref.step()
+    assert len(set(expect)) == steps  # the schedule changes the lr at every step
+    probe = _LrProbe()
+    module = _Module(sched=sched, adamw_kw={"foreach": True})
+    with pytest.warns(UserWarning, match="AdamW asked for foreach=True; OneBitAdam has one implementation"):
+        _trainer(tmp_path, [OneBitAdamCallback(freeze_step=4), probe], max_steps=steps).fit(module)
+    assert probe.lrs == pytest.approx(expect, rel=1e-12)
+
+
+def test_checkpoint_loaded_by_validate_is_not_applied_to_a_later_fit(tmp_path):
+    """validate(ckpt_path=X) then fit(): X's error buffers must not reach the new fit's optimizer."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    mc = ModelCheckpoint(dirpath=tmp_path, filename="x", every_n_train_steps=4, save_top_k=-1)
+    _trainer(tmp_path, [OneBitAdamCallback(freeze_step=2), mc], 4, enable_checkpointing=True).fit(_ValModule())
+    ckpt = tmp_path / "x.ckpt"
+    assert torch.load(ckpt, weights_only=False)[CHECKPOINT_KEY]["per_rank"][0]["worker_error"] is not None
+    seen = {}
+
+    class StartProbe(pl.Callback):  # after the OneBitAdamCallback: sees what it handed the optimizer
+        def on_train_start(self, trainer, pl_module):
+            seen["worker_error"] = trainer.optimizers[0].rank_state_dict()["worker_error"]
+
+    trainer = _trainer(tmp_path, [OneBitAdamCallback(freeze_step=2), StartProbe()], 1, limit_val_batches=1)
+    module = _ValModule()
+    trainer.validate(module, ckpt_path=ckpt, verbose=False)
+    trainer.fit(module)
+    assert "worker_error" in seen and seen["worker_error"] is None
 
 
 def test_callback_rejects_fp16_grad_scaler(tmp_path):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     scaler = torch.amp.GradScaler("cpu")  # what 16-mixed brings on CUDA; on CPU Lightning adds none itself
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-        callbacks=[OneBitAdamCallback()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        default_root_dir=tmp_path,
+    trainer = _trainer(
+        tmp_path, [OneBitAdamCallback()], max_steps=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]
     )
     with pytest.raises(ValueError, match="GradScaler"):
         trainer.fit(_Module())
@@ -836,17 +1073,7 @@ def test_single_device_trains_both_phases(tmp_path):
     pl.seed_everything(0, verbose=False)
     module = _Module()
     cb = OneBitAdamCallback(freeze_step=4)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=12,
-        callbacks=[cb],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = _trainer(tmp_path, [cb], max_steps=12)
     init = _full_loss(module)
     trainer.fit(module)
     assert cb.optimizer.frozen_at == 4 and cb.optimizer.num_steps == 12
