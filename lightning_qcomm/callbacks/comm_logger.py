@@ -14,7 +14,7 @@ What it owns:
   (calls), and the same since fit start as ``comm/cum_bytes_sent``, ``comm/cum_baseline_bytes``,
   ``comm/cum_ratio``. With ``per_op``: ``comm/op/<op>/{bytes_sent,baseline_bytes,ratio,collectives}``
   for each torch.distributed primitive (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast)
-  and ``comm/tag/<tag>/...`` for each purpose (grads, weights, param_average, momentum, buffers).
+  and ``comm/tag/<tag>/...`` for each purpose (grads, weights, param_average, momentum, buffers, control).
   ``bytes_sent`` is the ledger's wire estimate (``wire_bytes``); ``baseline_bytes`` is what the
   uncompressed fp32 collective would send.
 * **Summary** at the end of training: the per-(op, tag) totals since fit start, summed over all ranks

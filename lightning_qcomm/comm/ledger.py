@@ -3,7 +3,7 @@
 Each record carries, for this rank:
 
 * ``op``: the torch.distributed primitive (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast),
-* ``tag``: what the traffic is for (grads, weights, param_average, momentum, ...),
+* ``tag``: what the traffic is for (grads, weights, param_average, momentum, control, ...),
 * ``payload_bytes``: bytes of the input tensors this rank handed to torch.distributed,
 * ``wire_bytes``: estimated bytes this rank sends, ``factor(op, N) * collective_bytes`` with the
   usual ring/pairwise factors: all_reduce 2(N-1)/N; all_gather, reduce_scatter, all_to_all and
