@@ -504,9 +504,16 @@ def _scales(codec, x: torch.Tensor) -> torch.Tensor:
             scales[rows] = codec._scales(sub, counts[rows])
     elif kind == 4 or type(codec) is QSGDInfCodec:
         scales = codec._scales(amax[:, None], counts)
+    elif nb * blen == n:
+        scales = codec._scales(x.view(nb, blen), counts)
     else:
-        xb = x.view(nb, blen) if nb * blen == n else torch.nn.functional.pad(x, (0, nb * blen - n)).view(nb, blen)
-        scales = codec._scales(xb, counts)
+        # the full buckets straight from x, only the short last one padded (the reference pads a copy of
+        # all of x); a two-row block keeps the row reduction on the same (multi-row) kernel as the rest
+        full = nb - 1
+        tail = torch.zeros(2, blen, dtype=x.dtype)
+        tail[0, : n - full * blen] = x[full * blen :]
+        last = codec._scales(tail, torch.stack([counts[-1], counts[-1]]))[:1]
+        scales = torch.cat([codec._scales(x[: full * blen].view(full, blen), counts[:full]), last]) if full else last
     finite = (flags & 1).bool()[:, None]
     return torch.where(finite, scales, torch.full_like(scales, float("nan")))
 
