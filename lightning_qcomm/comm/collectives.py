@@ -654,7 +654,9 @@ def onebit_all_reduce(
     flat_es = server_error.detach().reshape(-1)
     new_ew = torch.empty(d, dtype=torch.float32, device=x.device)
     new_es = torch.empty(flat_es.numel(), dtype=torch.float32, device=x.device)
-    out_flat = torch.empty(d, dtype=torch.float32, device=x.device)
+    # decode straight into x when it is flat-viewable fp32 (phase 1 has read all of x before phase 3 writes)
+    direct = x.dtype == torch.float32 and x.is_contiguous()
+    out_flat = x.view(-1) if direct else torch.empty(d, dtype=torch.float32, device=x.device)
     total_p = 0
     phase1 = []
     es_off = 0
@@ -664,7 +666,13 @@ def onebit_all_reduce(
         torch.add(flat_x[o : o + n], flat_ew[o : o + n], out=y[:n])
         y[n:] = 0.0
         send = torch.cat([_encode_bytes(sign, y[j * c : (j + 1) * c], 0) for j in range(world)])
-        torch.sub(y[:n], _decode_rows(sign, send, world, c).view(-1)[:n], out=new_ew[o : o + n])
+        p_len = sign.nbytes(c)
+        for j in range(world):  # e_w = y - C(y), chunk by chunk (no stacked copy of the decoded tensor)
+            length = max(min(c, n - j * c), 0)
+            if length:
+                dec = _decode_bytes(sign, send[j * p_len : (j + 1) * p_len], c)
+                a = o + j * c
+                torch.sub(y[j * c : j * c + length], dec[:length], out=new_ew[a : a + length])
         recv = torch.empty_like(send)
         phase1.append((o, n, c, es_off, recv, send, _all_to_all_async(recv, send, group, world)))
         es_off += c
@@ -684,12 +692,18 @@ def onebit_all_reduce(
         gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=x.device)
         phase2.append((o, n, c, gathered, mine, _all_gather_async(gathered, mine, group, world)))
     del phase1
-    for o, n, c, gathered, _mine, work in phase2:
+    for o, n, c, gathered, mine, work in phase2:
         _wait(work)
-        out_flat[o : o + n] = _decode_rows(sign, gathered, world, c).view(-1)[:n]
+        p_len = mine.numel()
+        for j in range(world):  # decode each rank's chunk straight into its place in the output
+            length = max(min(c, n - j * c), 0)
+            if length:
+                row = _decode_bytes(sign, gathered[j * p_len : (j + 1) * p_len], c)
+                out_flat[o + j * c : o + j * c + length] = row[:length]
     _update_error(worker_error, new_ew)
     _update_error(server_error, new_es)
-    x.copy_(out_flat.view(x.shape))
+    if out_flat.data_ptr() != x.data_ptr():
+        x.copy_(out_flat.view(x.shape))
     get_ledger().record(
         "all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag
     )
