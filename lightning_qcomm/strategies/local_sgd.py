@@ -59,6 +59,7 @@ from torch.optim import Optimizer
 
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm.averaging import TensorAverager
+from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.strategies.sync_rules import SYNC_RULE_NAMES, QSRRule, SyncSchedule, make_rule
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,9 @@ class LocalSGDStrategy(DDPStrategy):
         return self._schedule.state_dict()
 
     # ------------------------------------------------------------------ setup
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_gloo_group_at_exit()  # a finished rank must not abort in interpreter teardown
 
     def configure_ddp(self) -> None:
         """No DDP wrapper: broadcast parameters and buffers from rank 0 once; no gradient hooks."""

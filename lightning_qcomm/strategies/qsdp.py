@@ -45,6 +45,7 @@ from lightning_qcomm.comm.fsdp import (
     install_qsdp_comms,
     project_master_weights,
 )
+from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class QSDPStrategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+        destroy_gloo_group_at_exit()  # a finished rank must not abort in interpreter teardown
 
     @property
     def dp_mesh(self):

@@ -46,6 +46,7 @@ from lightning_qcomm.comm.ddp_hooks import (
     quant_ddp_comm_hook,
     relative_compression_error,
 )
+from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,11 @@ class QuantDDPStrategy(DDPStrategy):
                     "or 'qsgdinf', or error_feedback=False."
                 )
         return config
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_gloo_group_at_exit()  # a finished rank must not abort in interpreter teardown
 
     # ------------------------------------------------------------------ hook registration
     @property
