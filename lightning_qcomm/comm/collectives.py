@@ -68,10 +68,14 @@ _META_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _all_gather_fn():
+    """``all_gather_single`` (torch >= 2.13), else its older name ``all_gather_into_tensor`` (looked up per
+    call, so wrappers installed on ``torch.distributed`` are seen)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    """``all_gather_single`` (torch >= 2.13), else its older name ``all_gather_into_tensor``."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    _all_gather_fn()(out, inp, group=group)
 
 
 def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, op, group) -> None:
@@ -236,7 +240,7 @@ def all_gather_bytes(
     if len(cols) == 1:
         _all_gather_single(out, inp, group)
         return
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn = _all_gather_fn()
     src, dst = inp.view(-1), out.view(world, row)
     works = []
     for a, b in cols:
@@ -245,6 +249,17 @@ def all_gather_bytes(
     for a, b, piece_out, work in works:
         work.wait()
         dst[:, a:b] = piece_out.view(world, b - a)
+
+
+def _decode_chunks(codec: Codec, buf: torch.Tensor, world: int, c: int, n: int):
+    """Yield (j, length, values) for each of the N c-element payloads in ``buf`` that holds real elements
+    of an n-element piece: values = the decoded chunk (c elements, padding included), length = its real
+    elements. Decoding chunk by chunk lets callers write straight into their output, no stacked copy."""
+    p = codec.nbytes(c)
+    for j in range(world):
+        length = max(min(c, n - j * c), 0)
+        if length:
+            yield j, length, _decode_bytes(codec, buf[j * p : (j + 1) * p], c)
 
 
 def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group, world: int) -> None:
@@ -415,8 +430,7 @@ def _all_gather_async(out: torch.Tensor, inp: torch.Tensor, group, world: int):
     if world == 1:
         out.copy_(inp)
         return None
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=True)
+    return _all_gather_fn()(out, inp, group=group, async_op=True)
 
 
 def _wait(work) -> None:
@@ -547,14 +561,10 @@ def quantized_all_reduce(
     del phase1
     for o, n, c, res, reduced, gathered, _mine, work in phase2:
         _wait(work)
-        p_len = codec.nbytes(c)
-        for j in range(world):  # decode each rank's chunk straight into its place in the output
-            length = max(min(c, n - j * c), 0)
-            if length:
-                row = _decode_bytes(codec, gathered[j * p_len : (j + 1) * p_len], c)
-                out_flat[o + j * c : o + j * c + length] = row[:length]
-                if res is not None and j == rank:
-                    res.view(world, c)[rank] += k_scale * (reduced - row)
+        for j, length, row in _decode_chunks(codec, gathered, world, c, n):
+            out_flat[o + j * c : o + j * c + length] = row[:length]
+            if res is not None and j == rank:
+                res.view(world, c)[rank] += k_scale * (reduced - row)
         if res is not None:
             residual[o : o + n] = res[:n]
     if residual is not None:
@@ -666,13 +676,9 @@ def onebit_all_reduce(
         torch.add(flat_x[o : o + n], flat_ew[o : o + n], out=y[:n])
         y[n:] = 0.0
         send = torch.cat([_encode_bytes(sign, y[j * c : (j + 1) * c], 0) for j in range(world)])
-        p_len = sign.nbytes(c)
-        for j in range(world):  # e_w = y - C(y), chunk by chunk (no stacked copy of the decoded tensor)
-            length = max(min(c, n - j * c), 0)
-            if length:
-                dec = _decode_bytes(sign, send[j * p_len : (j + 1) * p_len], c)
-                a = o + j * c
-                torch.sub(y[j * c : j * c + length], dec[:length], out=new_ew[a : a + length])
+        for j, length, dec in _decode_chunks(sign, send, world, c, n):  # e_w = y - C(y)
+            a = o + j * c
+            torch.sub(y[j * c : j * c + length], dec[:length], out=new_ew[a : a + length])
         recv = torch.empty_like(send)
         phase1.append((o, n, c, es_off, recv, send, _all_to_all_async(recv, send, group, world)))
         es_off += c
@@ -692,14 +698,10 @@ def onebit_all_reduce(
         gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=x.device)
         phase2.append((o, n, c, gathered, mine, _all_gather_async(gathered, mine, group, world)))
     del phase1
-    for o, n, c, gathered, mine, work in phase2:
+    for o, n, c, gathered, _mine, work in phase2:
         _wait(work)
-        p_len = mine.numel()
-        for j in range(world):  # decode each rank's chunk straight into its place in the output
-            length = max(min(c, n - j * c), 0)
-            if length:
-                row = _decode_bytes(sign, gathered[j * p_len : (j + 1) * p_len], c)
-                out_flat[o + j * c : o + j * c + length] = row[:length]
+        for j, length, row in _decode_chunks(sign, gathered, world, c, n):
+            out_flat[o + j * c : o + j * c + length] = row[:length]
     _update_error(worker_error, new_ew)
     _update_error(server_error, new_es)
     if out_flat.data_ptr() != x.data_ptr():
