@@ -15,6 +15,8 @@ power of two, so the torch reference and the Triton kernel agree bit for bit.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lightning_qcomm.codecs.base import Codec
@@ -31,11 +33,26 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
 
 
 def l2_norm_rows(xb: torch.Tensor) -> torch.Tensor:
-    """||row||_2 of each row of fp32 ``xb`` as amax * ||row / amax||_2, so the squares neither
-    underflow (|x| < ~1e-19 would give norm 0) nor overflow (|x| > ~1e18 would give inf) in fp32."""
-    amax = xb.abs().amax(dim=1, keepdim=True)
-    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    return torch.linalg.vector_norm(xb / amax, ord=2, dim=1) * amax[:, 0]
+    """||row||_2 of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares.
+
+    One pass of ``torch.linalg.vector_norm`` per row. Rows where that pass may be inaccurate are redone
+    as amax * ||row / amax||_2:
+    - a sum of squares that overflowed (norm inf or NaN: |x| > ~1e19);
+    - a norm below sqrt(n) * 2^-51 (n = row length). Squares under 2^-126 (|x| < 2^-63) lose precision
+      or flush to zero, at most 2^-126 each, n * 2^-126 in all. That is under 2^-24 of the sum of
+      squares exactly when the sum is at least n * 2^-102, i.e. the norm at least sqrt(n) * 2^-51.
+    Accepted rows are therefore within fp32 rounding of the exact norm, like the rescaled ones.
+    """
+    norm = torch.linalg.vector_norm(xb, ord=2, dim=1)
+    floor = math.sqrt(xb.shape[1]) * 2.0**-51
+    redo = ~(torch.isfinite(norm) & (norm >= floor))
+    if bool(redo.any()):
+        rows = redo.nonzero().reshape(-1)
+        sub = xb[rows]
+        amax = sub.abs().amax(dim=1, keepdim=True)
+        amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+        norm[rows] = torch.linalg.vector_norm(sub / amax, ord=2, dim=1) * amax[:, 0]
+    return norm
 
 
 class _NormCodec(Codec):
