@@ -315,6 +315,73 @@ def check_onebit_oracle(rank, n):
         raise AssertionError("wrong server_error size accepted")
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical fp32 values, NaN positions equal (a NaN's payload bits are not compared)."""
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    return torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+def check_onebit_fused_matches_reference(rank, n):
+    """The fused CPU sign path (cpu_fused.sign_*) gives the sign1 codec path's bits: outputs and both error
+    buffers, over steps, with pieces whose last chunks are short or empty on some ranks, a NaN step, and
+    fp16 input. The fused threshold is lowered so these small tensors take it; a spy proves which path ran."""
+    from lightning_qcomm.codecs import cpu_fused
+
+    m = 96
+    sizes = (D, 2 * n * m + 4)  # a 4-element last piece: rank 2 of 3 owns no real element of it
+    calls = []
+    real_encode = cpu_fused.sign_encode_err
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real_encode(*args, **kwargs)
+
+    saved_min, saved_env = cpu_fused.FUSED_MIN_NUMEL, os.environ.get(cpu_fused.ENV_SWITCH)
+    cpu_fused.FUSED_MIN_NUMEL = 1
+    cpu_fused.sign_encode_err = spy
+    failures = []
+    try:
+        for d in sizes:
+            c = onebit_server_error_numel(d)
+            for piece in (m, 1 << 21):
+                errs = {path: (torch.zeros(d), torch.zeros(c)) for path in ("fused", "reference")}
+                for t in range(4):
+                    x = make_input(60 + t, rank, numel=d, scale=0.5 + t)
+                    if t == 2 and rank == 0:
+                        x[5] = float("nan")
+                    outs = {}
+                    for path in ("fused", "reference"):
+                        ew, es = errs[path]
+                        calls.clear()
+                        if path == "reference":
+                            os.environ[cpu_fused.ENV_SWITCH] = "0"
+                        xin = x.clone() if t != 3 else x.half()  # fp16 input: decoded into a copy
+                        outs[path] = onebit_all_reduce(xin, ew, es, piece_numel=piece).float()
+                        os.environ.pop(cpu_fused.ENV_SWITCH, None)
+                        ran_fused = bool(calls)
+                        if ran_fused != (path == "fused"):
+                            failures.append(f"d={d} piece={piece} step {t}: {path} run took the other path")
+                    for name, a, b in (
+                        ("output", outs["fused"], outs["reference"]),
+                        ("worker error", errs["fused"][0], errs["reference"][0]),
+                        ("server error", errs["fused"][1], errs["reference"][1]),
+                    ):
+                        if not _same_values(a, b):
+                            failures.append(f"d={d} piece={piece} step {t}: {name} differs")
+                    if t == 2 and not bool(torch.isnan(outs["fused"]).any()):
+                        failures.append(f"d={d} piece={piece}: the NaN step gave a finite output")
+    finally:
+        cpu_fused.FUSED_MIN_NUMEL = saved_min
+        cpu_fused.sign_encode_err = real_encode
+        if saved_env is None:
+            os.environ.pop(cpu_fused.ENV_SWITCH, None)
+        else:
+            os.environ[cpu_fused.ENV_SWITCH] = saved_env
+    assert not failures, failures
+
+
 def check_error_feedback(rank, n):
     """Deterministic 2-bit rounding (biased): with EF the running sum tracks the inputs exactly up to the
     residual, the residual stays within one quantization step per phase, and without EF the bias accumulates."""
@@ -534,6 +601,7 @@ CHECKS_2 = [
     check_reduce_scatter_codec,
     check_all_reduce_codec,
     check_onebit_oracle,
+    check_onebit_fused_matches_reference,
     check_error_feedback,
     check_pieced_transfers,
     check_ledger_bytes,
@@ -546,6 +614,7 @@ CHECKS_3 = [
     check_reduce_scatter_codec,
     check_all_reduce_codec,
     check_onebit_oracle,
+    check_onebit_fused_matches_reference,
     check_pieced_transfers,
     check_ledger_bytes,
     check_bad_input,

@@ -296,6 +296,92 @@ void qc_decode(const uint8_t* codes, int64_t n, int bits, const float* params, i
         }
     }
 }
+
+/* ---- 1-bit sign path of comm.onebit_all_reduce (sign1 codec, one bucket per chunk) ----------------
+   Each is the composition of the sign1 reference ops the collective would otherwise run, fused. */
+
+/* Packed sign bits of y[0..c) into codes (ceil(c/8) bytes, then s as fp32: one payload; bit k of byte g is y[8g+k] < 0) and, when s
+   is finite, err[j] = y[j] - C(y)[j] = y[j] - (y[j] < 0 ? -s : s) for j < valid. A non-finite s (a
+   non-finite element, or an overflowing norm) gives all-zero codes and leaves err[0..valid) as it was:
+   the reference's residual is non-finite there and the error update keeps the old value. err[valid..
+   err_len) is zeroed in every case (the padding of a server chunk). */
+void qc_sign_encode_err(const float* y, int64_t c, float s, uint8_t* codes, float* err, int64_t valid,
+                        int64_t err_len) {
+    const int64_t full = c / 8;
+    if (!isfin(s)) {
+        memset(codes, 0, (size_t)((c + 7) / 8));
+    } else {
+        for (int64_t g = 0; g < full; g++) {
+            const float* v = y + 8 * g;
+            codes[g] = (uint8_t)((v[0] < 0.0f) | ((v[1] < 0.0f) << 1) | ((v[2] < 0.0f) << 2) |
+                                 ((v[3] < 0.0f) << 3) | ((v[4] < 0.0f) << 4) | ((v[5] < 0.0f) << 5) |
+                                 ((v[6] < 0.0f) << 6) | ((v[7] < 0.0f) << 7));
+        }
+        if (full * 8 < c) {
+            uint8_t b = 0;
+            for (int64_t j = full * 8; j < c; j++) b |= (uint8_t)((y[j] < 0.0f) << (j - full * 8));
+            codes[full] = b;
+        }
+        const float ns = -s;
+        for (int64_t j = 0; j < valid; j++) err[j] = y[j] - (y[j] < 0.0f ? ns : s);
+    }
+    for (int64_t j = valid > 0 ? valid : 0; j < err_len; j++) err[j] = 0.0f;
+    memcpy(codes + (c + 7) / 8, &s, 4);
+}
+
+static inline float payload_scale(const uint8_t* payload, int64_t c) {
+    float s;
+    memcpy(&s, payload + (c + 7) / 8, 4);
+    return s;
+}
+
+/* The 8 decoded values of code byte b: (1 - 2 * bit_k) * s, i.e. s with its sign bit flipped where
+   bit_k is set (-1 * s == -s exactly for every s; only a NaN's payload sign may differ). */
+static inline void sign_values8(uint8_t b, uint32_t su, float* v) {
+    for (int k = 0; k < 8; k++) v[k] = u2f(su ^ ((uint32_t)((b >> k) & 1u) << 31));
+}
+
+/* z[i] = (v_0[i] + v_1[i] + ... + v_{N-1}[i]) / N + es[i] for i < valid, 0 after (to c), where v_r is
+   the decoded payload r of buf (N payloads of P bytes: ceil(c/8) code bytes, then the fp32 scale):
+   v_r[i] = (1 - 2 * bit) * s_r. The sum runs in rank order. N <= 256. */
+void qc_sign_server_sum(const uint8_t* buf, int N, int64_t c, int64_t P, const float* es, int64_t valid,
+                        float* z) {
+    const int64_t n = valid < 0 ? 0 : (valid < c ? valid : c);
+    const float fN = (float)N;
+    uint32_t su[256];
+    for (int r = 0; r < N; r++) su[r] = f2u(payload_scale(buf + (int64_t)r * P, c));
+    const int64_t full = n / 8;
+    float acc[8], v[8];
+    for (int64_t g = 0; g < full; g++) {
+        sign_values8(buf[g], su[0], acc);
+        for (int r = 1; r < N; r++) {
+            sign_values8(buf[(int64_t)r * P + g], su[r], v);
+            for (int k = 0; k < 8; k++) acc[k] = acc[k] + v[k];
+        }
+        for (int k = 0; k < 8; k++) z[8 * g + k] = acc[k] / fN + es[8 * g + k];
+    }
+    if (full * 8 < n) {
+        sign_values8(buf[full], su[0], acc);
+        for (int r = 1; r < N; r++) {
+            sign_values8(buf[(int64_t)r * P + full], su[r], v);
+            for (int k = 0; k < 8; k++) acc[k] = acc[k] + v[k];
+        }
+        for (int64_t i = full * 8; i < n; i++) z[i] = acc[i - full * 8] / fN + es[i];
+    }
+    for (int64_t i = n; i < c; i++) z[i] = 0.0f;
+}
+
+/* out[i] = (1 - 2 * bit_i) * s for i < length: the first length values of one c-element payload. */
+void qc_sign_decode(const uint8_t* payload, int64_t c, int64_t length, float* out) {
+    const uint32_t su = f2u(payload_scale(payload, c));
+    const int64_t full = length / 8;
+    for (int64_t g = 0; g < full; g++) sign_values8(payload[g], su, out + 8 * g);
+    if (full * 8 < length) {
+        float v[8];
+        sign_values8(payload[full], su, v);
+        for (int64_t i = full * 8; i < length; i++) out[i] = v[i - full * 8];
+    }
+}
 """
 
 
@@ -375,6 +461,12 @@ def _build_with(cc: str, flags: tuple[str, ...], machine: str) -> ctypes.CDLL:
     lib.qc_decode.restype = None
     lib.qc_stats.argtypes = [vp, i64, i64, vp, vp, vp, vp]
     lib.qc_stats.restype = None
+    lib.qc_sign_encode_err.argtypes = [vp, i64, ctypes.c_float, vp, vp, i64, i64]
+    lib.qc_sign_encode_err.restype = None
+    lib.qc_sign_server_sum.argtypes = [vp, ctypes.c_int, i64, i64, vp, i64, vp]
+    lib.qc_sign_server_sum.restype = None
+    lib.qc_sign_decode.argtypes = [vp, i64, i64, vp]
+    lib.qc_sign_decode.restype = None
     return lib
 
 
@@ -526,3 +618,77 @@ def encode_packed(codec, xf: torch.Tensor, seed: int) -> tuple[torch.Tensor, tor
     x = xf.reshape(-1).to(torch.float32).contiguous()
     scales = _scales(codec, x)
     return encode(codec, x, codec._encode_params(scales), seed), scales.contiguous()
+
+
+# ------------------------------------------------------------------ 1-bit sign path (comm.onebit_all_reduce)
+def _require_lib() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"lightning_qcomm fused CPU codecs unavailable: {_load_error}")
+    return lib
+
+
+def _check_f32(name: str, t: torch.Tensor, numel: int) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() < numel:
+        raise ValueError(
+            f"{name} must be a contiguous CPU fp32 tensor of >= {numel} elements, got "
+            f"{t.dtype} {t.device.type} {tuple(t.shape)} contiguous={t.is_contiguous()}"
+        )
+
+
+def _check_u8(name: str, t: torch.Tensor, numel: int) -> None:
+    if t.dtype != torch.uint8 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() < numel:
+        raise ValueError(f"{name} must be a contiguous CPU uint8 tensor of >= {numel} bytes, got {tuple(t.shape)}")
+
+
+def sign_scale(y: torch.Tensor) -> float:
+    """The sign1 codec's wire scale of ``y`` as one bucket: ||y||_2 / sqrt(len y), NaN if any element
+    is non-finite (``Codec.encode``'s scale, bit for bit)."""
+    return float(_scales(SignCodec(), y.reshape(-1))[0, 0])
+
+
+def sign_encode_err(
+    y: torch.Tensor, scale: float, payload: torch.Tensor, err: torch.Tensor, valid: int, err_len: int
+) -> None:
+    """One sign1 payload of ``y`` (c elements, one bucket) into ``payload`` (``SignCodec().nbytes(c)``
+    bytes: packed codes, then ``scale`` as fp32), and the residual y - C(y) into ``err``.
+
+    ``scale`` must be ``sign_scale(y)``. err[:valid] <- y - C(y) if the scale is finite, else unchanged
+    (the reference keeps the previous residual where the new one is non-finite); err[valid:err_len] <- 0.
+    Equals ``encode(y).to_bytes()`` and ``_update_error(err, y - decode(...))`` of the reference.
+    """
+    c = y.numel()
+    nb = (c + 7) // 8
+    _check_f32("y", y, c)
+    _check_u8("payload", payload, nb + 4)
+    if not 0 <= valid <= err_len <= c:
+        raise ValueError(f"need 0 <= valid ({valid}) <= err_len ({err_len}) <= len(y) ({c})")
+    _check_f32("err", err, err_len)
+    lib = _require_lib()
+    lib.qc_sign_encode_err(y.data_ptr(), c, scale, payload.data_ptr(), err.data_ptr(), valid, err_len)
+
+
+def sign_server_sum(
+    buf: torch.Tensor, world: int, c: int, server_error: torch.Tensor, valid: int, z: torch.Tensor
+) -> None:
+    """z <- (sum over the ``world`` sign1 payloads of ``buf``, decoded, in rank order) / world
+    + server_error, for the first ``valid`` elements, 0 for the rest of the c (1-bit Adam's server
+    step). Equals ``decode_rows(buf).sum(dim=0).div_(world) + server_error`` with the padding zeroed."""
+    if not 1 <= world <= 256:
+        raise ValueError(f"world must be in [1, 256], got {world}")
+    p = SignCodec().nbytes(c)
+    n = max(min(valid, c), 0)
+    _check_u8("buf", buf, world * p)
+    _check_f32("server_error", server_error, n)
+    _check_f32("z", z, c)
+    _require_lib().qc_sign_server_sum(buf.data_ptr(), world, c, p, server_error.data_ptr(), valid, z.data_ptr())
+
+
+def sign_decode(payload: torch.Tensor, c: int, out: torch.Tensor) -> None:
+    """The first ``out.numel()`` values of one sign1 payload of c elements, written into ``out``."""
+    length = out.numel()
+    if length > c:
+        raise ValueError(f"out has {length} elements, more than the payload's {c}")
+    _check_u8("payload", payload, (c + 7) // 8 + 4)
+    _check_f32("out", out, length)
+    _require_lib().qc_sign_decode(payload.data_ptr(), c, length, out.data_ptr())

@@ -46,7 +46,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec, derive_seed, get_codec
+from lightning_qcomm.codecs import Codec, cpu_fused, derive_seed, dispatch, get_codec
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
 from lightning_qcomm.comm.ledger import get_ledger
 
@@ -604,6 +604,135 @@ def onebit_server_error_numel(numel: int, group: dist.ProcessGroup | None = None
     return _chunk_len(numel, _rank_world(group)[1])
 
 
+def _onebit_pieces_reference(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group,
+    rank: int,
+    world: int,
+    pieces: list[tuple[int, int]],
+) -> int:
+    """``onebit_all_reduce``'s pieces through the sign1 codec's encode/decode (the spec); returns the
+    payload bytes of one chunk summed over pieces."""
+    d = x.numel()
+    sign = _sign_codec()
+    flat_x = x.detach().reshape(-1)
+    flat_ew = worker_error.detach().reshape(-1)
+    flat_es = server_error.detach().reshape(-1)
+    new_ew = torch.empty(d, dtype=torch.float32, device=x.device)
+    new_es = torch.empty(flat_es.numel(), dtype=torch.float32, device=x.device)
+    # decode straight into x when it is flat-viewable fp32 (phase 1 has read all of x before phase 3 writes)
+    direct = x.dtype == torch.float32 and x.is_contiguous()
+    out_flat = x.view(-1) if direct else torch.empty(d, dtype=torch.float32, device=x.device)
+    total_p = 0
+    phase1 = []
+    es_off = 0
+    for o, n in pieces:
+        c = _chunk_len(n, world)
+        y = torch.empty(world * c, dtype=torch.float32, device=x.device)
+        torch.add(flat_x[o : o + n], flat_ew[o : o + n], out=y[:n])
+        y[n:] = 0.0
+        send = torch.cat([_encode_bytes(sign, y[j * c : (j + 1) * c], 0) for j in range(world)])
+        for j, length, dec in _decode_chunks(sign, send, world, c, n):  # e_w = y - C(y)
+            a = o + j * c
+            torch.sub(y[j * c : j * c + length], dec[:length], out=new_ew[a : a + length])
+        recv = torch.empty_like(send)
+        phase1.append((o, n, c, es_off, recv, send, _all_to_all_async(recv, send, group, world)))
+        es_off += c
+        total_p += sign.nbytes(c)
+    phase2 = []
+    for o, n, c, e_off, recv, _send, work in phase1:
+        _wait(work)
+        valid = min(c, n - rank * c)  # real (unpadded) elements of this rank's chunk; may be <= 0 on tail ranks
+        p = sign.nbytes(c)
+        z = _decode_bytes(sign, recv[:p], c)
+        for r in range(1, world):  # in rank order: the fused path sums the same way
+            z += _decode_bytes(sign, recv[r * p : (r + 1) * p], c)
+        z.div_(world)
+        z += flat_es[e_off : e_off + c].to(torch.float32)
+        if valid < c:
+            z[max(valid, 0) :] = 0.0
+        mine = _encode_bytes(sign, z, 0)
+        es = torch.sub(z, _decode_bytes(sign, mine, c), out=new_es[e_off : e_off + c])
+        if valid < c:
+            es[max(valid, 0) :] = 0.0
+        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=x.device)
+        phase2.append((o, n, c, gathered, mine, _all_gather_async(gathered, mine, group, world)))
+    del phase1
+    for o, n, c, gathered, _mine, work in phase2:
+        _wait(work)
+        for j, length, row in _decode_chunks(sign, gathered, world, c, n):
+            out_flat[o + j * c : o + j * c + length] = row[:length]
+    _update_error(worker_error, new_ew)
+    _update_error(server_error, new_es)
+    if out_flat.data_ptr() != x.data_ptr():
+        x.copy_(out_flat.view(x.shape))
+    return total_p
+
+
+def _onebit_pieces_fused(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group,
+    rank: int,
+    world: int,
+    pieces: list[tuple[int, int]],
+) -> int:
+    """``_onebit_pieces_reference`` with the sign1 work in fused CPU passes (``cpu_fused.sign_*``), bit for
+    bit: per chunk one norm (torch) and one pass for the codes and the residual, written straight into
+    the error buffers and the payloads; the server sum and the final decode are one pass each.
+    Error buffers must be contiguous fp32; x is read whole (phase 1) before it is written (phase 3)."""
+    sign = _sign_codec()
+    d = x.numel()
+    flat_x = x.detach().reshape(-1)
+    flat_ew = worker_error.detach().view(-1)
+    flat_es = server_error.detach().view(-1)
+    direct = x.dtype == torch.float32 and x.is_contiguous()
+    out_flat = x.view(-1) if direct else torch.empty(d, dtype=torch.float32, device=x.device)
+    total_p = 0
+    phase1 = []
+    es_off = 0
+    for o, n in pieces:
+        c = _chunk_len(n, world)
+        p = sign.nbytes(c)
+        y = torch.empty(world * c, dtype=torch.float32)
+        torch.add(flat_x[o : o + n], flat_ew[o : o + n], out=y[:n])
+        y[n:] = 0.0
+        send = torch.empty(world * p, dtype=torch.uint8)
+        for j in range(world):
+            yj = y[j * c : (j + 1) * c]
+            length = max(min(c, n - j * c), 0)
+            ew_j = flat_ew[o + j * c : o + j * c + length] if length else flat_ew[:0]
+            cpu_fused.sign_encode_err(yj, cpu_fused.sign_scale(yj), send[j * p : (j + 1) * p], ew_j, length, length)
+        recv = torch.empty_like(send)
+        phase1.append((o, n, c, p, es_off, recv, send, _all_to_all_async(recv, send, group, world)))
+        es_off += c
+        total_p += p
+    phase2 = []
+    for o, n, c, p, e_off, recv, _send, work in phase1:
+        _wait(work)
+        valid = max(min(c, n - rank * c), 0)  # real (unpadded) elements of this rank's chunk
+        es = flat_es[e_off : e_off + c]
+        z = torch.empty(c, dtype=torch.float32)
+        cpu_fused.sign_server_sum(recv, world, c, es, valid, z)
+        mine = torch.empty(p, dtype=torch.uint8)
+        cpu_fused.sign_encode_err(z, cpu_fused.sign_scale(z), mine, es, valid, c)
+        gathered = torch.empty(world * p, dtype=torch.uint8)
+        phase2.append((o, n, c, p, gathered, mine, _all_gather_async(gathered, mine, group, world)))
+    del phase1
+    for o, n, c, p, gathered, _mine, work in phase2:
+        _wait(work)
+        for j in range(world):
+            length = max(min(c, n - j * c), 0)
+            if length:
+                cpu_fused.sign_decode(gathered[j * p : (j + 1) * p], c, out_flat[o + j * c : o + j * c + length])
+    if out_flat.data_ptr() != x.data_ptr():
+        x.copy_(out_flat.view(x.shape))
+    return total_p
+
+
 def onebit_all_reduce(
     x: torch.Tensor,
     worker_error: torch.Tensor,
@@ -623,7 +752,7 @@ def onebit_all_reduce(
     order: ceil(d/N) elements, see ``onebit_server_error_numel``):
 
     worker r:  y = x + e_w (zero-padded to N*c); send C(y[chunk j]) to rank j; e_w <- y - C(y)  (n elements)
-    server j:  z = (1/N) sum_r C(y_r[chunk j]) + e_s  (padding positions of z set to 0);
+    server j:  z = (1/N) sum_r C(y_r[chunk j]) + e_s  (sum in rank order; padding positions of z set to 0);
                send C(z) to all; e_s <- z - C(z)  (padding positions kept 0)
     all:       x <- concat_j C(z_j)[:n], identical on every rank.
 
@@ -658,54 +787,18 @@ def onebit_all_reduce(
             aux=piece_numel,
             device=x.device,
         )
-    sign = _sign_codec()
-    flat_x = x.detach().reshape(-1)
-    flat_ew = worker_error.detach().reshape(-1)
-    flat_es = server_error.detach().reshape(-1)
-    new_ew = torch.empty(d, dtype=torch.float32, device=x.device)
-    new_es = torch.empty(flat_es.numel(), dtype=torch.float32, device=x.device)
-    # decode straight into x when it is flat-viewable fp32 (phase 1 has read all of x before phase 3 writes)
-    direct = x.dtype == torch.float32 and x.is_contiguous()
-    out_flat = x.view(-1) if direct else torch.empty(d, dtype=torch.float32, device=x.device)
-    total_p = 0
-    phase1 = []
-    es_off = 0
-    for o, n in onebit_pieces(d, world, piece_numel):
-        c = _chunk_len(n, world)
-        y = torch.empty(world * c, dtype=torch.float32, device=x.device)
-        torch.add(flat_x[o : o + n], flat_ew[o : o + n], out=y[:n])
-        y[n:] = 0.0
-        send = torch.cat([_encode_bytes(sign, y[j * c : (j + 1) * c], 0) for j in range(world)])
-        for j, length, dec in _decode_chunks(sign, send, world, c, n):  # e_w = y - C(y)
-            a = o + j * c
-            torch.sub(y[j * c : j * c + length], dec[:length], out=new_ew[a : a + length])
-        recv = torch.empty_like(send)
-        phase1.append((o, n, c, es_off, recv, send, _all_to_all_async(recv, send, group, world)))
-        es_off += c
-        total_p += sign.nbytes(c)
-    phase2 = []
-    for o, n, c, e_off, recv, _send, work in phase1:
-        _wait(work)
-        valid = min(c, n - rank * c)  # real (unpadded) elements of this rank's chunk; may be <= 0 on tail ranks
-        z = _decode_rows(sign, recv, world, c).sum(dim=0).div_(world)
-        z += flat_es[e_off : e_off + c].to(torch.float32)
-        if valid < c:
-            z[max(valid, 0) :] = 0.0
-        mine = _encode_bytes(sign, z, 0)
-        es = torch.sub(z, _decode_bytes(sign, mine, c), out=new_es[e_off : e_off + c])
-        if valid < c:
-            es[max(valid, 0) :] = 0.0
-        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=x.device)
-        phase2.append((o, n, c, gathered, mine, _all_gather_async(gathered, mine, group, world)))
-    del phase1
-    for o, n, c, gathered, _mine, work in phase2:
-        _wait(work)
-        for j, length, row in _decode_chunks(sign, gathered, world, c, n):
-            out_flat[o + j * c : o + j * c + length] = row[:length]
-    _update_error(worker_error, new_ew)
-    _update_error(server_error, new_es)
-    if out_flat.data_ptr() != x.data_ptr():
-        x.copy_(out_flat.view(x.shape))
+    pieces = onebit_pieces(d, world, piece_numel)
+    fused = (
+        worker_error.dtype == torch.float32
+        and server_error.dtype == torch.float32
+        and worker_error.is_contiguous()
+        and server_error.is_contiguous()
+        and worker_error.device.type == "cpu"
+        and server_error.device.type == "cpu"
+        and dispatch.use_cpu_fused(_sign_codec(), x, _chunk_len(pieces[0][1], world))
+    )
+    run = _onebit_pieces_fused if fused else _onebit_pieces_reference
+    total_p = run(x, worker_error, server_error, group, rank, world, pieces)
     get_ledger().record(
         "all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag
     )
