@@ -54,7 +54,7 @@ REDUCE_OPS = ("sum", "avg")
 FP32_BYTES = 4
 DEFAULT_PIECE_NUMEL = 1 << 15  # min elements per rank per pipelined piece of quantized_all_reduce (32 KB at 8 bits)
 MAX_ALL_REDUCE_PIECES = 16  # ... and at most this many pieces per call
-DEFAULT_ONEBIT_PIECE_NUMEL = 1 << 21  # the same for onebit_all_reduce (256 KB of signs)
+DEFAULT_ONEBIT_PIECE_NUMEL = 1 << 18  # the same for onebit_all_reduce (32 KB of signs per rank)
 # min bytes per rank per concurrent sub-exchange of all_to_all_bytes / all_gather_bytes: QSDP W8G8 steps
 # (0.36 MB gathers) measured 590 / 605 / 740 ms at 100 Mbit/s and 224 / 313 / 199 ms at 1 Gbit/s with
 # 128 KB / 32 KB / no pieces (netbench, one repeat): smaller pieces cost per-call overhead on fast links
