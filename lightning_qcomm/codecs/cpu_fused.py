@@ -264,7 +264,49 @@ void qc_stats(const float* x, int64_t n, int64_t blen, float* lo, float* hi, flo
     }
 }
 
-/* fp32 values of the first n packed codes: affine: p0 + lut[c] * p1 (P = 2), else lut[c] * p0 (P = 1). */
+/* Uniform codec, the whole of Codec.encode in one call: per-bucket lo/hi over the real elements (as in
+   qc_stats), wire scales (lo, unit = (hi - lo) / L), NaN for a bucket with a non-finite element, encode
+   params (lo, inv = unit > 0 ? 1/unit : 0, or unit itself when unit is not finite), then the codes.
+   Returns 1 before writing any code if a bucket holds both +0 and -0 and its min or max is a zero: torch's
+   sign of that zero depends on its reduction order, so the caller takes the general path. */
+int qc_uniform_encode(const cfg_t* c, const float* x, int64_t n, int64_t blen, uint32_t k1, uint32_t k2,
+                      float* scales, float* params, uint8_t* out) {
+    const uint32_t* xu = (const uint32_t*)x;
+    const int64_t nb = (n + blen - 1) / blen;
+    const float L = (float)c->levels;
+    const float qnan = u2f(0x7FC00000u);
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t i0 = b * blen, i1 = i0 + blen < n ? i0 + blen : n;
+        int32_t mn = INT32_MAX, mx = INT32_MIN;
+        uint32_t nonfin = 0, pz = 0, nz = 0;
+        for (int64_t j = i0; j < i1; j++) {
+            uint32_t u = xu[j];
+            int32_t k = fkey(u);
+            mn = k < mn ? k : mn;
+            mx = k > mx ? k : mx;
+            nonfin |= (u & 0x7F800000u) == 0x7F800000u;
+            pz |= u == 0u;
+            nz |= u == 0x80000000u;
+        }
+        float lo = unkey(mn), hi = unkey(mx);
+        if (nonfin) {
+            scales[2 * b] = scales[2 * b + 1] = qnan;
+            params[2 * b] = params[2 * b + 1] = qnan;
+            continue;
+        }
+        if ((pz & nz) && (lo == 0.0f || hi == 0.0f)) return 1;
+        float unit = (hi - lo) / L;
+        float inv = unit > 0.0f ? 1.0f / unit : 0.0f;
+        if (!isfin(unit)) inv = unit;
+        scales[2 * b] = lo; scales[2 * b + 1] = unit;
+        params[2 * b] = lo; params[2 * b + 1] = inv;
+    }
+    qc_encode(c, x, n, params, blen, k1, k2, out);
+    return 0;
+}
+
+/* fp32 values of the first n packed codes: affine: p0 + c * p1 (P = 2: uniform, whose lut[c] is c), else
+   lut[c] * p0 (P = 1). */
 void qc_decode(const uint8_t* codes, int64_t n, int bits, const float* params, int P, int64_t blen,
                const float* lut, float* out) {
     uint8_t buf[CHUNK];
@@ -285,9 +327,9 @@ void qc_decode(const uint8_t* codes, int64_t n, int bits, const float* params, i
             int64_t be = (b + 1) * blen;
             if (be > e) be = e;
             const float* p = params + b * P;
-            if (P == 2) {
+            if (P == 2) { /* uniform: lut[c] == (float)c exactly, so no gather is needed */
                 const float p0 = p[0], p1 = p[1];
-                for (int64_t j = i; j < be; j++) out[j] = p0 + lut[cb[j - s]] * p1;
+                for (int64_t j = i; j < be; j++) out[j] = p0 + (float)cb[j - s] * p1;
             } else {
                 const float p0 = p[0];
                 for (int64_t j = i; j < be; j++) out[j] = lut[cb[j - s]] * p0;
@@ -461,6 +503,8 @@ def _build_with(cc: str, flags: tuple[str, ...], machine: str) -> ctypes.CDLL:
     lib.qc_decode.restype = None
     lib.qc_stats.argtypes = [vp, i64, i64, vp, vp, vp, vp]
     lib.qc_stats.restype = None
+    lib.qc_uniform_encode.argtypes = [ctypes.POINTER(_Cfg), vp, i64, i64, u32, u32, vp, vp, vp]
+    lib.qc_uniform_encode.restype = ctypes.c_int
     lib.qc_sign_encode_err.argtypes = [vp, i64, ctypes.c_float, vp, vp, i64, i64]
     lib.qc_sign_encode_err.restype = None
     lib.qc_sign_server_sum.argtypes = [vp, ctypes.c_int, i64, i64, vp, i64, vp]
@@ -522,10 +566,26 @@ def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torc
     return out
 
 
+_LUTS: dict[tuple, torch.Tensor] = {}
+
+
+def _cfg_key(cfg: _Cfg) -> tuple:
+    return tuple(getattr(cfg, name) for name, _ in _Cfg._fields_)
+
+
 def decode_lut(codec) -> torch.Tensor:
     """fp32 value of every code with unit params, from the codec's own ``_dequantize``: uniform
     ``0 + c * 1``; the others ``v(c) * 1``. The fused decode computes ``p0 + LUT[c] * p1`` or
-    ``LUT[c] * p0``, which is the reference's expression term by term."""
+    ``LUT[c] * p0``, which is the reference's expression term by term. Cached per codec configuration
+    (every field ``_dequantize`` reads is in the kernel config)."""
+    key = (type(codec), _cfg_key(_cfg(codec)))
+    lut = _LUTS.get(key)
+    if lut is None:
+        lut = _LUTS[key] = _decode_lut(codec)
+    return lut
+
+
+def _decode_lut(codec) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.int64).remainder_(1 << codec.bits).view(1, 256)
     if type(codec) is UniformCodec:
         unit = torch.tensor([[[0.0], [1.0]]])
@@ -616,6 +676,19 @@ def encode_packed(codec, xf: torch.Tensor, seed: int) -> tuple[torch.Tensor, tor
     if load() is None:
         raise RuntimeError(f"lightning_qcomm fused CPU codecs unavailable: {_load_error}")
     x = xf.reshape(-1).to(torch.float32).contiguous()
+    if type(codec) is UniformCodec:  # stats, scales, params and codes in one call
+        n = x.numel()
+        blen = codec.bucket_len(n)
+        nb = -(-n // blen)
+        scales = torch.empty(nb, 2, dtype=torch.float32)
+        params = torch.empty(nb, 2, dtype=torch.float32)
+        out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
+        k1, k2 = rng.seed_to_key(seed)
+        cfg = _cfg(codec)
+        args = (x.data_ptr(), n, blen, k1, k2, scales.data_ptr(), params.data_ptr(), out.data_ptr())
+        if _lib.qc_uniform_encode(ctypes.byref(cfg), *args) == 0:
+            return out, scales
+        # a bucket's min or max is a signed zero whose sign torch's reduction order decides: general path
     scales = _scales(codec, x)
     return encode(codec, x, codec._encode_params(scales), seed), scales.contiguous()
 
