@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
+from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork, dedicated_group
 
 
 def test_jobs_run_in_order_off_the_calling_thread():
@@ -37,3 +37,26 @@ def test_exception_reaches_the_waiter_and_worker_keeps_running():
 
 def test_dedicated_group_without_process_group_is_none():
     assert dedicated_group() is None
+
+
+def test_future_work_waits_for_the_job_and_reraises_its_exception():
+    """FSDP2 only calls Work.wait(): it must block until the job ran and surface the job's error."""
+    import torch.distributed as dist
+
+    worker = CommWorker()
+    gate = threading.Event()
+    ran = []
+    try:
+        work = FutureWork(worker.submit(lambda: (gate.wait(5), ran.append(1))))
+        assert isinstance(work, dist.Work)
+        assert not work.is_completed() and not ran
+        gate.set()
+        assert work.wait() is True and ran == [1] and work.is_completed()
+
+        def boom():
+            raise RuntimeError("gather failed")
+
+        with pytest.raises(RuntimeError, match="gather failed"):
+            FutureWork(worker.submit(boom)).wait()
+    finally:
+        worker.close()

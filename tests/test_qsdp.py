@@ -13,6 +13,7 @@ import json
 import math
 import os
 import socket
+import threading
 
 import lightning.pytorch as pl
 import pytest
@@ -128,6 +129,7 @@ class ByteCounter:
         import torch.distributed as dist
 
         self.bytes = dict.fromkeys(COUNTED, 0)
+        self.threads: dict[str, set[str]] = {name: set() for name in COUNTED}
         for name in COUNTED:
             fn = getattr(dist, name, None)
             if fn is not None:
@@ -139,12 +141,14 @@ class ByteCounter:
             if inp is None:
                 inp = args[1]
             self.bytes[name] += inp.numel() * inp.element_size()
+            self.threads[name].add(threading.current_thread().name)
             return fn(*args, **kwargs)
 
         return counted
 
     def reset(self) -> None:
         self.bytes = dict.fromkeys(COUNTED, 0)
+        self.threads = {name: set() for name in COUNTED}
 
     def total(self) -> int:
         return sum(self.bytes.values())
@@ -260,6 +264,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
             "losses": module.losses,
             "bytes": dict(counter.bytes),
             "bytes_total": counter.total(),
+            "threads": {k: sorted(v) for k, v in counter.threads.items()},
             "ledger_payload": {k: v.payload_bytes for k, v in totals.items()},
             "ledger_ratio": {k: v.ratio for k, v in totals.items()},
             "global_step": trainer.global_step,
@@ -276,6 +281,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     ckpt_paths = {"sharded": os.path.join(outdir, "ckpt_sharded"), "full": os.path.join(outdir, "ckpt_full.ckpt")}
     fit("w8g8", "qsdp", callbacks=[SaveAfterFirstEpoch(ckpt_paths)])
     fit("w4g4", "qsdp_w4g4", probe_bits=4)
+    fit("w8g8_inline", QSDPStrategy(bits=8, overlap_comm=False))
     fit("user_cm", QSDPStrategy(bits=8), GPTModuleFSDP)
     # checkpoint: the w8g8 run saved sharded and full checkpoints after epoch 1; fresh Trainers resume them
     for kind, distributed in (("sharded", True), ("full", False)):
@@ -382,6 +388,22 @@ def test_gathered_weights_identical_and_consistent(two_ranks):
         assert len(set(fwd0)) == 16  # and they change every step
         for r in two_ranks:
             assert r[name]["lattice"] < 1e-3, (name, r[name]["lattice"])  # weights travelled quantized
+
+
+@pytest.mark.slow
+def test_overlapped_all_gather_is_bit_identical_to_inline(two_ranks):
+    """overlap_comm=True (the default on CPU) gathers weights on the worker thread over its own group and
+    prefetches; losses and the gathered weights equal the inline path's bit for bit."""
+    for r in two_ranks:
+        ov, inline = r["w8g8"], r["w8g8_inline"]
+        gathers_ov = ov["threads"]["all_gather_single"] + ov["threads"]["all_gather_into_tensor"]
+        gathers_in = inline["threads"]["all_gather_single"] + inline["threads"]["all_gather_into_tensor"]
+        assert "lightning_qcomm-qsdp" in gathers_ov, ov["threads"]
+        assert "lightning_qcomm-qsdp" not in gathers_in, inline["threads"]
+        assert ov["threads"]["all_to_all_single"] == ["MainThread"]  # reduce-scatters stay inline
+        assert ov["losses"] == inline["losses"]
+        assert ov["fwd"] == inline["fwd"] and ov["bwd"] == inline["bwd"]
+        assert ov["bytes_total"] == inline["bytes_total"]
 
 
 @pytest.mark.slow
@@ -493,6 +515,13 @@ def test_model_without_parameters_is_rejected(two_ranks):
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        QSDPStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"overlap_comm": "yes"}, {"reshard_after_forward": 1}, {"bits": 8.0}])
+def test_bad_argument_types(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(TypeError, match=name):
         QSDPStrategy(**kwargs)
 
 

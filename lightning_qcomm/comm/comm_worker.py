@@ -78,6 +78,24 @@ class CommWorker:
             thread.join()
 
 
+class FutureWork(dist.Work):
+    """A ``torch.distributed`` ``Work`` for a job running on a ``CommWorker``: ``wait()`` blocks until the
+    job's future completes and re-raises its exception (the Work that torch's ``_create_work_from_future``
+    makes swallows it). Lets a custom collective that runs on the worker return what callers such as
+    FSDP2 (``foreach_all_gather_copy_out``) wait on."""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
 def dedicated_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
     """A new process group over the same ranks as ``group`` (default: the world), for a ``CommWorker``.
 
@@ -92,4 +110,4 @@ def dedicated_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup
     return dist.new_group(ranks=ranks, backend=backend)
 
 
-__all__ = ["CommWorker", "dedicated_group"]
+__all__ = ["CommWorker", "FutureWork", "dedicated_group"]

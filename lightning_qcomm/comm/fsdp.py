@@ -4,7 +4,9 @@ This file owns the bridge between FSDP2's flat communication buffers and the cod
 lets a module replace its collectives with ``FSDPModule.set_custom_all_gather`` /
 ``set_custom_reduce_scatter``; the objects installed here implement those interfaces
 (``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`` / ``ReduceScatter``: ``allocate`` plus
-``__call__``) and run synchronously (they return ``None``).
+``__call__``). They run synchronously and return ``None``, except the all-gather when given a
+``CommWorker``: on CPU it then runs on that thread and returns a ``FutureWork`` (FSDP2 waits on it before
+reading the gathered weights), so a prefetched group's all-gather overlaps compute.
 
 Buffer layout (torch 2.13 ``_fsdp_collectives``): one FSDP param group = one flat buffer per collective.
 Per rank, the buffer is the concatenation, in ``fsdp_params`` order, of each parameter's *padded* dim-0
@@ -38,6 +40,7 @@ rank handed to torch.distributed; baseline = 4 bytes per logical element (fp32).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +52,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from lightning_qcomm.codecs import Codec, Packed, derive_seed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
 from lightning_qcomm.comm.collectives import all_gather_bytes, all_to_all_bytes
+from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork
 from lightning_qcomm.comm.ledger import get_ledger
 
 log = logging.getLogger(__name__)
@@ -253,7 +257,23 @@ class _QSDPComm:
 
 
 class QuantizedAllGather(_QSDPComm, AllGather):
-    """FSDP2 all-gather of weight shards with every rank decoding every shard (its own included)."""
+    """FSDP2 all-gather of weight shards with every rank decoding every shard (its own included).
+
+    With a ``worker`` (a ``CommWorker``) and its ``worker_group`` (same ranks as FSDP's group, used by
+    nothing else), CPU calls run encode, transfer and decode on the worker thread and return a
+    ``FutureWork`` that FSDP2 waits on before it reads the gathered weights; a prefetched group's
+    all-gather then overlaps the current group's compute. The seed is fixed when the call is made, so the
+    result is bit-identical to the inline call.
+    """
+
+    def __init__(self, *args, worker: CommWorker | None = None, worker_group: dist.ProcessGroup | None = None, **kw):
+        super().__init__(*args, **kw)
+        if worker is not None and worker_group is None:
+            raise ValueError(
+                "QuantizedAllGather: a worker needs its own worker_group (see comm_worker.dedicated_group)"
+            )
+        self.worker = worker
+        self.worker_group = worker_group
 
     def __call__(
         self,
@@ -261,11 +281,24 @@ class QuantizedAllGather(_QSDPComm, AllGather):
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
-    ) -> None:
-        world, rank = group.size(), group.rank()
+    ) -> FutureWork | None:
+        rank = group.rank()
+        seed = derive_seed(self.state.seed, SEED_WEIGHTS, self.state.step, self.group_id, rank)
+        if self.worker is None or input_tensor.device.type != "cpu":
+            self._gather(output_tensor, input_tensor, group, seed)
+            return None
+        if (self.worker_group.size(), self.worker_group.rank()) != (group.size(), rank):
+            raise ValueError(
+                f"QuantizedAllGather: worker_group (size {self.worker_group.size()}, rank {self.worker_group.rank()}) "
+                f"does not match FSDP's group (size {group.size()}, rank {rank})"
+            )
+        job = functools.partial(self._gather, output_tensor, input_tensor, self.worker_group, seed)
+        return FutureWork(self.worker.submit(job))
+
+    def _gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, seed: int):
+        world = group.size()
         s_numel = input_tensor.numel()
         rc = self._row_codec(s_numel, input_tensor.dtype, self.params)
-        seed = derive_seed(self.state.seed, SEED_WEIGHTS, self.state.step, self.group_id, rank)
         payload = rc.encode(input_tensor.reshape(1, s_numel), seed).reshape(-1)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         all_gather_bytes(gathered, payload, group=group)
@@ -278,7 +311,6 @@ class QuantizedAllGather(_QSDPComm, AllGather):
             payload_bytes=payload.numel(),
             tag="weights",
         )
-        return None
 
 
 class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
@@ -350,10 +382,18 @@ class QSDPCommConfig:
     min_quant_numel: int = 1024
 
 
-def install_qsdp_comms(root: torch.nn.Module, config: QSDPCommConfig, state: QSDPCommState) -> list[torch.nn.Module]:
+def install_qsdp_comms(
+    root: torch.nn.Module,
+    config: QSDPCommConfig,
+    state: QSDPCommState,
+    worker: CommWorker | None = None,
+    worker_group: dist.ProcessGroup | None = None,
+) -> list[torch.nn.Module]:
     """Install quantized comms on every ``FSDPModule`` under ``root`` (``root`` included) that owns params.
 
     Group ids follow ``root.modules()`` order, identical on every rank. Returns the modules, in group-id order.
+    ``worker`` / ``worker_group``: run CPU weight all-gathers on that thread and group (see
+    ``QuantizedAllGather``); reduce-scatters stay inline (FSDP2 reads their output right after the call).
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -368,7 +408,15 @@ def install_qsdp_comms(root: torch.nn.Module, config: QSDPCommConfig, state: QSD
             continue
         gid = len(installed)
         module.set_custom_all_gather(
-            QuantizedAllGather(config.weight_codec, state, gid, params, config.min_quant_numel)
+            QuantizedAllGather(
+                config.weight_codec,
+                state,
+                gid,
+                params,
+                config.min_quant_numel,
+                worker=worker,
+                worker_group=worker_group,
+            )
         )
         module.set_custom_reduce_scatter(
             QuantizedReduceScatter(config.grad_codec, state, gid, params, config.min_quant_numel)

@@ -39,6 +39,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_qcomm.codecs import CODEC_NAMES, Codec, get_codec
+from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
 from lightning_qcomm.comm.fsdp import (
     QSDPCommConfig,
     QSDPCommState,
@@ -102,6 +103,10 @@ class QSDPStrategy(ModelParallelStrategy):
             no ``configure_model``; None picks every element of an ``nn.ModuleList`` that has parameters.
         reshard_after_forward: FSDP2's option for the groups this strategy creates; None is FSDP2's default
             (reshard every group but the root, which the backward needs first).
+        overlap_comm: on CPU (gloo), run the weight all-gathers on a background thread over a process group
+            of their own, and have each FSDP group prefetch the next one's weights in forward (FSDP2 already
+            prefetches in backward), so transfers overlap compute. Bit-identical to the inline path. CUDA
+            runs inline (FSDP2's streams overlap there).
         save_distributed_checkpoint: True saves one shard per rank (a folder), False a full state dict.
         start_method: "popen" (re-run the script per rank, like ``ModelParallelStrategy``) or a
             multiprocessing start method ("spawn", "fork", "forkserver").
@@ -123,6 +128,7 @@ class QSDPStrategy(ModelParallelStrategy):
         seed: int = 0,
         layer_classes: str | None = None,
         reshard_after_forward: bool | None = None,
+        overlap_comm: bool = True,
         save_distributed_checkpoint: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -166,6 +172,10 @@ class QSDPStrategy(ModelParallelStrategy):
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be a bool or None, got {type(reshard_after_forward).__name__}")
         self.reshard_after_forward = reshard_after_forward
+        if not isinstance(overlap_comm, bool):
+            raise TypeError(f"overlap_comm must be a bool, got {type(overlap_comm).__name__}")
+        self.overlap_comm = overlap_comm
+        self._comm_worker: CommWorker | None = None
         self._start_method = start_method
         self.comm_state = QSDPCommState(seed=self.seed, step=0)
         self._fsdp_modules: list[nn.Module] = []
@@ -209,11 +219,22 @@ class QSDPStrategy(ModelParallelStrategy):
                 )
             self._auto_shard(self.model)
         self._check_all_sharded(self.model)
+        worker, worker_group = None, None
+        if self.overlap_comm and self.root_device.type == "cpu":
+            self._comm_worker = worker = CommWorker("lightning_qcomm-qsdp")
+            worker_group = dedicated_group(self.dp_mesh.get_group())
         self._fsdp_modules = install_qsdp_comms(
             self.model,
             QSDPCommConfig(self.weight_codec, self.grad_codec, self.min_quant_numel),
             self.comm_state,
+            worker=worker,
+            worker_group=worker_group,
         )
+        if worker is not None:
+            # forward prefetch chain in registration order (root group, then the layers): group i issues
+            # group i+1's all-gather before its own compute; the wrong order would only prefetch early
+            for cur, nxt in zip(self._fsdp_modules, self._fsdp_modules[1:]):
+                cur.set_modules_to_forward_prefetch([nxt])
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -272,6 +293,12 @@ class QSDPStrategy(ModelParallelStrategy):
                 continue
             if any(id(p) not in sharded for p in child.parameters()):
                 fully_shard(child, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+
+    def teardown(self) -> None:
+        if self._comm_worker is not None:
+            self._comm_worker.close()
+            self._comm_worker = None
+        super().teardown()
 
     # ------------------------------------------------------------------ per-step logic
     def optimizer_step(
