@@ -202,8 +202,20 @@ static void quantize_run(const cfg_t* c, const float* x, int64_t i0, int64_t i1,
     else quantize_body(c, x, i0, i1, p, k1, k2, out, 0);
 }
 
+/* bits 1, 2, 4: whole codes per byte, code k of byte i at bit bits * k (the layout of the generic loop
+   below: group g's 8 codes little-endian in bits bytes), in loops the compiler vectorizes. */
+#define PACK_PER_BYTE(BITS)                                                              \
+    for (int64_t i = 0; i < groups * BITS; i++) {                                        \
+        uint8_t v = 0;                                                                   \
+        for (int k = 0; k < 8 / BITS; k++) v |= (uint8_t)(c[i * (8 / BITS) + k] << (BITS * k)); \
+        out[i] = v;                                                                      \
+    }
+
 static void pack_chunk(const uint8_t* c, int64_t groups, int bits, uint8_t* out) {
     if (bits == 8) { memcpy(out, c, (size_t)groups * 8); return; }
+    if (bits == 4) { PACK_PER_BYTE(4) return; }
+    if (bits == 2) { PACK_PER_BYTE(2) return; }
+    if (bits == 1) { PACK_PER_BYTE(1) return; }
     for (int64_t g = 0; g < groups; g++) {
         uint64_t v = 0;
         for (int k = 0; k < 8; k++) v |= (uint64_t)c[8 * g + k] << (bits * k);
@@ -317,6 +329,13 @@ void qc_decode(const uint8_t* codes, int64_t n, int bits, const float* params, i
         const uint8_t* in = codes + (s / 8) * bits;
         const uint8_t* cb = buf;
         if (bits == 8) cb = in;
+        else if (bits == 4 || bits == 2 || bits == 1) { /* whole codes per byte (see PACK_PER_BYTE) */
+            const int per = 8 / bits;
+            const int64_t nbytes = groups * bits;
+            if (bits == 4) for (int64_t i = 0; i < nbytes; i++) { buf[2 * i] = in[i] & 15u; buf[2 * i + 1] = in[i] >> 4; }
+            else for (int64_t i = 0; i < nbytes; i++)
+                for (int k = 0; k < per; k++) buf[i * per + k] = (uint8_t)((in[i] >> (bits * k)) & mask);
+        }
         else for (int64_t g = 0; g < groups; g++) {
             uint64_t v = 0;
             for (int b = 0; b < bits; b++) v |= (uint64_t)in[g * bits + b] << (8 * b);
