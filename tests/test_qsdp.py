@@ -460,6 +460,11 @@ def test_row_codec_segments(bucket):
             ref = torch.stack([codec.roundtrip(rows[r, lo:hi], derive_seed(seg_seed, r)) for r in range(3)])
         assert torch.equal(out[:, lo:hi], ref)
         assert not torch.equal(out[:, lo:hi], rows[:, lo:hi])
+    # skip_row (the reduce-scatter's own row): that row is left alone, the others decode the same
+    partial = torch.full_like(rows, 7.0)
+    rc.decode(buf, partial, skip_row=1)
+    assert torch.equal(partial[1], torch.full_like(rows[1], 7.0))
+    assert torch.equal(partial[0], out[0]) and torch.equal(partial[2], out[2])
 
 
 # --------------------------------------------------------------------------- world size 1, bad input

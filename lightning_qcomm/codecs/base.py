@@ -229,6 +229,21 @@ class Codec(ABC):
             out = self.decode_reference(p.codes, dec_params, n)
         return out.to(p.dtype).reshape(p.shape)
 
+    def decode_into(self, p: Packed, out: torch.Tensor) -> torch.Tensor:
+        """``out.copy_(decode(p))`` for an ``out`` of ``p.numel`` elements; the fused CPU path writes the
+        values straight into a contiguous fp32 ``out`` (no temporary)."""
+        if not isinstance(p, Packed):
+            raise TypeError(f"p must be a Packed, got {type(p).__name__}")
+        if out.numel() != p.numel:
+            raise ValueError(f"out has {out.numel()} elements, the payload {p.numel}")
+        from lightning_qcomm.codecs import cpu_fused, dispatch
+
+        direct = out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
+        if direct and not dispatch.use_triton(p.codes) and dispatch.use_cpu_fused(self, p.codes, p.numel):
+            cpu_fused.decode(self, p.codes, self._decode_params(p.scales), p.numel, out=out.view(-1))
+            return out
+        return out.copy_(self.decode(p).view(out.shape))
+
     def decode_reference(self, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
         """Torch reference of the element-wise decode: flat fp32 values."""
         c_all = packing.unpack_bits(codes, self.bits, numel)

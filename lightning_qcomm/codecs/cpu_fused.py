@@ -613,8 +613,11 @@ def _decode_lut(codec) -> torch.Tensor:
     return codec._dequantize(codes, unit).reshape(256).to(torch.float32).contiguous()
 
 
-def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
-    """Fused ``codec.decode_reference(codes, dec_params, numel)``: flat fp32 values."""
+def decode(
+    codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Fused ``codec.decode_reference(codes, dec_params, numel)``: flat fp32 values, written into ``out``
+    (a contiguous CPU fp32 tensor of ``numel`` elements) when given."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"lightning_qcomm fused CPU codecs unavailable: {_load_error}")
@@ -627,7 +630,10 @@ def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> 
     if params.shape[1] != (2 if type(codec) is UniformCodec else 1):
         raise ValueError(f"dec_params of shape {tuple(params.shape)} do not match codec {codec!r}")
     lut = decode_lut(codec)
-    out = torch.empty(numel, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32)
+    else:
+        _check_f32("out", out, numel)
     lib.qc_decode(
         c.data_ptr(),
         numel,

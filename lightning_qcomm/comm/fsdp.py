@@ -191,12 +191,14 @@ class RowCodec:
                 )
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
 
-    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """uint8 (R, P) -> writes ``out`` (R, S) (any float dtype; raw segments are bit-exact)."""
+    def decode(self, buf: torch.Tensor, out: torch.Tensor, skip_row: int | None = None) -> torch.Tensor:
+        """uint8 (R, P) -> writes ``out`` (R, S) (any float dtype; raw segments are bit-exact); row
+        ``skip_row`` is left as it is."""
         r_count = buf.shape[0]
         es = out.element_size()
         boff = 0
         off = 0
+        rows = [r for r in range(r_count) if r != skip_row]
         for s in self.segments:
             dst = out[:, off : off + s.numel]
             off += s.numel
@@ -204,7 +206,14 @@ class RowCodec:
             src = buf[:, boff : boff + nb]
             boff += nb
             if not (s.quantize and self.codec is not None):
-                dst.copy_(src.contiguous().view(out.dtype))
+                for r in rows:
+                    dst[r].copy_(src[r].clone().view(out.dtype))  # clone: the byte offset may not be 4-aligned
+                continue
+            if out.dtype == torch.float32 and (skip_row is not None or self._aligned(s.numel, r_count)):
+                # row by row straight into the output: same values as the batched decode (whole buckets
+                # per row when aligned), no temporary and no copy
+                for r in rows:
+                    self.codec.decode_into(self.codec.from_bytes(src[r], (s.numel,), torch.float32), dst[r])
                 continue
             if self._aligned(s.numel, r_count):
                 ncode = nb - self.codec.num_buckets(s.numel) * self.codec.scales_per_bucket * FP32_BYTES
@@ -355,12 +364,17 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         recv = torch.empty_like(send)
         all_to_all_bytes(recv.view(-1), send.view(-1), group=group)
         decoded = torch.empty(world, s_numel, dtype=torch.float32, device=input_tensor.device)
-        rc.decode(recv, decoded)
         decoded[rank].copy_(rows[rank])  # the own row never left this rank: keep it exact
-        total = decoded.sum(dim=0)
+        rc.decode(recv, decoded, skip_row=rank)
+        direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
+        total = output_tensor.view(-1) if direct else torch.empty(s_numel, dtype=torch.float32)
+        torch.add(decoded[0], decoded[1], out=total) if world > 1 else total.copy_(decoded[0])
+        for j in range(2, world):  # rank order
+            total += decoded[j]
         if divide:
             total.div_(world)
-        output_tensor.copy_(total)
+        if not direct:
+            output_tensor.copy_(total.view(output_tensor.shape))
         get_ledger().record(
             "reduce_scatter",
             collective_bytes=send.numel(),
