@@ -357,7 +357,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per entry (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats per rate (default 2)")
-    p.add_argument("--variants", default="all", help=f"comma list or 'all': {','.join(VARIANT_BY_NAME)}")
+    p.add_argument(
+        "--variants",
+        default="all",
+        help=f"comma list or 'all' (ablations only by name): {','.join(VARIANT_BY_NAME)}",
+    )
     p.add_argument("--model", default="bench", help="bench_model preset: bench (3.3M params), small, tiny")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (default 4)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (warm-up + cosine)")
@@ -391,7 +395,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.rate_list or any(r <= 0 for r in args.rate_list):
         p.error(f"--rates must be positive, got {args.rates!r}")
     if args.variants == "all":
-        args.variant_list = [v.name for v in VARIANTS]
+        args.variant_list = [v.name for v in VARIANTS if v.in_all]
     else:
         args.variant_list = [n.strip() for n in args.variants.split(",") if n.strip()]
         unknown = [n for n in args.variant_list if n not in VARIANT_BY_NAME]

@@ -22,6 +22,7 @@ class Variant:
     family: str
     label: str
     needs: tuple[str, ...] = ()  # "module:Attr" candidates; one must import for the variant to run
+    in_all: bool = True  # False: an ablation, run only when named in --variants
 
 
 QSDP = ("lightning_qcomm.strategies:QSDPStrategy", "lightning_qcomm.strategies.qsdp:QSDPStrategy")
@@ -42,6 +43,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("post_local_sgd", "torch", "torch post-local SGD: local steps after warm-up, PeriodicModelAverager(4)"),
     Variant("qsdp_w8g8", "lq", "QSDPStrategy(weight_bits=8, grad_bits=8)", QSDP),
     Variant("qsdp_w4g4", "lq", "QSDPStrategy(weight_bits=4, grad_bits=4)", QSDP),
+    Variant("qsdp_w8g8_inline", "lq", "QSDPStrategy(weight_bits=8, grad_bits=8, overlap_comm=False)", QSDP, False),
+    Variant("qsdp_w4g4_inline", "lq", "QSDPStrategy(weight_bits=4, grad_bits=4, overlap_comm=False)", QSDP, False),
     Variant("qddp_uniform8", "lq", "QuantDDPStrategy(codec='uniform', bits=8)", QDDP),
     Variant("qddp_fp8_e4m3", "lq", "QuantDDPStrategy(codec='fp8_e4m3', bits=8)", QDDP),
     Variant("qddp_nuqsgd4", "lq", "QuantDDPStrategy(codec='nuqsgd', bits=4)", QDDP),
@@ -146,9 +149,11 @@ def build_variant(
     if name in ("fsdp2", "fsdp2_bf16"):
         strat = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout)
         return strat, BenchLMFSDP2, {"mp_dtype": "bfloat16" if name == "fsdp2_bf16" else None}, []
-    if name in ("qsdp_w8g8", "qsdp_w4g4"):
-        bits = 8 if name == "qsdp_w8g8" else 4
-        return load_symbol(QSDP)(weight_bits=bits, grad_bits=bits, timeout=timeout), BenchLM, {}, []
+    if name in ("qsdp_w8g8", "qsdp_w4g4", "qsdp_w8g8_inline", "qsdp_w4g4_inline"):
+        bits = 8 if name.startswith("qsdp_w8g8") else 4
+        overlap = not name.endswith("_inline")  # the ablation: weight all-gathers inline, no prefetch
+        strat = load_symbol(QSDP)(weight_bits=bits, grad_bits=bits, overlap_comm=overlap, timeout=timeout)
+        return strat, BenchLM, {}, []
     if name in QDDP_CODECS:
         codec, bits = QDDP_CODECS[name]
         strat = load_symbol(QDDP)(codec=codec, bits=bits, process_group_backend="gloo", timeout=timeout)
