@@ -231,10 +231,7 @@ class QSDPStrategy(ModelParallelStrategy):
             worker_group=worker_group,
         )
         if worker is not None:
-            # forward prefetch chain in registration order (root group, then the layers): group i issues
-            # group i+1's all-gather before its own compute; the wrong order would only prefetch early
-            for cur, nxt in zip(self._fsdp_modules, self._fsdp_modules[1:]):
-                cur.set_modules_to_forward_prefetch([nxt])
+            self._chain_forward_prefetch(self._fsdp_modules)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -244,6 +241,19 @@ class QSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @staticmethod
+    def _chain_forward_prefetch(fsdp_modules: list[nn.Module]) -> None:
+        """Within each FSDP root's tree, in registration order (the root's group, then its layers), group i
+        issues group i+1's all-gather before its own compute. Trees are not linked to each other: every FSDP
+        root has its own communication context, set up in its own first forward. A wrong order would only
+        prefetch early."""
+        roots = [m for m in fsdp_modules if not any(o is not m and m in set(o.modules()) for o in fsdp_modules)]
+        for root in roots:
+            members = set(root.modules())
+            tree = [m for m in fsdp_modules if m in members]
+            for cur, nxt in zip(tree, tree[1:]):
+                cur.set_modules_to_forward_prefetch([nxt])
 
     def _check_all_sharded(self, root: nn.Module) -> None:
         """Trainable parameters outside every FSDP group would never have their gradients synchronized."""
