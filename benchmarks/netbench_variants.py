@@ -38,6 +38,10 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("ddp_fp32", "torch", "DDP fp32 all-reduce (torch allreduce_hook = DDP's built-in reduction)"),
     Variant("ddp_fp16", "torch", "DDP + torch fp16_compress_hook"),
     Variant("powersgd_r4", "torch", "DDP + torch PowerSGD rank 4, error feedback, warm start, start iter 2"),
+    Variant(
+        "powersgd_r16", "torch", "the same with rank 16 (ablation: PowerSGD at a rank closer to DDP's loss)", (), False
+    ),
+    Variant("powersgd_r64", "torch", "the same with rank 64 (ablation)", (), False),
     Variant("fsdp2", "torch", "FSDP2 fp32 (ModelParallelStrategy; fully_shard per block, then the model)"),
     Variant("fsdp2_bf16", "torch", "FSDP2 with MixedPrecisionPolicy(param_dtype=reduce_dtype=bf16)"),
     Variant("post_local_sgd", "torch", "torch post-local SGD: local steps after warm-up, PeriodicModelAverager(4)"),
@@ -135,9 +139,10 @@ def build_variant(
         return ddp(ddp_comm_hook=default_hooks.allreduce_hook), BenchLM, {}, []
     if name == "ddp_fp16":
         return ddp(ddp_comm_hook=default_hooks.fp16_compress_hook), BenchLM, {}, []
-    if name == "powersgd_r4":
+    if name in ("powersgd_r4", "powersgd_r16", "powersgd_r64"):
+        rank = int(name.rsplit("_r", 1)[1])
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2, use_error_feedback=True
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2, use_error_feedback=True
         )
         return ddp(ddp_comm_state=state, ddp_comm_hook=powerSGD_hook.powerSGD_hook), BenchLM, {}, []
     if name == "post_local_sgd":
