@@ -257,25 +257,33 @@ void qc_encode(const cfg_t* c, const float* x, int64_t n, const float* params, i
 static inline int32_t fkey(uint32_t u) { return (int32_t)(u ^ ((uint32_t)((int32_t)u >> 31) & 0x7FFFFFFFu)); }
 static inline float unkey(int32_t k) { return u2f((uint32_t)k ^ ((uint32_t)(k >> 31) & 0x7FFFFFFFu)); }
 
+/* One bucket x[i0..i1): min / max as keys, and whether a non-finite value, a +0 or a -0 occurs. */
+typedef struct { int32_t mn, mx; uint32_t nonfin, pz, nz; } bstats_t;
+static inline bstats_t bucket_stats(const uint32_t* xu, int64_t i0, int64_t i1) {
+    int32_t mn = INT32_MAX, mx = INT32_MIN;
+    uint32_t nonfin = 0, pz = 0, nz = 0;
+    for (int64_t j = i0; j < i1; j++) {
+        uint32_t u = xu[j];
+        int32_t k = fkey(u);
+        mn = k < mn ? k : mn;
+        mx = k > mx ? k : mx;
+        nonfin |= (u & 0x7F800000u) == 0x7F800000u;
+        pz |= u == 0u;
+        nz |= u == 0x80000000u;
+    }
+    bstats_t r = {mn, mx, nonfin, pz, nz};
+    return r;
+}
+
 void qc_stats(const float* x, int64_t n, int64_t blen, float* lo, float* hi, float* amax, uint8_t* flags) {
     const uint32_t* xu = (const uint32_t*)x;
     int64_t nb = (n + blen - 1) / blen;
     for (int64_t b = 0; b < nb; b++) {
         int64_t i0 = b * blen, i1 = i0 + blen < n ? i0 + blen : n;
-        int32_t mn = INT32_MAX, mx = INT32_MIN;
-        uint32_t nonfin = 0, pz = 0, nz = 0;
-        for (int64_t j = i0; j < i1; j++) {
-            uint32_t u = xu[j];
-            int32_t k = fkey(u);
-            mn = k < mn ? k : mn;
-            mx = k > mx ? k : mx;
-            nonfin |= (u & 0x7F800000u) == 0x7F800000u;
-            pz |= u == 0u;
-            nz |= u == 0x80000000u;
-        }
-        float l = unkey(mn), h = unkey(mx), al = __builtin_fabsf(l), ah = __builtin_fabsf(h);
+        bstats_t st = bucket_stats(xu, i0, i1);
+        float l = unkey(st.mn), h = unkey(st.mx), al = __builtin_fabsf(l), ah = __builtin_fabsf(h);
         lo[b] = l; hi[b] = h; amax[b] = al > ah ? al : ah;
-        flags[b] = (uint8_t)((nonfin == 0) | ((pz & nz) << 1));
+        flags[b] = (uint8_t)((st.nonfin == 0) | ((st.pz & st.nz) << 1));
     }
 }
 
@@ -292,24 +300,14 @@ int qc_uniform_encode(const cfg_t* c, const float* x, int64_t n, int64_t blen, u
     const float qnan = u2f(0x7FC00000u);
     for (int64_t b = 0; b < nb; b++) {
         int64_t i0 = b * blen, i1 = i0 + blen < n ? i0 + blen : n;
-        int32_t mn = INT32_MAX, mx = INT32_MIN;
-        uint32_t nonfin = 0, pz = 0, nz = 0;
-        for (int64_t j = i0; j < i1; j++) {
-            uint32_t u = xu[j];
-            int32_t k = fkey(u);
-            mn = k < mn ? k : mn;
-            mx = k > mx ? k : mx;
-            nonfin |= (u & 0x7F800000u) == 0x7F800000u;
-            pz |= u == 0u;
-            nz |= u == 0x80000000u;
-        }
-        float lo = unkey(mn), hi = unkey(mx);
-        if (nonfin) {
+        bstats_t st = bucket_stats(xu, i0, i1);
+        float lo = unkey(st.mn), hi = unkey(st.mx);
+        if (st.nonfin) {
             scales[2 * b] = scales[2 * b + 1] = qnan;
             params[2 * b] = params[2 * b + 1] = qnan;
             continue;
         }
-        if ((pz & nz) && (lo == 0.0f || hi == 0.0f)) return 1;
+        if ((st.pz & st.nz) && (lo == 0.0f || hi == 0.0f)) return 1;
         float unit = (hi - lo) / L;
         float inv = unit > 0.0f ? 1.0f / unit : 0.0f;
         if (!isfin(unit)) inv = unit;
