@@ -373,6 +373,12 @@ def test_momentum_sync_world1_rank_state_roundtrip_and_layout_check():
     assert all(torch.equal(a, b) for a, b in zip(other.worker_error, sync.worker_error))
     with pytest.raises(ValueError, match="another layout"):
         OneBitMomentumSync([10, 7, 30], bucket_numel=100).load_rank_state_dict(state)
+    # the pipelining piece decides where each server-error element belongs: another piece is another layout
+    with pytest.raises(ValueError, match="another layout"):
+        OneBitMomentumSync([10, 7, 30], bucket_numel=20, piece_numel=4).load_rank_state_dict(state)
+    old_format = {k: v for k, v in state.items() if k != "piece_numel"}
+    with pytest.raises(ValueError, match="another layout"):
+        OneBitMomentumSync([10, 7, 30], bucket_numel=20).load_rank_state_dict(old_format)
 
 
 def test_state_dict_roundtrip_keeps_freeze_and_plain_adamw_state_loads():

@@ -43,7 +43,12 @@ import logging
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.comm.collectives import onebit_all_reduce, onebit_server_error_numel, quantized_all_reduce
+from lightning_qcomm.comm.collectives import (
+    DEFAULT_ONEBIT_PIECE_NUMEL,
+    onebit_all_reduce,
+    onebit_server_error_numel,
+    quantized_all_reduce,
+)
 from lightning_qcomm.comm.ledger import get_ledger
 
 log = logging.getLogger(__name__)
@@ -79,6 +84,8 @@ class OneBitMomentumSync:
         process_group: the group to average over (None: the default group, or a world of one when
             torch.distributed is not initialised).
         tag: ledger tag of the collectives.
+        piece_numel: ``onebit_all_reduce``'s pipelining piece (elements per rank). It decides where each
+            server-error element belongs, so it is part of the saved layout.
     """
 
     def __init__(
@@ -87,6 +94,7 @@ class OneBitMomentumSync:
         bucket_numel: int,
         process_group: dist.ProcessGroup | None = None,
         tag: str = "momentum",
+        piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL,
     ) -> None:
         if not numels:
             raise ValueError("numels must name at least one tensor")
@@ -95,6 +103,7 @@ class OneBitMomentumSync:
         self.bucket_numels = [sum(self.numels[i] for i in b) for b in self.buckets]
         self.process_group = process_group
         self.tag = tag
+        self.piece_numel = int(piece_numel)
         self.worker_error: list[torch.Tensor] | None = None
         self.server_error: list[torch.Tensor] | None = None
         self._checked = [False] * len(self.buckets)
@@ -142,6 +151,7 @@ class OneBitMomentumSync:
                 group=self.process_group,
                 tag=self.tag,
                 check=not self._checked[b],
+                piece_numel=self.piece_numel,
             )
             self._checked[b] = True
             for i, piece in zip(members, torch.split(flat, [self.numels[i] for i in members])):
@@ -155,6 +165,7 @@ class OneBitMomentumSync:
             "numels": list(self.numels),
             "bucket_numels": list(self.bucket_numels),
             "world_size": self.world_size(),
+            "piece_numel": self.piece_numel,
             "worker_error": None
             if self.worker_error is None
             else [t.detach().cpu().clone() for t in self.worker_error],
@@ -165,12 +176,14 @@ class OneBitMomentumSync:
 
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore error buffers saved by ``rank_state_dict`` on this rank; ValueError if the layout differs."""
-        mine = (self.numels, self.bucket_numels, self.world_size())
-        theirs = (list(state["numels"]), list(state["bucket_numels"]), int(state["world_size"]))
+        mine = (self.numels, self.bucket_numels, self.world_size(), self.piece_numel)
+        saved_piece = state.get("piece_numel")  # absent: saved before the piece was recorded
+        theirs = (list(state["numels"]), list(state["bucket_numels"]), int(state["world_size"]), saved_piece)
         if mine != theirs:
             raise ValueError(
-                "saved 1-bit error buffers belong to another layout (tensor numels, bucket numels, world size): "
-                f"saved {theirs[1]} buckets over {theirs[2]} ranks, now {mine[1]} over {mine[2]}"
+                "saved 1-bit error buffers belong to another layout (tensor numels, bucket numels, world size, "
+                f"piece): saved {theirs[1]} buckets over {theirs[2]} ranks in pieces of {theirs[3]}, now {mine[1]} "
+                f"over {mine[2]} in pieces of {mine[3]}"
             )
         if state["worker_error"] is None:
             self.worker_error = self.server_error = None
