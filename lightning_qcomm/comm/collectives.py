@@ -281,6 +281,20 @@ def _payload(nbytes: int, world: int) -> int:
     return nbytes if world > 1 else 0
 
 
+def _fp32_output(x: torch.Tensor) -> torch.Tensor:
+    """Where a collective decodes its result: x's own flat view when x is contiguous fp32 (callers read
+    all of x in phase 1 before phase 3 writes), else a new fp32 buffer for ``_copy_back``."""
+    if x.dtype == torch.float32 and x.is_contiguous():
+        return x.view(-1)
+    return torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+
+
+def _copy_back(x: torch.Tensor, out_flat: torch.Tensor) -> None:
+    """x <- out_flat unless out_flat already is x's storage (see ``_fp32_output``)."""
+    if out_flat.data_ptr() != x.data_ptr():
+        x.copy_(out_flat.view(x.shape))
+
+
 def _update_error(err: torch.Tensor, new: torch.Tensor) -> None:
     """err <- new where new is finite (keeps the previous residual where a step was non-finite)."""
     new = new.reshape(err.shape)
@@ -526,9 +540,7 @@ def quantized_all_reduce(
 
     flat_in = x.detach().reshape(-1)
     flat_err = None if error_feedback is None else error_feedback.detach().reshape(-1)
-    # decode straight into x when it is flat-viewable fp32 (phase 1 has read all of x before phase 3 writes)
-    direct = x.dtype == torch.float32 and x.is_contiguous()
-    out_flat = x.view(-1) if direct else torch.empty(d, dtype=torch.float32, device=x.device)
+    out_flat = _fp32_output(x)
     residual = None if error_feedback is None else torch.empty(d, dtype=torch.float32, device=x.device)
     k_scale = world if op == "avg" else 1
     pieces = all_reduce_pieces(d, world, codec, piece_numel)
@@ -569,8 +581,7 @@ def quantized_all_reduce(
             residual[o : o + n] = res[:n]
     if residual is not None:
         _update_error(error_feedback, residual)
-    if out_flat.data_ptr() != x.data_ptr():
-        x.copy_(out_flat.view(x.shape))
+    _copy_back(x, out_flat)
     ledger.record("all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag)
     return x
 
@@ -622,9 +633,7 @@ def _onebit_pieces_reference(
     flat_es = server_error.detach().reshape(-1)
     new_ew = torch.empty(d, dtype=torch.float32, device=x.device)
     new_es = torch.empty(flat_es.numel(), dtype=torch.float32, device=x.device)
-    # decode straight into x when it is flat-viewable fp32 (phase 1 has read all of x before phase 3 writes)
-    direct = x.dtype == torch.float32 and x.is_contiguous()
-    out_flat = x.view(-1) if direct else torch.empty(d, dtype=torch.float32, device=x.device)
+    out_flat = _fp32_output(x)
     total_p = 0
     phase1 = []
     es_off = 0
@@ -666,8 +675,7 @@ def _onebit_pieces_reference(
             out_flat[o + j * c : o + j * c + length] = row[:length]
     _update_error(worker_error, new_ew)
     _update_error(server_error, new_es)
-    if out_flat.data_ptr() != x.data_ptr():
-        x.copy_(out_flat.view(x.shape))
+    _copy_back(x, out_flat)
     return total_p
 
 
@@ -685,12 +693,10 @@ def _onebit_pieces_fused(
     the error buffers and the payloads; the server sum and the final decode are one pass each.
     Error buffers must be contiguous fp32; x is read whole (phase 1) before it is written (phase 3)."""
     sign = _sign_codec()
-    d = x.numel()
     flat_x = x.detach().reshape(-1)
     flat_ew = worker_error.detach().view(-1)
     flat_es = server_error.detach().view(-1)
-    direct = x.dtype == torch.float32 and x.is_contiguous()
-    out_flat = x.view(-1) if direct else torch.empty(d, dtype=torch.float32, device=x.device)
+    out_flat = _fp32_output(x)
     total_p = 0
     phase1 = []
     es_off = 0
@@ -728,8 +734,7 @@ def _onebit_pieces_fused(
             length = max(min(c, n - j * c), 0)
             if length:
                 cpu_fused.sign_decode(gathered[j * p : (j + 1) * p], c, out_flat[o + j * c : o + j * c + length])
-    if out_flat.data_ptr() != x.data_ptr():
-        x.copy_(out_flat.view(x.shape))
+    _copy_back(x, out_flat)
     return total_p
 
 

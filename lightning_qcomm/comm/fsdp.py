@@ -368,7 +368,10 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         rc.decode(recv, decoded, skip_row=rank)
         direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
         total = output_tensor.view(-1) if direct else torch.empty(s_numel, dtype=torch.float32)
-        torch.add(decoded[0], decoded[1], out=total) if world > 1 else total.copy_(decoded[0])
+        if world > 1:
+            torch.add(decoded[0], decoded[1], out=total)
+        else:
+            total.copy_(decoded[0])
         for j in range(2, world):  # rank order
             total += decoded[j]
         if divide:
