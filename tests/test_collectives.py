@@ -541,6 +541,14 @@ def check_bad_input(rank, n):
     _expect_error_everywhere(lambda: quantized_reduce_scatter(torch.empty(5), torch.ones(5 * n), other), ["codec"])
     op = "sum" if rank == 0 else "avg"
     _expect_error_everywhere(lambda: quantized_all_reduce(torch.ones(D), codec, op=op), ["reduce_op"])
+    # codecs that differ only in an option (same name, bits, bucket and payload size) are caught too
+    for a, b in (
+        (get_codec("uniform", 4, stochastic=True), get_codec("uniform", 4, stochastic=False)),
+        (get_codec("fp8_e4m3", 8, rounding="nearest"), get_codec("fp8_e4m3", 8, rounding="stochastic")),
+        (get_codec("qsgd", 4), get_codec("nuqsgd", 4)),
+    ):
+        mine = a if rank == 0 else b
+        _expect_error_everywhere(lambda mine=mine: quantized_all_reduce(torch.ones(D), mine), ["codec"])
     _expect_error_everywhere(
         lambda: onebit_all_reduce(torch.ones(bad_len), torch.zeros(bad_len), torch.zeros(-(-bad_len // n))), ["numel"]
     )

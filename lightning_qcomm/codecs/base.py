@@ -17,6 +17,7 @@ Large CPU tensors use the compiled C path of ``codecs.cpu_fused`` (bit-identical
 
 from __future__ import annotations
 
+import inspect
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -87,8 +88,24 @@ class Codec(ABC):
         self.bits = bits
         self.bucket_size = bucket_size
 
+    def config(self) -> dict[str, object]:
+        """Every constructor option with its value, plus the class and name: what defines the codes.
+
+        Read off the ``__init__`` signature (every option is stored under its own name), so an option a
+        subclass adds is covered without listing it here. Two codecs with equal ``config()`` produce the
+        same bytes for the same input and seed; the cross-rank consistency check compares this.
+
+        Example::
+
+            >>> get_codec("uniform", bits=4, stochastic=False).config()["stochastic"]
+            False
+        """
+        names = [n for n in inspect.signature(type(self).__init__).parameters if n != "self"]
+        return {"class": type(self).__qualname__, "name": self.name, **{n: getattr(self, n) for n in names}}
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, bits={self.bits}, bucket_size={self.bucket_size})"
+        cfg = self.config()
+        return f"{cfg.pop('class')}(" + ", ".join(f"{k}={v!r}" for k, v in cfg.items()) + ")"
 
     # ------------------------------------------------------------------ sizes
     def bucket_len(self, numel: int) -> int:

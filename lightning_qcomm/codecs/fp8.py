@@ -45,9 +45,6 @@ class FP8Codec(Codec):
         self.torch_dtype, self.mbits, self.bias, self.fmax = FP8_FORMATS[fmt]
         self.emin = 1 - self.bias
 
-    def __repr__(self) -> str:
-        return f"FP8Codec(fmt={self.fmt!r}, bucket_size={self.bucket_size}, rounding={self.rounding!r})"
-
     def _scales(self, xb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return (xb.abs().amax(dim=1) / self.fmax)[:, None]
 

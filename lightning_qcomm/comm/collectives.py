@@ -41,6 +41,7 @@ the fp32 baseline = 4 bytes per logical element of the same collective.
 
 from __future__ import annotations
 
+import json
 import zlib
 
 import torch
@@ -113,7 +114,10 @@ def _check_reduce_op(op: str) -> None:
 
 
 def _codec_code(codec: Codec | None) -> int:
-    return 0 if codec is None else zlib.crc32(repr(codec).encode()) + 1
+    """A 32-bit fingerprint of every option that defines the codes (``Codec.config``); 0 for fp32."""
+    if codec is None:
+        return 0
+    return zlib.crc32(json.dumps(codec.config(), sort_keys=True, default=str).encode()) + 1
 
 
 def _check_consistent(
