@@ -415,6 +415,35 @@ def check_error_feedback(rank, n):
     assert drift_ef * 10 < drift_noef, f"EF drift {drift_ef} not well below no-EF drift {drift_noef}"
 
 
+def check_error_feedback_low_precision_input(rank, n):
+    """bf16/fp16 gradients with an fp32 residual: the residual also carries the rounding of the output to
+    the input's dtype, so the telescoping identity holds to fp32 rounding, not to bf16's 2^-9.
+
+    Tolerance: each step adds O(10) fp32 roundings of magnitude <= 2^-24 * max|y| per element and rank
+    (y = x + e, the residuals, the fp32 sum), so |identity| <= 16 * T * N * 2^-24 * max_t max|y_t|.
+    Without the output-rounding term the error is a random walk of T bf16 roundings, ~ sqrt(T) * 2^-9 |out|.
+    """
+    steps = 50
+    for dtype in (torch.bfloat16, torch.float16):
+        codec = get_codec("uniform", 4, BUCKET)
+        e = torch.zeros(D)  # fp32, as the DDP hook keeps it
+        sum_in_all = torch.zeros(D, dtype=torch.float64)
+        sum_out = torch.zeros(D, dtype=torch.float64)
+        y_max = 0.0
+        for t in range(steps):
+            xs = [(make_input(40 + t, r) * 0.1).to(dtype) for r in range(n)]
+            sum_in_all += sum(x.double() for x in xs)
+            y_max = max(y_max, float((xs[rank].float() + e).abs().max()))
+            out = quantized_all_reduce(xs[rank].clone(), codec, op="avg", error_feedback=e, seed=t)
+            assert out.dtype == dtype
+            sum_out += out.double()
+        sum_e = sum(t.double() for t in gather_all(e))
+        y_max = max(gather_all(torch.tensor([y_max])))
+        identity = float((n * sum_out - sum_in_all + sum_e).abs().max())
+        tol = 16 * steps * n * 2**-24 * float(y_max)
+        assert identity <= tol, f"{dtype}: telescoping identity off by {identity:.3g} > {tol:.3g}"
+
+
 def check_pieced_transfers(rank, n):
     """all_to_all_bytes / all_gather_bytes in concurrent pieces move exactly what one torch call moves."""
     row = 1000  # not a multiple of the piece
@@ -611,6 +640,7 @@ CHECKS_2 = [
     check_onebit_oracle,
     check_onebit_fused_matches_reference,
     check_error_feedback,
+    check_error_feedback_low_precision_input,
     check_pieced_transfers,
     check_ledger_bytes,
     check_bad_input,

@@ -422,6 +422,56 @@ def test_hook_error_feedback_survives_bucket_relayout():
     assert all(torch.equal(other.ef_state_dict()[k], saved[k]) for k in saved)
 
 
+def test_hook_error_feedback_is_kept_in_unscaled_fp32_units():
+    """Under a GradScaler the bucket holds s_t * g_t with a scale s_t that changes (backoff, growth). The
+    residual must be kept in unscaled units, so that the telescoping identity of error feedback holds in
+    the units the optimizer sees (world 1, avg):  sum_t out_t / s_t = sum_t g_t - e_T.
+    Tolerance: O(10) fp32 roundings per step of magnitude 2^-24 * max|g + e|. A residual kept in scaled
+    units is off by the scale changes (factors of 2^6 here), i.e. by the residual's own size or more."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.zeros(3000))
+    scales = [2.0**10, 2.0**10, 2.0**4, 2.0**4, 2.0**12, 2.0**12]
+    current = {"s": None}
+    state = QuantDDPHookState(QuantDDPHookConfig("uniform", 2, 128, True, 0), {p: "p"}, loss_scale=lambda: current["s"])
+    sum_g = torch.zeros(3000, dtype=torch.float64)
+    sum_out = torch.zeros(3000, dtype=torch.float64)
+    peak = 0.0
+    for s in scales:
+        gt = torch.randn(3000, generator=g) * 0.01
+        current["s"] = torch.tensor(s)
+        p.grad = gt * s
+        out = quant_ddp_comm_hook(state, _FakeBucket(0, [p])).value()
+        state.next_step()
+        sum_g += gt.double()
+        sum_out += out.double() / s
+        peak = max(peak, float(gt.abs().max()) * 4)  # |g + e| <= |g| + one 2-bit step of the range
+    e = state.ef_state_dict()["p"].double()
+    identity = float((sum_out - sum_g + e).abs().max())
+    assert identity <= 16 * len(scales) * 2**-24 * peak, identity
+
+
+def test_hook_error_feedback_residual_is_fp32_for_bf16_gradients():
+    """bf16 gradients (precision="bf16-true"): the residual keeps fp32 precision, so the identity
+    sum_t out_t = sum_t g_t - e_T holds to fp32 rounding (a bf16 residual is off by ~2^-9 of itself)."""
+    g = torch.Generator().manual_seed(4)
+    p = torch.nn.Parameter(torch.zeros(3000, dtype=torch.bfloat16))
+    state = QuantDDPHookState(QuantDDPHookConfig("uniform", 2, 128, True, 0), {p: "p"})
+    sum_g = torch.zeros(3000, dtype=torch.float64)
+    sum_out = torch.zeros(3000, dtype=torch.float64)
+    peak = 0.0
+    for _ in range(6):
+        gt = (torch.randn(3000, generator=g) * 0.01).to(torch.bfloat16)
+        p.grad = gt.clone()
+        out = quant_ddp_comm_hook(state, _FakeBucket(0, [p])).value()
+        state.next_step()
+        sum_g += gt.double()
+        sum_out += out.double()
+        peak = max(peak, float(gt.float().abs().max()) * 4)
+    e = state.ef_state_dict()["p"].double()
+    identity = float((sum_out - sum_g + e).abs().max())
+    assert identity <= 16 * 6 * 2**-24 * peak, identity
+
+
 # ---------------------------------------------------------------------------------------------- validation, registry
 @pytest.mark.parametrize(
     "kwargs,exc,words",

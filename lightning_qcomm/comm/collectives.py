@@ -494,7 +494,8 @@ def quantized_all_reduce(
 
     The first term is the DESIGN formula e <- (x + e) - decode (this rank's phase-1 residual); the
     second is the requantization residual of the reduced chunk that rank r itself encoded in step 3
-    (written into the chunk-r slice of each piece of e_r only). Summed over ranks,
+    (written into the chunk-r slice of each piece of e_r only), measured against the value x finally
+    holds (rounded to x's dtype when x is bf16/fp16; keep e in fp32 so it can hold that rounding). Summed over ranks,
     sum_r e_r = sum_r y_r - k * x_out, hence over steps t = 1..T (e = 0 at the start, exact up to fp32
     rounding, for any codec, biased or not):
 
@@ -575,12 +576,15 @@ def quantized_all_reduce(
         gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=x.device)
         phase2.append((o, n, c, res, reduced, gathered, mine, _all_gather_async(gathered, mine, group, world)))
     del phase1
+    low_precision_out = x.dtype != torch.float32
     for o, n, c, res, reduced, gathered, _mine, work in phase2:
         _wait(work)
         for j, length, row in _decode_chunks(codec, gathered, world, c, n):
             out_flat[o + j * c : o + j * c + length] = row[:length]
             if res is not None and j == rank:
-                res.view(world, c)[rank] += k_scale * (reduced - row)
+                # what x finally holds is row rounded to x's dtype: that rounding is residual too
+                held = row.to(x.dtype).to(torch.float32) if low_precision_out else row
+                res.view(world, c)[rank] += k_scale * (reduced - held)
         if res is not None:
             residual[o : o + n] = res[:n]
     if residual is not None:

@@ -33,8 +33,12 @@ the model fits in one bucket; with several buckets the rebuild may move paramete
 and the first resumed step then quantizes different chunks). It costs a gather/scatter copy only
 for buckets whose order differs (typically DDP's first iteration).
 
-Error feedback (``error_feedback=True``): one buffer e per bucket (the gradients' dtype), on this rank only, holding
-the compression residual; ``quantized_all_reduce`` sends g + e and sets e <- (g + e) - decode(...).
+Error feedback (``error_feedback=True``): one fp32 buffer e per bucket (whatever the gradients' dtype: a
+bf16 residual would round away what it exists to keep), on this rank only, holding the compression
+residual; ``quantized_all_reduce`` sends g + e and sets e <- (g + e) - decode(...). Under a loss scaler
+(fp16 ``GradScaler``) the bucket holds s*g with a scale s that changes between steps, so e is kept in
+unscaled units: the hook sends s*g + s*e and stores the new residual divided by s (``loss_scale``;
+tensor arithmetic only, no host sync).
 Buffers are keyed by bucket index together with the bucket's layout (the names of its quantized
 parameters, in canonical order). DDP rebuilds its buckets after the first iteration, and a resumed run
 starts again from the initial layout, so when a layout changes the buffers are split into
@@ -126,6 +130,8 @@ class QuantDDPHookState:
         process_group: the group the hook's collectives use (None: default group). With a ``worker``,
             a group nothing else uses (``comm_worker.dedicated_group``).
         worker: run CPU buckets' collectives on this background thread (overlap with backward).
+        loss_scale: returns the loss scale the current gradients carry (a tensor, e.g. a GradScaler's
+            scale), or None when they are unscaled; read once per bucket on the autograd thread.
     """
 
     def __init__(
@@ -134,8 +140,10 @@ class QuantDDPHookState:
         param_names: dict[torch.nn.Parameter, str],
         process_group: dist.ProcessGroup | None = None,
         worker: CommWorker | None = None,
+        loss_scale: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
         self.config = config
+        self.loss_scale = loss_scale
         self.codec = config.build_codec()
         self.process_group = process_group
         self.worker = worker
@@ -196,7 +204,8 @@ class QuantDDPHookState:
         self._ef.clear()
 
     def error_buffer(self, bucket_index: int, plan: _BucketPlan, like: torch.Tensor) -> torch.Tensor:
-        """The residual buffer of this bucket layout, rebuilt from per-parameter pieces if needed."""
+        """The fp32 residual buffer of this bucket layout (on ``like``'s device), rebuilt from per-parameter
+        pieces if needed."""
         entry = self._ef.get(bucket_index)
         if entry is not None and entry[0] == plan.big_names:
             return entry[1]
@@ -214,9 +223,9 @@ class QuantDDPHookState:
                         piece.numel(),
                         n,
                     )
-                piece = torch.zeros(n, dtype=like.dtype, device=like.device)
-            pieces.append(piece.reshape(-1).to(device=like.device, dtype=like.dtype))
-        buf = torch.cat(pieces) if pieces else torch.zeros(0, dtype=like.dtype, device=like.device)
+                piece = torch.zeros(n, dtype=torch.float32, device=like.device)
+            pieces.append(piece.reshape(-1).to(device=like.device, dtype=torch.float32))
+        buf = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float32, device=like.device)
         self._ef[bucket_index] = (plan.big_names, buf)
         return buf
 
@@ -280,6 +289,9 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
     plan.checked.add(compress)
     seed = derive_seed(state.config.seed, state.step, bucket.index(), state.round)
     ef = state.error_buffer(bucket.index(), plan, buf) if compress and state.config.error_feedback else None
+    scale = None if ef is None or state.loss_scale is None else state.loss_scale()
+    if scale is not None:
+        scale = torch.as_tensor(scale).to(device=ef.device, dtype=torch.float32)
     if bucket.is_last():
         state.round += 1
 
@@ -292,9 +304,13 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
             quantized_all_reduce(plain, None, group=group, op="avg", tag="grads", check=check)
             _scatter(buf, plan.small, plain)
         big = _gather(buf, plan.big)
+        if scale is not None:
+            ef.mul_(scale)  # into the gradients' (scaled) units for the collective ...
         quantized_all_reduce(
             big, state.codec, group=group, op="avg", error_feedback=ef, seed=seed, tag="grads", check=check
         )
+        if scale is not None:
+            ef.div_(scale)  # ... and back: the residual outlives this step's scale
         _scatter(buf, plan.big, big)
         return buf
 

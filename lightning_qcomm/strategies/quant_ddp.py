@@ -29,6 +29,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
@@ -198,7 +199,9 @@ class QuantDDPStrategy(DDPStrategy):
                 self._comm_group = dedicated_group(self.model.process_group)
                 self._comm_worker = CommWorker()
             group, worker = self._comm_group, self._comm_worker
-        state = QuantDDPHookState(self.hook_config, names, process_group=group, worker=worker)
+        state = QuantDDPHookState(
+            self.hook_config, names, process_group=group, worker=worker, loss_scale=self._gradient_loss_scale
+        )
         # a restored checkpoint, else the previous fit of this strategy (a second ``fit`` continues it)
         previous = self._pending_state
         if previous is None and self._hook_state is not None:
@@ -209,6 +212,14 @@ class QuantDDPStrategy(DDPStrategy):
         self._hook_state = state
         self.model.register_comm_hook(state, quant_ddp_comm_hook)
         log.debug("QuantDDPStrategy: registered quant_ddp_comm_hook with %s", self.hook_config)
+
+    def _gradient_loss_scale(self) -> torch.Tensor | None:
+        """The scale the gradients in DDP's buckets carry: the fp16 GradScaler's (a tensor; reading it does
+        not sync), or None without one."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return getattr(scaler, "_scale", None)  # None until the first scaled backward
 
     @override
     def optimizer_step(
