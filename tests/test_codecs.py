@@ -527,6 +527,30 @@ def test_seed_determinism(cfg):
         assert int((a.codes != c.codes).sum()) > ca // 100
 
 
+@pytest.mark.parametrize("numel", [2000, 1 << 15], ids=["reference", "fused"])
+@pytest.mark.parametrize("default", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=_cfg_id)
+def test_codes_do_not_depend_on_torch_default_dtype(cfg, default, numel):
+    """Lightning's "16-true" / "bf16-true" run the forward (where ActivationQuantization encodes) with torch's
+    default dtype set to fp16 / bf16; the codes and the decoded values must be the bytes of the fp32 default.
+    (2000 elements take the torch reference, 2^15 the fused C path.)"""
+    name, bits, opts = cfg
+    x = _make_x((numel,), seed=52)
+    seed = derive_seed(0, 7)
+    ref = get_codec(name, bits, 512, **opts).encode(x, seed)
+    ref_out = get_codec(name, bits, 512, **opts).decode(ref)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        codec = get_codec(name, bits, 512, **opts)
+        got = codec.encode(x, seed)
+        out = codec.decode(got)
+    finally:
+        torch.set_default_dtype(saved)
+    assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
+    assert out.dtype == x.dtype and torch.equal(out, ref_out)
+
+
 def test_derive_seed():
     assert derive_seed(0, 1) == derive_seed(0, 1)
     seeds = {derive_seed(s, step, rank) for s in range(3) for step in range(5) for rank in range(4)}

@@ -124,7 +124,9 @@ def hash_u32(seed: int, numel: int, device: torch.device | str = "cpu", offset: 
 def _to_uniform(h: torch.Tensor, out: torch.Tensor) -> None:
     h >>= 8
     h &= 0xFFFFFF  # (hash >>> 8) < 2**24: exact in fp32
-    torch.mul(h, INV_2_24, out=out)
+    # cast first: int32 * python float computes in torch's *default* dtype (fp16 under Lightning's
+    # "16-true", where 2**24 overflows), whatever ``out`` is
+    out.copy_(h).mul_(INV_2_24)
 
 
 def uniform(seed: int, numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
