@@ -266,6 +266,45 @@ def test_freeze_bias_corrects_v_and_world1_step_matches_formula(decoupled):
         torch.testing.assert_close(p.detach(), expect, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_low_precision_parameters_keep_fp32_moments_and_track_the_fp32_run(dtype):
+    """precision="16-true" / "bf16-true": parameters in fp16/bf16, m and v in fp32 (a variance frozen from fp16
+    statistics is coarse or zero: g^2 (1 - beta2) of a 1e-3 gradient is below fp16's smallest subnormal, and
+    the update becomes lr m / eps). The low-precision run then tracks the fp32-parameter run up to the
+    rounding of p itself: per step |dp| <= 2^-k |p| (k = 11 fp16, 8 bf16), so after T steps
+    |p_low - p_32| <= T * 2^-k * max|p| plus the propagated difference, bounded here by 4 T 2^-k max|p|.
+    A checkpoint round trip keeps the fp32 moments (torch's load_state_dict would cast them to p's dtype)."""
+    eps_bits = {torch.float16: 11, torch.bfloat16: 8}[dtype]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 16, generator=g)
+    target = torch.randn(64, 4, generator=g) * 1e-2
+    w0 = torch.randn(16, 4, generator=g) * 0.1
+
+    def run(param_dtype, steps, resume_at=None):
+        w = torch.nn.Parameter(w0.to(param_dtype).clone())
+        opt = OneBitAdam([w], lr=1e-3, eps=1e-6, freeze_step=3)
+        for t in range(steps):
+            if t == resume_at:
+                sd, rank_sd = opt.state_dict(), opt.rank_state_dict()
+                opt = OneBitAdam([w], lr=1e-3, eps=1e-6, freeze_step=3)
+                opt.load_state_dict(sd)
+                opt.load_rank_state_dict(rank_sd)
+            opt.zero_grad()
+            ((x.to(param_dtype) @ w).float() - target).pow(2).mean().backward()
+            opt.step()
+        return w, opt
+
+    w32, _ = run(torch.float32, 12)
+    wlow, opt = run(dtype, 12)
+    bound = 4 * 12 * 2.0**-eps_bits * float(w0.abs().max())
+    assert float((wlow.float() - w32).abs().max()) <= bound
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert opt.state[wlow][key].dtype == torch.float32, key
+    wres, opt_res = run(dtype, 12, resume_at=6)
+    assert torch.equal(wres, wlow)
+    assert all(opt_res.state[wres][k].dtype == torch.float32 for k in ("exp_avg", "exp_avg_sq"))
+
+
 @pytest.mark.parametrize("bucket_mb", [32.0, 600 * 4 / 2**20], ids=["shared_bucket", "own_bucket"])
 def test_parameter_without_requires_grad_is_not_moved_after_freeze(bucket_mb):
     """As torch's AdamW: a parameter switched to requires_grad=False keeps p, m, v̂ and step; the layout stays."""

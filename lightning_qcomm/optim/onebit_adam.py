@@ -37,7 +37,13 @@ one 8-byte all-reduce, ledger tag "control"); after ``auto_freeze_patience`` con
 r < τ the variance freezes. ``freeze_step`` stays an upper bound on the warm-up. Costs one extra copy of v
 during warm-up.
 
-**Memory**: m and v as AdamW; in the compression phase also this rank's error buffers (d fp32 worker +
+**Precision**: for fp16/bf16 parameters (``precision="16-true"`` / ``"bf16-true"``) m and v are held in fp32
+(torch's AdamW holds them in the parameter's dtype). The variance is frozen once and used for the rest of
+training: from fp16 statistics it would be coarse or zero (g²(1-β2) of a 1e-3 gradient is below fp16's
+smallest subnormal, and the step becomes η m / ε). For fp32 parameters the warm-up is torch's AdamW bit
+for bit; for fp16/bf16 parameters it is AdamW with fp32 moments.
+
+**Memory**: m and v as AdamW (fp32 for fp16/bf16 parameters); in the compression phase also this rank's error buffers (d fp32 worker +
 ceil(d_b/N) fp32 server elements per bucket of d_b) and one flat fp32 bucket while it is synced.
 
 **Non-finite gradients** stay non-finite: NaN/Inf reach m and, through the 1-bit all-reduce, every rank's
@@ -69,6 +75,11 @@ from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks
 log = logging.getLogger(__name__)
 
 FP32_BYTES = 4
+
+
+def _moment_dtype(p: torch.Tensor) -> torch.dtype:
+    """fp32 moments for fp16/bf16 parameters (see "Precision" in the module doc), else the parameter's dtype."""
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 def _is_number(x: Any) -> bool:
@@ -235,17 +246,19 @@ class OneBitAdam(Optimizer):
                 grad = p.grad
                 state = self.state[p]
                 if len(state) == 0:
+                    dtype = _moment_dtype(p)
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=dtype)
                 exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                grad = grad.to(exp_avg.dtype)
                 # the same operations, in the same order, as torch.optim.adam._single_tensor_adam
                 step_t += 1
                 if wd != 0:
                     if group["decoupled_weight_decay"]:
                         p.mul_(1 - lr * wd)
                     else:
-                        grad = grad.add(p, alpha=wd)
+                        grad = grad.add(p.to(grad.dtype), alpha=wd)
                 exp_avg.lerp_(grad, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 step = step_t.item()
@@ -290,8 +303,9 @@ class OneBitAdam(Optimizer):
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError("OneBitAdam: sparse gradients are not supported; allowed: dense gradients")
+                grad = grad.to(m.dtype)
                 if group["weight_decay"] != 0 and not group["decoupled_weight_decay"]:
-                    grad = grad.add(p, alpha=group["weight_decay"])
+                    grad = grad.add(p.to(m.dtype), alpha=group["weight_decay"])
                 m.lerp_(grad, 1 - beta1)
         # momenta in layout order (param_groups order), the order the sync was built with
         momenta = [self.state[p]["exp_avg"] for p in self._layout]
@@ -398,7 +412,15 @@ class OneBitAdam(Optimizer):
                 )
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
-        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
+        saved_state = state_dict.get("state", {})
+        super().load_state_dict(state_dict)  # casts every floating state tensor to its parameter's dtype
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):  # torch's own id -> parameter mapping
+            for key in ("exp_avg", "exp_avg_sq", "exp_avg_sq_ref"):
+                value = saved_state.get(pid, {}).get(key)
+                if value is not None and p in self.state and _moment_dtype(p) != p.dtype:
+                    self.state[p][key] = value.to(device=p.device, dtype=_moment_dtype(p))
         for group in self.param_groups:  # Adam/AdamW groups lack our key; keep their semantics
             group.setdefault("decoupled_weight_decay", False)
         self._sync, self._layout = None, None
