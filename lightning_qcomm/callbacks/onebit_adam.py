@@ -37,7 +37,8 @@ Requirements (ValueError at setup otherwise): automatic optimization (with ``aut
 False`` Lightning switches DDP's gradient sync back on after every forward); exactly one optimizer; a
 DDP-wrapped model when more than one process trains (not FSDP/QSDP/LocalSGD); no fp16 ``GradScaler``
 (``precision="16-mixed"``): its per-rank inf check would let one rank skip a step the other takes, and
-after the freeze the gradients are local. bf16 and fp32 work.
+after the freeze the gradients are local. 32-true, bf16-mixed, bf16-true and 16-true work (for fp16/bf16
+parameters the optimizer keeps its moments in fp32).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class OneBitAdamCallback(pl.Callback):
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise ValueError(
                 f"OneBitAdamCallback: precision={trainer.precision!r} uses a GradScaler, whose per-rank inf check "
-                "desynchronises ranks once gradients are local; allowed precisions: 32-true, bf16-mixed, bf16-true"
+                "desynchronises ranks once gradients are local; allowed precisions: 32-true, bf16-mixed, bf16-true, 16-true"
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
