@@ -249,11 +249,14 @@ def _precision_cell(name: str, precision: str, root: str) -> dict:
         trainer.fit(module)
     except (ValueError, TypeError, RuntimeError) as err:
         return {"refused": f"{type(err).__name__}: {err}", "first_batch_step": probe.first_batch_step}
+    hook = getattr(trainer.strategy, "hook_state", None)
+    residual = None if hook is None else max(float(e.abs().max()) for e in hook.ef_state_dict().values())
     return {
         "loss": _full_loss(module),
         "train_loss": float(trainer.callback_metrics["train_loss"]),
         "agree": _agree_across_ranks(_flat(module)),
         "steps": trainer.global_step,
+        "residual": residual,
     }
 
 
@@ -385,6 +388,15 @@ def test_precision_cell_trains_or_is_refused_before_the_first_step(matrix, name,
     assert cost <= (1 + PRECISION_BAND) * ddp_cost, (
         f"{name}/{precision}: x{cost:.3f} of its fp32 loss, DDP x{ddp_cost:.3f}"
     )
+
+
+def test_error_feedback_residual_is_in_unscaled_units_under_a_grad_scaler(matrix):
+    """16-mixed scales the loss by 2^16 before backward: a residual kept in DDP's (scaled) units would be
+    ~2^16 times the fp32 run's; in unscaled units it is of the same size (same model, same steps)."""
+    for r in matrix:
+        fp32 = r["precision"][("quant_ddp_ef", "32-true")]["residual"]
+        fp16 = r["precision"][("quant_ddp_ef", "16-mixed")]["residual"]
+        assert 0 < fp16 <= 10 * fp32, (fp16, fp32)
 
 
 def test_mixed_and_bf16_precisions_match_fp32_under_ddp(matrix):
