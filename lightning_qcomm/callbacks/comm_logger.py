@@ -42,7 +42,8 @@ Plain Lightning strategies record nothing into our ledger, so to report them hon
   *counting* DDP communication hook before its first batch: the default all-reduce-and-average hook
   plus one ledger record per gradient bucket (``all_reduce``, tag ``grads``, bytes = the bucket as DDP
   sends it), so plain DDP reports vs_ddp 1.0; if the DDP model already has a communication hook, that
-  hook's owner is responsible for recording;
+  hook's owner is responsible for recording (lightning_qcomm's own hooks, such as 1-bit Adam's warm-up
+  all-reduce, do; any other hook is named once in an info message);
 * any other multi-process strategy (FSDP, DeepSpeed, ...) is reported as not measured (logged once).
 
 Not counted for any strategy: Lightning's own bookkeeping collectives (metric ``sync_dist``, barriers,
@@ -273,6 +274,9 @@ class CommVolumeLogger(pl.Callback):
         model = strategy.model
         if isinstance(model, DistributedDataParallel):
             existing = model._get_ddp_logging_data().get("comm_hook")
+            hooks = [hook for hook, _ in getattr(model, "_comm_hooks", ())]
+            if existing and hooks and all(getattr(h, "__module__", "").startswith("lightning_qcomm.") for h in hooks):
+                return  # one of ours (e.g. 1-bit Adam's warm-up hook): it records its own traffic
             if existing:
                 rank_zero_info(
                     f"CommVolumeLogger: the DDP model already has the comm hook {existing!r}; its traffic is counted only if that hook records into the CommLedger."
