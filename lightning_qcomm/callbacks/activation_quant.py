@@ -1,4 +1,4 @@
-"""ActivationQuantization: Lightning glue for b-bit saved activations (DESIGN §2 "Activation quantization").
+"""ActivationQuantization: Lightning glue for b-bit saved activations (docs/design.md, "Activation quantization").
 
     Trainer(callbacks=[ActivationQuantization(bits=4)])                      # any strategy, any device count
     Trainer(callbacks=[ActivationQuantization(bits=4, policy="budget", budget_bits=5.0)])
