@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -422,21 +423,66 @@ def test_config_trains_two_cpu_ranks(path, config_runs):
 # ------------------------------------------------------------------------------------ README quickstart
 
 
+README_REDUCED = ["--trainer.max_steps=4", "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=4"]
+
+
 @pytest.mark.slow
-def test_readme_quickstart_reduced(tmp_path):
-    """`lightning-qcomm fit --config configs/quickstart.yaml` as in the README, with fewer steps."""
+def test_readme_commands(tmp_path):
+    """The README's first commands as a user types them, the demo reduced to 4 steps, run where no configs/ is.
+
+    The demo prints the summary with the vs-DDP headline and draws the loss-vs-bytes PNG next to its logs."""
+    block = _readme_block("bash")
+    assert "python -m pytest" in block  # the tests command (not run from inside the tests)
+    demos = [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.startswith("lightning-qcomm fit")]
+    assert demos, "README's first bash block has no `lightning-qcomm fit` command"
     exe = shutil.which("lightning-qcomm")
-    cmd = [exe] if exe else [sys.executable, "-m", "lightning_qcomm"]
-    cmd += [
-        "fit",
-        "--config",
-        str(REPO / "configs" / "quickstart.yaml"),
-        "--trainer.max_steps=4",
-        "--trainer.log_every_n_steps=2",
-    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "lightning_qcomm communication summary: 2 rank(s), 4 optimizer steps" in proc.stdout, proc.stdout[-3000:]
-    assert "train_loss = " in proc.stdout
-    assert list(tmp_path.glob("runs/quickstart/version_*/metrics.csv"))
+    for argv in demos:
+        cmd = ([exe] if exe else [sys.executable, "-m", "lightning_qcomm"]) + argv[1:] + README_REDUCED
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        out = proc.stdout
+        assert "lightning_qcomm communication summary: 2 rank(s), 4 optimizer steps" in out, out[-3000:]
+        assert "vs DDP fp32: training steps sent" in out and "train_loss = " in out
+        (run_dir,) = tmp_path.glob("runs/quickstart/version_*")
+        assert (run_dir / "metrics.csv").exists()
+        png = run_dir / "loss_vs_bytes.png"
+        assert f"loss vs bytes: {png.relative_to(tmp_path)}" in out, out[-2000:]
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _tiny_demo_fit(tmp_path: Path) -> pl.Trainer:
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_qcomm.demo import ByteGPT, LossVsBytesPlot, StdlibBytes
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        limit_val_batches=0,
+        logger=CSVLogger(str(tmp_path), name="tiny"),
+        callbacks=[CommVolumeLogger(summary=False), LossVsBytesPlot()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    model = ByteGPT(n_layer=1, n_head=2, n_embd=32, block_size=32, warmup_steps=1)
+    trainer.fit(model, datamodule=StdlibBytes(block_size=32, batch_size=4, max_bytes=40000))
+    return trainer
+
+
+def test_loss_vs_bytes_plot_one_process(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    trainer = _tiny_demo_fit(tmp_path)
+    png = Path(trainer.log_dir) / "loss_vs_bytes.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"loss vs bytes: {png}" in capsys.readouterr().out
+
+
+def test_loss_vs_bytes_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):  # as if not installed
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    with pytest.warns(UserWarning, match=r"pip install lightning-qcomm\[plot\]"):
+        _tiny_demo_fit(tmp_path)
+    assert not list(tmp_path.rglob("*.png"))
