@@ -24,11 +24,11 @@ comes only from the configs that name it.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+import yaml
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -86,14 +86,16 @@ def _names_class(key: str, arg: str, following: str | None) -> tuple[bool, int]:
 
 
 def _is_class_value(value: str, is_class_path: bool) -> bool:
+    """Whether a ``--model`` / ``--data`` value picks a class (a name, or a JSON/YAML spec with ``class_path``)."""
     if is_class_path:
         return True
     text = value.strip()
-    if text.startswith("{"):
+    if text.startswith("{") or text.endswith((".yaml", ".yml", ".json")):
         try:
-            return "class_path" in json.loads(text)
-        except ValueError:
+            spec = yaml.safe_load(Path(text).read_text() if Path(text).is_file() else text)
+        except (OSError, yaml.YAMLError):
             return False
+        return isinstance(spec, dict) and "class_path" in spec
     return bool(text) and text.lower() not in ("null", "none") and not text.startswith(("-", "["))
 
 

@@ -234,6 +234,19 @@ def test_user_arguments_after_the_class_still_apply(capsys, monkeypatch):
     assert cfg["data"]["init_args"] == {**USER_DATA["init_args"], "batch_size": 8}
 
 
+def test_model_from_its_own_yaml_file(tmp_path, capsys, monkeypatch):
+    """`--model model.yaml`: a file naming a class starts it fresh; a file of init_args only keeps the class."""
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
+    quickstart = ["--config", str(REPO / "configs" / "quickstart.yaml")]
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({"class_path": USER_MODEL["class_path"]}))
+    (tmp_path / "lr.yaml").write_text(yaml.safe_dump({"init_args": {"lr": 0.5}}))
+    cfg = _printed_config([*quickstart, "--model", str(tmp_path / "mine.yaml")], capsys)
+    assert cfg["model"] == USER_MODEL
+    cfg = _printed_config([*quickstart, "--model", str(tmp_path / "lr.yaml")], capsys)
+    assert cfg["model"]["class_path"] == "lightning_qcomm.demo.ByteGPT" and cfg["model"]["init_args"]["lr"] == 0.5
+    assert cfg["model"]["init_args"]["block_size"] == 128  # the config's other values stay
+
+
 def test_no_model_named_means_no_demo_model(capsys, monkeypatch):
     """The demo comes only from its own config: a bare `lightning-qcomm fit` does not pick ByteGPT for the user."""
     monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
