@@ -37,7 +37,7 @@ class GPTConfig:
     mlp_ratio: int = 4
 
 
-# "bench" has ~3.3M parameters (12.1 MiB of fp32 gradients): DESIGN §4 asks for >= 3M.
+# "bench" has ~3.3M parameters (12.1 MiB of fp32 gradients): docs/design.md ("Benchmark regime") asks for >= 3M.
 MODEL_PRESETS: dict[str, GPTConfig] = {
     "bench": GPTConfig(),
     "small": GPTConfig(vocab_size=128, seq_len=32, d_model=128, n_layer=2, n_head=4),

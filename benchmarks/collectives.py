@@ -1,4 +1,4 @@
-"""Compressed collectives on a shaped link: time and wire bytes (issue 3 benchmark, DESIGN §3-§4).
+"""Compressed collectives on a shaped link: time and wire bytes (docs/design.md: "Benchmark regime").
 
 Two ranks, one per network namespace (``benchmarks.netns.shaped_link``: veth pair, tbf rate R each
 way), gloo over the veth, OMP_NUM_THREADS=1 and one torch thread per rank, each rank pinned to its

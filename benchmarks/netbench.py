@@ -1,4 +1,4 @@
-"""netbench: every compression method side by side on a real, rate-limited network (issue 8, DESIGN §4).
+"""netbench: every compression method side by side on a real, rate-limited network (docs/design.md, "Benchmark regime").
 
     sudo python benchmarks/netbench.py --rates 100,1000 --steps 30 --repeats 2 --out benchmarks/results
 

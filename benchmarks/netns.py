@@ -1,4 +1,4 @@
-"""Two network namespaces joined by a rate-limited veth pair, for wall-clock benchmarks (DESIGN §4).
+"""Two network namespaces joined by a rate-limited veth pair, for wall-clock benchmarks (docs/design.md).
 
     from benchmarks.netns import shaped_link, iface_bytes, netns_cmd
 

@@ -2,38 +2,149 @@
 
 Importing the package first registers the lowercase strategy names (``strategy: quant_ddp``) and makes
 our strategy and callback classes resolvable by short name (``class_path: QuantDDPStrategy``,
-``--trainer.callbacks+=CommVolumeLogger``) as well as by full ``class_path``. Any LightningModule and
-LightningDataModule can be named with ``--model`` / ``--data``; without them the demo workload runs:
-``lightning_qcomm.demo.ByteGPT`` on ``lightning_qcomm.demo.StdlibBytes`` (no download).
+``--trainer.callbacks+=CommVolumeLogger``) as well as by full ``class_path``. Our classes work just as
+well in a user's own ``LightningCLI`` (``class_path: lightning_qcomm.QSDPStrategy``); this entry point
+only adds two conveniences:
 
-    lightning-qcomm fit --config configs/quickstart.yaml
-    lightning-qcomm fit --trainer.strategy quant_ddp --trainer.devices 2 --trainer.accelerator cpu
+* **Configs by name.** ``--config quickstart.yaml`` (or ``quickstart``, or ``configs/quickstart.yaml``
+  from any directory) finds the configs shipped inside the package when no such file exists where
+  the user stands (:func:`resolve_config`); an existing path always wins.
+* **A named class starts from its own defaults.** Naming a model or data class on the command line
+  (``--model mypkg.MyModel``, ``--model=...``, ``--model.class_path ...``, ``--model '{"class_path": ...}'``)
+  discards whatever an earlier ``--config`` set for ``model`` (``data``), so a user's class gets
+  exactly its own defaults, not the values of same-named arguments of the demo (jsonargparse would
+  otherwise carry matching ``init_args`` over to the new class). Arguments given after it apply.
+
+There is no default model: the demo (``lightning_qcomm.demo.ByteGPT`` on ``StdlibBytes``, no download)
+comes only from the configs that name it.
+
+    lightning-qcomm fit --config quickstart.yaml
+    lightning-qcomm fit --config configs/quant_ddp_nuqsgd4.yaml --model mypkg.MyModel --data mypkg.MyData
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import lightning.pytorch as pl
+import yaml
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 import lightning_qcomm  # noqa: F401  (registers strategy names)
 import lightning_qcomm.callbacks  # noqa: F401  (short callback names)
 import lightning_qcomm.strategies  # noqa: F401  (short strategy names)
 
-DEMO_MODEL = "lightning_qcomm.demo.ByteGPT"
-DEMO_DATA = "lightning_qcomm.demo.StdlibBytes"
+CONFIG_FLAGS = ("--config", "-c")
+CLASS_KEYS = ("model", "data")
+
+
+def configs_dir() -> Path:
+    """The directory of the YAML configs that ship with the package.
+
+    An installed wheel holds them at ``lightning_qcomm/configs/`` (``pyproject.toml`` maps the repository's
+    ``configs/`` there); an editable install or a source checkout reads the repository's ``configs/``.
+    """
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "configs", package.parent / "configs"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"no configs directory next to {package} (a broken install?)")
+
+
+def packaged_configs() -> list[str]:
+    """Names of the shipped configs (``quickstart.yaml``, ...), sorted."""
+    return sorted(p.name for p in configs_dir().glob("*.yaml"))
+
+
+def resolve_config(value: str) -> str:
+    """``value`` itself if it is an existing path, else the shipped config it names, else ``value`` unchanged.
+
+    A name matches by file name with or without ``.yaml`` (``configs/quickstart.yaml``, ``quickstart``).
+    Values that are not a plain path (a YAML/JSON string) are returned unchanged.
+    """
+    if Path(value).exists() or "\n" in value or value.lstrip().startswith(("{", "[")):
+        return value
+    name = Path(value).name
+    for candidate in (name, f"{name}.yaml"):
+        path = configs_dir() / candidate
+        if path.is_file():
+            rank_zero_info(f"lightning-qcomm: --config {value} -> {path}")
+            return str(path)
+    return value
+
+
+def _names_class(key: str, arg: str, following: str | None) -> tuple[bool, int]:
+    """Whether ``arg`` (with its value ``following``) names a class for ``key``; and how many tokens it spans."""
+    for flag in (f"--{key}", f"--{key}.class_path"):
+        if arg == flag:
+            return following is not None and _is_class_value(following, flag.endswith("class_path")), 2
+        if arg.startswith(flag + "="):
+            return _is_class_value(arg[len(flag) + 1 :], flag.endswith("class_path")), 1
+    return False, 1
+
+
+def _is_class_value(value: str, is_class_path: bool) -> bool:
+    """Whether a ``--model`` / ``--data`` value picks a class (a name, or a JSON/YAML spec with ``class_path``)."""
+    if is_class_path:
+        return True
+    text = value.strip()
+    if text.startswith("{") or text.endswith((".yaml", ".yml", ".json")):
+        try:
+            spec = yaml.safe_load(Path(text).read_text() if Path(text).is_file() else text)
+        except (OSError, yaml.YAMLError):
+            return False
+        return isinstance(spec, dict) and "class_path" in spec
+    return bool(text) and text.lower() not in ("null", "none") and not text.startswith(("-", "["))
+
+
+def prepare_args(args: list[str]) -> list[str]:
+    """Rewrite a command line: shipped configs by name, and a reset before every model/data class it names."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        following = args[i + 1] if i + 1 < len(args) else None
+        if arg in CONFIG_FLAGS and following is not None:
+            out += [arg, resolve_config(following)]
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            out.append("--config=" + resolve_config(arg[len("--config=") :]))
+            i += 1
+            continue
+        for key in CLASS_KEYS:
+            named, span = _names_class(key, arg, following)
+            if named:
+                out.append(f"--{key}=null")  # forget an earlier config's class and its init_args
+                break
+        else:
+            span = 1
+        out += args[i : i + span]
+        i += span
+    return out
 
 
 class QCommCLI(LightningCLI):
-    """LightningCLI whose model and data default to the byte-level GPT demo."""
+    """LightningCLI over any LightningModule / LightningDataModule, with configs by name (see module docstring)."""
 
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.set_defaults({"model": {"class_path": DEMO_MODEL}, "data": {"class_path": DEMO_DATA}})
+    def parse_arguments(self, parser: LightningArgumentParser, args: list[str] | dict | None) -> None:
+        if args is None:  # the real command line (LightningCLI warns when given args and argv both)
+            self.config = parser.parse_args(prepare_args(sys.argv[1:]))
+            return
+        super().parse_arguments(parser, prepare_args(args) if isinstance(args, list) else args)
 
 
 def make_cli(args: list[str] | None = None, run: bool = True) -> QCommCLI:
     """Build (and with ``run`` execute) the CLI; returns it, so callers can read ``cli.trainer``, ``cli.model``.
 
     ``args`` defaults to ``sys.argv[1:]``; ``run=False`` only parses and instantiates (no subcommand in ``args``).
+
+    Example::
+
+        cli = make_cli(["--config", "quickstart.yaml", "--trainer.max_steps=4"], run=False)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     """
     import lightning_qcomm.demo  # noqa: F401  (demo classes resolvable by short name too)
 

@@ -8,8 +8,12 @@
 * ``ByteGPT``: a GPT-2-style decoder (pre-norm blocks: LayerNorm, causal self-attention, LayerNorm,
   GELU MLP; learned positions; tied embedding/head) over the 256 byte values, trained with AdamW and
   a linear-warmup cosine learning-rate schedule (per optimizer step), which Local SGD's QSR reads.
+* ``LossVsBytesPlot``: the quickstart's picture. At the end of training, rank 0 draws its training loss
+  against the bytes it sent so far, beside the same losses placed at the bytes DDP fp32 would have sent
+  for the same steps (read from ``CommVolumeLogger``), as a PNG next to the run's logs, and prints the
+  path. Needs matplotlib (``pip install lightning-qcomm[plot]``); without it, it says so and draws nothing.
 
-Both are plain Lightning classes with typed primitive arguments, so LightningCLI configs set them.
+All are plain Lightning classes with typed primitive arguments, so LightningCLI configs set them.
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ from __future__ import annotations
 import math
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_qcomm.callbacks.comm_logger import CommVolumeLogger
 
 VOCAB_SIZE = 256  # bytes
 
@@ -204,3 +212,88 @@ class ByteGPT(pl.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LossVsBytesPlot(pl.Callback):
+    """Draw rank 0's training loss against the bytes it sent, and against DDP fp32's bytes for the same steps.
+
+    Needs a ``CommVolumeLogger`` in the callbacks (any order). The loss is the one ``training_step`` returned
+    (last micro-batch of each optimizer step); x is megabytes sent by this rank in training steps since
+    training start. The DDP-fp32 curve re-plots the *same* losses at the bytes plain DDP would have sent
+    (2(N-1)/N * 4 * P per step): it shows the byte cost of the same progress, not a second training run.
+
+    Args:
+        filename: PNG name, written in ``trainer.log_dir`` (the run's log folder).
+
+    Example::
+
+        Trainer(strategy="qsdp", devices=2, callbacks=[CommVolumeLogger(), LossVsBytesPlot()])
+    """
+
+    def __init__(self, filename: str = "loss_vs_bytes.png") -> None:
+        if not filename.endswith(".png"):
+            raise ValueError(f"filename must end with .png, got {filename!r}")
+        self.filename = filename
+        self.path: Path | None = None  # where the last plot went
+        self._loss: dict[int, float] = {}  # optimizer step (1-based) -> loss
+        self._bytes: dict[int, tuple[float, float]] = {}  # step -> (sent, DDP fp32) cumulative, this rank
+
+    def _comm_logger(self, trainer: pl.Trainer) -> CommVolumeLogger | None:
+        return next((c for c in trainer.callbacks if isinstance(c, CommVolumeLogger)), None)
+
+    def _collect(self, trainer: pl.Trainer) -> None:
+        cb = self._comm_logger(trainer)
+        if cb is not None:  # keyed by the step its totals are at, so the callbacks' order does not matter
+            self._bytes[cb.global_step_counted] = (cb.train_bytes_sent, cb.ddp_fp32_bytes)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loss, self._bytes, self.path = {}, {}, None
+        if self._comm_logger(trainer) is None:
+            rank_zero_warn("LossVsBytesPlot: no CommVolumeLogger in the callbacks, so there are no bytes to plot")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._collect(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._loss[trainer.global_step] = float(loss.detach())
+        self._collect(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._collect(trainer)
+        out_dir = Path(trainer.log_dir or trainer.default_root_dir)  # collective: every rank asks
+        steps = sorted(k for k in self._loss if k in self._bytes)
+        if not trainer.is_global_zero or not steps:
+            return
+        path = out_dir / self.filename
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError:
+            rank_zero_warn(
+                f"LossVsBytesPlot: matplotlib is not installed, so {path} was not drawn; "
+                "`pip install lightning-qcomm[plot]` (or `pip install matplotlib`) adds it"
+            )
+            return
+        loss = [self._loss[k] for k in steps]
+        sent = [self._bytes[k][0] / 1e6 for k in steps]
+        ddp = [self._bytes[k][1] / 1e6 for k in steps]
+        fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        name = type(trainer.strategy).__name__
+        ax.plot(sent, loss, marker=".", label=f"{name}: what this run sent ({sent[-1]:.1f} MB)")
+        if ddp[-1] > 0:
+            ax.plot(ddp, loss, ls="--", label=f"DDP fp32 for the same steps ({ddp[-1]:.1f} MB)")
+            ax.set_title(f"{sent[-1] / ddp[-1]:.2f}x of DDP fp32's bytes over {steps[-1]} optimizer steps")
+        else:
+            ax.set_title(f"{steps[-1]} optimizer steps (one process: no DDP baseline)")
+        ax.set_xlabel("MB sent by rank 0 in training steps (cumulative)")
+        ax.set_ylabel("training loss (rank 0)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        self.path = path
+        print(f"loss vs bytes: {path}", flush=True)

@@ -276,7 +276,7 @@ def test_activation_checkpointing_regions_are_left_to_checkpoint():
 def test_computed_weight_of_the_input_size_is_not_quantized():
     """A weight computed in forward (weight_norm here; merged LoRA and masked weights alike) is no parameter
     view, and with a (64, 64) input it has the input's numel: only the input may be quantized, so
-    dX = dY · W is exact (DESIGN §2) while dW uses the quantized input."""
+    dX = dY · W is exact (docs/design.md, "Activation quantization") while dW uses the quantized input."""
     from torch.nn.utils.parametrizations import weight_norm
 
     torch.manual_seed(0)

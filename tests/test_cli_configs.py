@@ -5,7 +5,11 @@
   as its ranks instead of launching its own). A config whose strategy or callback module does not exist yet is
   skipped with the reason, so it starts running when that module lands.
 * ``trainer.strategy`` as a registered string, as a full ``class_path`` and as a short class name.
-* The README quickstart command, reduced to a few steps, run as a real subprocess: prints the summary table.
+* A user's own model and data under ``lightning-qcomm``: ``--print_config`` shows exactly their classes' defaults,
+  with or without one of our configs before them (the demo's arguments never carry over).
+* Our classes in a user's own ``LightningCLI`` YAML (the README's first snippet), and configs found by name.
+* The README's commands, the demo reduced to a few steps, run as a real subprocess: the summary table and the
+  loss-vs-bytes PNG.
 """
 
 from __future__ import annotations
@@ -13,20 +17,25 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
 import sys
 import time
 import traceback
+import zipfile
 from datetime import timedelta
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
+from lightning.pytorch.cli import LightningCLI
 
 from lightning_qcomm.callbacks import CommVolumeLogger
 from lightning_qcomm.cli import make_cli
@@ -136,7 +145,11 @@ def test_strategy_forms_from_yaml(name, cls, module, form, tmp_path, monkeypatch
         "class_path": {"class_path": f"{module}.{cls}"},
         "short_name": {"class_path": cls},
     }[form]
-    cfg = {"trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy, "logger": False}}
+    cfg = {
+        "trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy, "logger": False},
+        "model": "lightning_qcomm.demo.ByteGPT",  # no default model: the demo is named like any other
+        "data": "lightning_qcomm.demo.StdlibBytes",
+    }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cli = make_cli(["--config", str(path)], run=False)
@@ -145,6 +158,193 @@ def test_strategy_forms_from_yaml(name, cls, module, form, tmp_path, monkeypatch
         f"strategy {strategy!r} resolved to {got}; string names need registration in lightning_qcomm/__init__.py "
         "and short names need the class imported by `import lightning_qcomm`"
     )
+
+
+# ------------------------------------------------------------------------- a user's own model and data
+
+
+class UserModel(pl.LightningModule):
+    """A user's model whose argument names overlap ByteGPT's (lr, block_size, n_layer) with other defaults."""
+
+    def __init__(self, lr: float = 0.1, block_size: int = 35, n_layer: int = 2, hidden: int = 7) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(hidden, 1)
+
+
+class UserData(pl.LightningDataModule):
+    """A user's data module whose argument names overlap StdlibBytes' (batch_size, block_size, max_bytes)."""
+
+    def __init__(self, batch_size: int = 3, block_size: int = 35, max_bytes: int = 500) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+USER_MODEL = {
+    "class_path": f"{__name__}.UserModel",
+    "init_args": {"lr": 0.1, "block_size": 35, "n_layer": 2, "hidden": 7},
+}
+USER_DATA = {"class_path": f"{__name__}.UserData", "init_args": {"batch_size": 3, "block_size": 35, "max_bytes": 500}}
+NAMING_FORMS = {  # the ways LightningCLI lets a user name the class on the command line
+    "space": lambda key, cls: [f"--{key}", cls],
+    "equals": lambda key, cls: [f"--{key}={cls}"],
+    "class_path": lambda key, cls: [f"--{key}.class_path", cls],
+    "json": lambda key, cls: [f"--{key}", json.dumps({"class_path": cls})],
+}
+
+
+def _printed_config(args: list[str], capsys) -> dict:
+    with pytest.raises(SystemExit) as exit_info:
+        make_cli(["fit", *args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("form", sorted(NAMING_FORMS))
+@pytest.mark.parametrize("config", [None, "quickstart.yaml", "onebit_adam.yaml"])
+def test_user_model_and_data_get_their_own_defaults(config, form, capsys, monkeypatch):
+    """`lightning-qcomm fit [--config ours] --model mypkg.MyModel --data mypkg.MyData`: nothing of the demo carries over."""
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
+    args = ["--config", str(REPO / "configs" / config)] if config else []
+    args += NAMING_FORMS[form]("model", USER_MODEL["class_path"]) + NAMING_FORMS[form]("data", USER_DATA["class_path"])
+    cfg = _printed_config(args, capsys)
+    assert cfg["model"] == USER_MODEL
+    assert cfg["data"] == USER_DATA
+    if config:  # the rest of our config still applies
+        assert cfg["trainer"]["devices"] == 2
+
+
+def test_user_arguments_after_the_class_still_apply(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
+    cfg = _printed_config(
+        [
+            "--config",
+            str(REPO / "configs" / "quickstart.yaml"),
+            "--model",
+            USER_MODEL["class_path"],
+            "--model.lr=0.5",
+            "--model.init_args.hidden=9",
+            "--data",
+            USER_DATA["class_path"],
+            "--data.batch_size=8",
+        ],
+        capsys,
+    )
+    assert cfg["model"]["init_args"] == {**USER_MODEL["init_args"], "lr": 0.5, "hidden": 9}
+    assert cfg["data"]["init_args"] == {**USER_DATA["init_args"], "batch_size": 8}
+
+
+def test_model_from_its_own_yaml_file(tmp_path, capsys, monkeypatch):
+    """`--model model.yaml`: a file naming a class starts it fresh; a file of init_args only keeps the class."""
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
+    quickstart = ["--config", str(REPO / "configs" / "quickstart.yaml")]
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({"class_path": USER_MODEL["class_path"]}))
+    (tmp_path / "lr.yaml").write_text(yaml.safe_dump({"init_args": {"lr": 0.5}}))
+    cfg = _printed_config([*quickstart, "--model", str(tmp_path / "mine.yaml")], capsys)
+    assert cfg["model"] == USER_MODEL
+    cfg = _printed_config([*quickstart, "--model", str(tmp_path / "lr.yaml")], capsys)
+    assert cfg["model"]["class_path"] == "lightning_qcomm.demo.ByteGPT" and cfg["model"]["init_args"]["lr"] == 0.5
+    assert cfg["model"]["init_args"]["block_size"] == 128  # the config's other values stay
+
+
+def test_no_model_named_means_no_demo_model(capsys, monkeypatch):
+    """The demo comes only from its own config: a bare `lightning-qcomm fit` does not pick ByteGPT for the user."""
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
+    cfg = _printed_config(["--trainer.accelerator=cpu"], capsys)
+    assert cfg["model"] is None and cfg["data"] is None
+
+
+@pytest.mark.parametrize("name", ["quickstart.yaml", "quickstart", "configs/quickstart.yaml"])
+def test_config_found_by_name_outside_the_checkout(name, tmp_path, monkeypatch):
+    """An installed wheel ships configs/: `lightning-qcomm fit --config quickstart.yaml` works from any directory."""
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
+    monkeypatch.chdir(tmp_path)
+    cli = make_cli(["--config", name, "--trainer.logger=false"], run=False)
+    assert type(cli.model).__name__ == "ByteGPT" and type(cli.datamodule).__name__ == "StdlibBytes"
+    assert type(cli.trainer.strategy).__name__ == "QSDPStrategy"
+
+
+def _readme_block(lang: str, index: int = 0) -> str:
+    blocks = re.findall(rf"```{lang}\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    assert len(blocks) > index, f"README.md has no ```{lang} block number {index}"
+    return blocks[index]
+
+
+def test_readme_first_yaml_in_a_plain_lightningcli(tmp_path, monkeypatch):
+    """The README's first snippet: our classes by class_path in the user's own LightningCLI, with their model."""
+    monkeypatch.setattr(sys, "argv", ["my_train.py"])
+    snippet = yaml.safe_load(_readme_block("yaml"))
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(snippet))
+    cli = LightningCLI(
+        UserModel,
+        UserData,
+        args=["--config", str(path), "--trainer.logger=false"],
+        run=False,
+        save_config_callback=None,
+    )
+    strategy = snippet["trainer"]["strategy"]["class_path"]
+    assert strategy.startswith("lightning_qcomm.") and type(cli.trainer.strategy).__name__ == strategy.rsplit(".", 1)[1]
+    names = {type(cb).__name__ for cb in cli.trainer.callbacks}
+    assert {cb["class_path"].rsplit(".", 1)[1] for cb in snippet["trainer"]["callbacks"]} <= names
+    assert cli.model.hparams.lr == 0.1  # the user's defaults
+
+
+# ----------------------------------------------------------------------------------------------- the wheel
+
+
+@pytest.mark.slow
+def test_wheel_ships_configs_and_types_and_no_hard_triton(tmp_path):
+    """Build the wheel from a copy of the sources: configs and py.typed inside, triton only as an extra."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("lightning_qcomm", "kernels", "configs"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("lightning_qcomm-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        meta = zf.read(meta_name).decode()
+        zf.extractall(tmp_path / "site")
+    assert {f"lightning_qcomm/configs/{p.name}" for p in CONFIGS} <= names
+    assert {"lightning_qcomm/py.typed", "lightning_qcomm/kernels/__init__.py"} <= names
+    requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    hard = [r for r in requires if "extra ==" not in r]
+    assert not any(r.startswith("triton") for r in hard), hard
+    assert any(r.startswith("triton") and 'extra == "triton"' in r for r in requires), requires
+    assert any(r.startswith("matplotlib") and 'extra == "plot"' in r for r in requires), requires
+    (torch_req,) = [r for r in hard if re.match(r"torch\b", r)]
+    assert "<2.14" in torch_req and ">=2.13" in torch_req, torch_req
+    # the installed package finds its own configs by name, from a directory without configs/
+    probe = "from lightning_qcomm.cli import configs_dir, resolve_config; print(configs_dir()); print(resolve_config('quickstart'))"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    found_dir, found = out.stdout.split()
+    assert Path(found_dir) == tmp_path / "site" / "lightning_qcomm" / "configs"
+    assert Path(found) == Path(found_dir) / "quickstart.yaml"
 
 
 # ------------------------------------------------------------------------------------- training, 2 ranks
@@ -236,21 +436,66 @@ def test_config_trains_two_cpu_ranks(path, config_runs):
 # ------------------------------------------------------------------------------------ README quickstart
 
 
+README_REDUCED = ["--trainer.max_steps=4", "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=4"]
+
+
 @pytest.mark.slow
-def test_readme_quickstart_reduced(tmp_path):
-    """`lightning-qcomm fit --config configs/quickstart.yaml` as in the README, with fewer steps."""
+def test_readme_commands(tmp_path):
+    """The README's first commands as a user types them, the demo reduced to 4 steps, run where no configs/ is.
+
+    The demo prints the summary with the vs-DDP headline and draws the loss-vs-bytes PNG next to its logs."""
+    block = _readme_block("bash")
+    assert "python -m pytest" in block  # the tests command (not run from inside the tests)
+    demos = [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.startswith("lightning-qcomm fit")]
+    assert demos, "README's first bash block has no `lightning-qcomm fit` command"
     exe = shutil.which("lightning-qcomm")
-    cmd = [exe] if exe else [sys.executable, "-m", "lightning_qcomm"]
-    cmd += [
-        "fit",
-        "--config",
-        str(REPO / "configs" / "quickstart.yaml"),
-        "--trainer.max_steps=4",
-        "--trainer.log_every_n_steps=2",
-    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "lightning_qcomm communication summary: 2 rank(s), 4 optimizer steps" in proc.stdout, proc.stdout[-3000:]
-    assert "train_loss = " in proc.stdout
-    assert list(tmp_path.glob("runs/quickstart/version_*/metrics.csv"))
+    for argv in demos:
+        cmd = ([exe] if exe else [sys.executable, "-m", "lightning_qcomm"]) + argv[1:] + README_REDUCED
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        out = proc.stdout
+        assert "lightning_qcomm communication summary: 2 rank(s), 4 optimizer steps" in out, out[-3000:]
+        assert "vs DDP fp32: training steps sent" in out and "train_loss = " in out
+        (run_dir,) = tmp_path.glob("runs/quickstart/version_*")
+        assert (run_dir / "metrics.csv").exists()
+        png = run_dir / "loss_vs_bytes.png"
+        assert f"loss vs bytes: {png.relative_to(tmp_path)}" in out, out[-2000:]
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _tiny_demo_fit(tmp_path: Path) -> pl.Trainer:
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_qcomm.demo import ByteGPT, LossVsBytesPlot, StdlibBytes
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        limit_val_batches=0,
+        logger=CSVLogger(str(tmp_path), name="tiny"),
+        callbacks=[CommVolumeLogger(summary=False), LossVsBytesPlot()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    model = ByteGPT(n_layer=1, n_head=2, n_embd=32, block_size=32, warmup_steps=1)
+    trainer.fit(model, datamodule=StdlibBytes(block_size=32, batch_size=4, max_bytes=40000))
+    return trainer
+
+
+def test_loss_vs_bytes_plot_one_process(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    trainer = _tiny_demo_fit(tmp_path)
+    png = Path(trainer.log_dir) / "loss_vs_bytes.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"loss vs bytes: {png}" in capsys.readouterr().out
+
+
+def test_loss_vs_bytes_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):  # as if not installed
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    with pytest.warns(UserWarning, match=r"pip install lightning-qcomm\[plot\]"):
+        _tiny_demo_fit(tmp_path)
+    assert not list(tmp_path.rglob("*.png"))

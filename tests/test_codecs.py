@@ -1,4 +1,4 @@
-"""Acceptance tests of the codec layer (issue 2): an independent check of the math in DESIGN §2.
+"""Acceptance tests of the codec layer (issue 2): an independent check of the math in docs/design.md ("Codecs").
 
 Every bound below is derived here from the codec's definition, computed in float64 from the input
 alone (never from the codec's own scales), then checked against ``decode(encode(x))``.

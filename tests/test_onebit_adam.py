@@ -11,7 +11,7 @@ in-process on its rank: ``LOCAL_RANK`` is set, so Lightning does not launch). In
 
 * plain torch DDP + ``onebit_adam_grad_hook`` + OneBitAdam: torch.distributed calls counted per step
   (all_reduce during warm-up, none after the freeze -- only the 1-bit all-to-all + all-gather), and the
-  first compressed step's momentum and parameters against an independent oracle of DESIGN §2's formulas,
+  first compressed step's momentum and parameters against an independent oracle of docs/design.md's formulas ("1-bit Adam"),
   computed from both ranks' local momenta; NaN gradients stay NaN; auto-freeze on rank-local gradients
   (the max over ranks decides, booked under ledger tag "control");
 * Lightning ``strategy="ddp"``: plain AdamW vs ``OneBitAdamCallback`` (AdamW + LambdaLR replaced), loss
@@ -164,7 +164,7 @@ def _free_port() -> int:
 
 # ---------------------------------------------------------------------------------------------- the oracle
 def _c(x: torch.Tensor) -> torch.Tensor:
-    """DESIGN §2: C(x) = (||x||_2 / sqrt(len x)) * sign(x), sign(0) = +1 (float64)."""
+    """docs/design.md ("1-bit sign"): C(x) = (||x||_2 / sqrt(len x)) * sign(x), sign(0) = +1 (float64)."""
     x = x.double()
     return (x.norm() / math.sqrt(x.numel())) * torch.where(x < 0, -1.0, 1.0).double()
 
@@ -224,7 +224,7 @@ def test_warmup_equals_torch_adam_bitwise(reference):
 
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
 def test_freeze_bias_corrects_v_and_world1_step_matches_formula(decoupled):
-    """World of one, first compressed step against DESIGN §2, per group (own lr/betas/eps/wd), both decay modes."""
+    """World of one, first compressed step against docs/design.md, per group (own lr/betas/eps/wd), both decay modes."""
     torch.manual_seed(0)
     model = _net()
     groups = _groups(model)

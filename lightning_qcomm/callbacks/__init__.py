@@ -1,4 +1,4 @@
-"""Lightning callbacks of lightning_qcomm (DESIGN §1, lightning layer).
+"""Lightning callbacks of lightning_qcomm (Lightning layer, docs/design.md).
 
 Importing this package makes the callbacks resolvable by short class name in LightningCLI configs.
 The modules of ``OneBitAdamCallback`` and ``ActivationQuantization`` are imported when present (they are

@@ -1,4 +1,4 @@
-"""ActivationQuantization: Lightning glue for b-bit saved activations (DESIGN §2 "Activation quantization").
+"""ActivationQuantization: Lightning glue for b-bit saved activations (docs/design.md, "Activation quantization").
 
     Trainer(callbacks=[ActivationQuantization(bits=4)])                      # any strategy, any device count
     Trainer(callbacks=[ActivationQuantization(bits=4, policy="budget", budget_bits=5.0)])
@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.memory.bit_allocation import average_bits
@@ -146,9 +147,18 @@ class ActivationQuantization(pl.Callback):
         self._forward_in_step = 0
         self._grads_to_compress = False  # an accumulating backward ran; compress before the next forward
         self._calibration_start: int | None = None  # global step where the current budget calibration began
+        self._checked_effect = False  # the first finished step was checked for quantized saves
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        compiled = _compiled_parts(pl_module)
+        if compiled:
+            rank_zero_warn(
+                f"ActivationQuantization: {', '.join(compiled)} runs under torch.compile, which is not supported: "
+                "the saved-tensor hooks break the compiled graphs (much slower than eager) and saves inside "
+                "compiled regions may stay unquantized; train without torch.compile or without this callback"
+            )
+        self._checked_effect = False
         self.quantizer.attach(pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -235,6 +245,15 @@ class ActivationQuantization(pl.Callback):
         if trainer.global_step == self._step:
             return  # gradient accumulation: the optimizer step has not happened yet
         self.last_step_stats = self.step_stats
+        if not self._checked_effect:
+            self._checked_effect = True
+            if self.step_stats.quantized_tensors == 0:
+                rank_zero_warn(
+                    f"ActivationQuantization(bits={self.config.bits}): the first training step quantized no saved "
+                    "activation, so the callback has no effect on this model: it quantizes only inputs saved by "
+                    f"nn.Linear / F.linear, LayerNorm / RMSNorm and GELU / SiLU with at least min_numel="
+                    f"{self.config.min_numel} elements outside attention (a conv-only network saves none of these)"
+                )
         if self.config.policy == "budget" and self.quantizer.plan is None:
             self._calibrate(trainer)
         every = self.log_every_n_steps or trainer.log_every_n_steps
@@ -302,3 +321,13 @@ class ActivationQuantization(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.quantizer.load_state_dict(state_dict)
+
+
+def _compiled_parts(module: torch.nn.Module) -> list[str]:
+    """Which parts of ``module`` run under torch.compile: the LightningModule itself (``trainer.fit(torch.compile(
+    model))``), or submodules wrapped by ``torch.compile`` / compiled in place with ``nn.Module.compile``."""
+    parts = ["the LightningModule"] if getattr(module, "_compiler_ctx", None) else []
+    for name, m in module.named_modules():
+        if name and (hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None):
+            parts.append(f"submodule {name!r}")
+    return parts

@@ -1,25 +1,39 @@
-"""CommVolumeLogger: turns the CommLedger into Lightning metrics and an end-of-fit summary table.
+"""CommVolumeLogger: turns the CommLedger into Lightning metrics and an end-of-fit summary, against DDP fp32.
 
 What it owns:
 
 * **Step boundaries.** It installs a ``CommLedger`` at setup when none is active (``ensure_ledger``) and
   calls ``ledger.next_step()`` once per optimizer step (``on_train_batch_end`` when ``global_step``
   advanced). Strategies never call ``next_step``.
+* **The headline baseline: plain DDP in fp32.** Per optimizer step, what DDP's ring all-reduce of the
+  fp32 gradients of the same trainable parameters would send per rank, 2(N-1)/N * 4 * P, with P counted
+  from the model at that step (``requires_grad`` parameters, global sizes under FSDP2). ``vs_ddp`` =
+  bytes sent / that. The per-collective ``ratio`` (each collective against the same collective in fp32)
+  is kept beside it.
 * **Per-step metrics** (this rank's numbers, written to every Lightning logger by rank 0 every
   ``log_every_n_steps`` optimizer steps). A step's traffic is the ledger's cumulative totals differenced
   from the first micro-batch of the step to the optimizer step, so evaluation and sanity-check traffic is
   never charged to a training step (it is in the cumulative and summary numbers):
 
-  ``comm/bytes_sent``, ``comm/baseline_bytes``, ``comm/ratio`` (= sent / baseline), ``comm/collectives``
-  (calls), and the same since fit start as ``comm/cum_bytes_sent``, ``comm/cum_baseline_bytes``,
+  ``comm/bytes_sent``, ``comm/ddp_bytes`` (the DDP-fp32 baseline), ``comm/vs_ddp``, ``comm/baseline_bytes``
+  and ``comm/ratio`` (same collective in fp32), ``comm/collectives`` (calls), and since training start
+  ``comm/cum_bytes_sent``, ``comm/cum_ddp_bytes``, ``comm/cum_vs_ddp``, ``comm/cum_baseline_bytes``,
   ``comm/cum_ratio``. With ``per_op``: ``comm/op/<op>/{bytes_sent,baseline_bytes,ratio,collectives}``
-  for each torch.distributed primitive (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast)
-  and ``comm/tag/<tag>/...`` for each purpose (grads, weights, param_average, momentum, buffers, control).
-  ``bytes_sent`` is the ledger's wire estimate (``wire_bytes``); ``baseline_bytes`` is what the
-  uncompressed fp32 collective would send.
-* **Summary** at the end of training: the per-(op, tag) totals since fit start, summed over all ranks
-  with one all-reduce of a small fp64 tensor (a plain ``torch.distributed`` call, not recorded in the
-  ledger), printed as a table on global rank 0 and optionally written as JSON (``summary_file``).
+  for each torch.distributed primitive and ``comm/tag/<tag>/...`` for each purpose (grads, weights,
+  param_average, momentum, buffers, control). Under Local SGD also ``comm/syncs`` and ``comm/mean_h``
+  (read from the strategy's ``num_syncs``); under 1-bit Adam ``comm/onebit_compressed`` (0 for a step of
+  the fp32 warm-up, 1 for a step after the optimizer's ``frozen_at``). Both are duck-typed: no import of
+  their classes.
+* **Summary** at the end of training: the totals since training start, summed over all ranks with one
+  all-reduce of a small fp64 tensor (a plain ``torch.distributed`` call, not recorded in the ledger),
+  printed on global rank 0 (``summary_table``, ``summary_doc``) and optionally written as JSON
+  (``summary_file``): the vs-DDP headline for the training steps, Local SGD's syncs and mean H, 1-bit
+  Adam's phase, then the per-collective table.
+* **Resume.** The totals since training start (all traffic, training-step traffic, the DDP-fp32
+  baseline, steps counted) are this callback's ``state_dict``: every rank's, gathered when the checkpoint
+  is written (all ranks call it, as Lightning does), and each rank restores its own, so after a resume
+  the header's step count, the summary and ``comm/cum_*`` continue. With another world size the saved
+  totals are summed into rank 0's (the summary stays right; per-rank numbers restart), logged once.
 
 Plain Lightning strategies record nothing into our ledger, so to report them honestly:
 
@@ -27,21 +41,22 @@ Plain Lightning strategies record nothing into our ledger, so to report them hon
 * any other strategy whose model is a ``DistributedDataParallel`` (e.g. ``strategy="ddp"``) gets a
   *counting* DDP communication hook before its first batch: the default all-reduce-and-average hook
   plus one ledger record per gradient bucket (``all_reduce``, tag ``grads``, bytes = the bucket as DDP
-  sends it, baseline = the same bytes because uncompressed DDP is the baseline), so ``ratio`` is 1.0;
-  if the DDP model already has a communication hook, that hook's owner is responsible for recording;
+  sends it), so plain DDP reports vs_ddp 1.0; if the DDP model already has a communication hook, that
+  hook's owner is responsible for recording (lightning_qcomm's own hooks, such as 1-bit Adam's warm-up
+  all-reduce, do; any other hook is named once in an info message);
 * any other multi-process strategy (FSDP, DeepSpeed, ...) is reported as not measured (logged once).
 
 Not counted for any strategy: Lightning's own bookkeeping collectives (metric ``sync_dist``, barriers,
 the initial parameter broadcast).
+
+Example::
+
+    Trainer(strategy="qsdp", devices=2, callbacks=[CommVolumeLogger(summary_file="comm.json")])
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -51,11 +66,24 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_qcomm.comm.ledger import CommLedger, OpTotals, ensure_ledger, get_ledger
+from lightning_qcomm.callbacks.comm_report import (
+    Totals,
+    add_totals,
+    aggregate_over_ranks,
+    ddp_fp32_step_bytes,
+    diff_totals,
+    format_summary,
+    metrics_from_totals,
+    overall,
+    snapshot,
+    totals_from_rows,
+    totals_to_rows,
+    vs_ddp_line,
+    write_summary_json,
+)
+from lightning_qcomm.comm.ledger import CommLedger, ensure_ledger, get_ledger
 
 log = logging.getLogger(__name__)
-
-Totals = dict[tuple[str, str], OpTotals]
 
 
 def counting_allreduce_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -74,98 +102,43 @@ counting_allreduce_hook.__annotations__ = {
 }
 
 
-def diff_totals(now: Totals, before: Totals) -> Totals:
-    """Per-key ``now - before`` (keys absent from ``before`` count from zero); zero-call keys dropped."""
-    out: Totals = {}
-    for key, t in now.items():
-        b = before.get(key, OpTotals())
-        d = OpTotals(
-            t.calls - b.calls,
-            t.payload_bytes - b.payload_bytes,
-            t.wire_bytes - b.wire_bytes,
-            t.baseline_bytes - b.baseline_bytes,
-        )
-        if d.calls:
-            out[key] = d
-    return out
+def trainable_numel(module: torch.nn.Module) -> int:
+    """Elements of the parameters with ``requires_grad`` (shared ones once; a DTensor counts its global size)."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def _snapshot(totals: Totals) -> Totals:
-    return {k: OpTotals(t.calls, t.payload_bytes, t.wire_bytes, t.baseline_bytes) for k, t in totals.items()}
+def local_sgd_info(strategy: Any, steps: int) -> dict[str, float] | None:
+    """Syncs and mean H of a strategy that exposes ``num_syncs`` (LocalSGDStrategy), else None."""
+    syncs = getattr(strategy, "num_syncs", None)
+    if not isinstance(syncs, int):
+        return None
+    forced = getattr(strategy, "num_forced_syncs", 0)
+    return {"syncs": syncs, "mean_h": steps / syncs if syncs else None, "forced_syncs": int(forced)}
 
 
-def _group(totals: Totals, by: str) -> dict[str, OpTotals]:
-    """Group by ``op`` or ``tag`` (untagged traffic is listed under ``untagged``), or everything as ``all``."""
-    out: dict[str, OpTotals] = defaultdict(OpTotals)
-    for (op, tag), t in totals.items():
-        out[{"op": op, "tag": tag or "untagged", "all": "all"}[by]].add(t)
-    return dict(out)
+def onebit_info(optimizers: list) -> dict[str, Any] | None:
+    """Phase of an optimizer with ``frozen_at`` (OneBitAdam): warm-up until it is set, compressed after.
 
-
-def metrics_from_totals(step: Totals, cumulative: Totals, per_op: bool) -> dict[str, float]:
-    """The metric dict logged for one step (see module docstring for the names)."""
-    s = _group(step, "all").get("all", OpTotals())
-    c = _group(cumulative, "all").get("all", OpTotals())
-    m = {
-        "comm/bytes_sent": s.wire_bytes,
-        "comm/baseline_bytes": s.baseline_bytes,
-        "comm/ratio": s.ratio,
-        "comm/collectives": float(s.calls),
-        "comm/cum_bytes_sent": c.wire_bytes,
-        "comm/cum_baseline_bytes": c.baseline_bytes,
-        "comm/cum_ratio": c.ratio,
-    }
-    if per_op:
-        for by in ("op", "tag"):
-            for name, t in sorted(_group(step, by).items()):
-                prefix = f"comm/{by}/{name}"
-                m[f"{prefix}/bytes_sent"] = t.wire_bytes
-                m[f"{prefix}/baseline_bytes"] = t.baseline_bytes
-                if t.baseline_bytes or not t.wire_bytes:  # no ratio for pure overhead (baseline 0)
-                    m[f"{prefix}/ratio"] = t.ratio
-                m[f"{prefix}/collectives"] = float(t.calls)
-    return m
-
-
-def format_summary(totals: Totals, world_size: int, steps: int, extra: dict[str, float] | None = None) -> str:
-    """A plain-text table of ``totals`` (already summed over ranks) grouped by op, by tag, and overall."""
-    mb = 1e6
-    header = f"{'group':<6} {'name':<16} {'calls':>8} {'sent MB':>12} {'baseline MB':>12} {'ratio':>7} {'saving':>8}"
-    lines = [
-        f"lightning_qcomm communication summary: {world_size} rank(s), {steps} optimizer steps, "
-        "bytes summed over ranks (wire estimate; baseline = uncompressed fp32)",
-        header,
-        "-" * len(header),
-    ]
-
-    def row(group: str, name: str, t: OpTotals) -> str:
-        if t.baseline_bytes == 0 and t.wire_bytes > 0:  # pure overhead (e.g. a metadata check): no ratio
-            ratio, saving = "-", "-"
-        else:
-            ratio, saving = f"{t.ratio:.3f}", (f"{1 / t.ratio:.1f}x" if t.ratio > 0 else "inf")
-        return f"{group:<6} {name:<16} {t.calls:>8d} {t.wire_bytes / mb:>12.3f} {t.baseline_bytes / mb:>12.3f} {ratio:>7} {saving:>8}"
-
-    for by in ("op", "tag"):
-        for name, t in sorted(_group(totals, by).items()):
-            lines.append(row(by, name, t))
-    lines.append("-" * len(header))
-    lines.append(row("total", "", _group(totals, "all").get("all", OpTotals())))
-    if not totals:
-        lines.append("(no collective was recorded)")
-    for name, value in sorted((extra or {}).items()):
-        lines.append(f"{name} = {value:.4f}")
-    return "\n".join(lines)
+    ``last_step_compressed``: the optimizer step just taken was a compressed one (``num_steps > frozen_at``;
+    the step at which the variance froze was still a warm-up step).
+    """
+    for opt in optimizers:
+        if hasattr(opt, "frozen_at") and hasattr(opt, "num_steps"):
+            frozen_at = opt.frozen_at
+            last = frozen_at is not None and opt.num_steps > frozen_at
+            return {"phase": "warm-up" if frozen_at is None else "compressed", "frozen_at": frozen_at, "last": last}
+    return None
 
 
 class CommVolumeLogger(pl.Callback):
-    """Log communication volume from the ``CommLedger`` and print a summary at the end of training.
+    """Log communication volume from the ``CommLedger`` against DDP fp32, and print a summary at the end.
 
     Args:
         log_every_n_steps: log every this many optimizer steps; ``None`` follows ``Trainer(log_every_n_steps)``.
         per_op: also log per-op (``comm/op/...``) and per-tag (``comm/tag/...``) metrics.
         summary: print the summary table on global rank 0 when training ends.
         summary_file: if set, global rank 0 also writes the summary as JSON to this path.
-        prog_bar: show ``comm/ratio`` (this rank, this step) in the progress bar.
+        prog_bar: show ``comm/vs_ddp`` (this rank, this step; ``comm/ratio`` on one process) in the progress bar.
         count_ddp: attach the counting hook to plain DDP models (see module docstring).
     """
 
@@ -188,11 +161,42 @@ class CommVolumeLogger(pl.Callback):
         self.count_ddp = count_ddp
         self.summary_totals: Totals = {}  # summed over ranks, filled at train end
         self.summary_table: str = ""
+        self.summary_doc: dict[str, Any] = {}  # the headline numbers of the summary (also in the JSON)
         self._ledger: CommLedger | None = None
         self._fit_start: Totals = {}
         self._step_start: Totals | None = None
         self._last_global_step = 0
         self._hook_checked = False
+        self._reset_history()
+
+    def _reset_history(self) -> None:
+        """Totals since training start that come before this fit (from a checkpoint) or from its steps."""
+        self._prior: Totals = {}  # all traffic of earlier fits of this training run
+        self._train: Totals = {}  # training-step traffic since training start
+        self._ddp_bytes = 0.0  # DDP-fp32 baseline since training start
+        self._steps = 0  # optimizer steps counted since training start
+        self._numel = 0  # trainable parameters at the last step
+
+    # read-only totals of this rank since training start (what LossVsBytesPlot draws) ----------------------
+    @property
+    def steps_counted(self) -> int:
+        """Optimizer steps counted since training start (resumed runs included)."""
+        return self._steps
+
+    @property
+    def global_step_counted(self) -> int:
+        """``trainer.global_step`` after the last optimizer step this callback counted (the totals' step)."""
+        return self._last_global_step
+
+    @property
+    def train_bytes_sent(self) -> float:
+        """Wire bytes this rank sent in training steps since training start."""
+        return overall(self._train).wire_bytes
+
+    @property
+    def ddp_fp32_bytes(self) -> float:
+        """What DDP fp32 would have sent from this rank over the same steps (2(N-1)/N * 4 * P per step)."""
+        return self._ddp_bytes
 
     # ledger bookkeeping -------------------------------------------------------------------------------
     def _active_ledger(self) -> CommLedger:
@@ -204,24 +208,62 @@ class CommVolumeLogger(pl.Callback):
             rank_zero_warn(
                 "CommVolumeLogger: the active CommLedger was replaced during fit; reading the new one from zero."
             )
+            if self._ledger is not None:  # keep what the replaced ledger counted during this fit
+                self._prior = add_totals(self._prior, diff_totals(self._ledger.cumulative, self._fit_start))
             self._ledger = ledger
             self._fit_start = {}
             self._step_start = {} if self._step_start is not None else None
         return ledger
 
-    def _since_fit_start(self) -> Totals:
-        return diff_totals(self._active_ledger().cumulative, self._fit_start)
+    def _since_start(self) -> Totals:
+        """All traffic since training start (earlier fits restored from a checkpoint included)."""
+        return add_totals(self._prior, diff_totals(self._active_ledger().cumulative, self._fit_start))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self._ledger = ensure_ledger()
-        self._fit_start = _snapshot(self._ledger.cumulative)
+        self._fit_start = snapshot(self._ledger.cumulative)
         self._step_start = None
         self._hook_checked = False
+        self._reset_history()  # a checkpoint's state (load_state_dict) comes after setup
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_global_step = trainer.global_step  # after a checkpoint restore, unlike setup
+
+    # checkpoint (per rank) ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's totals since training start (collective: Lightning calls this on every rank)."""
+        mine = {
+            "all": totals_to_rows(self._since_start()) if self._ledger is not None else totals_to_rows(self._prior),
+            "train": totals_to_rows(self._train),
+            "ddp_bytes": self._ddp_bytes,
+            "steps": self._steps,
+        }
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            per_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, mine)
+        else:
+            per_rank = [mine]
+        return {"world_size": len(per_rank), "per_rank": per_rank}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        saved = state_dict["per_rank"]
+        if state_dict["world_size"] == world:
+            entries = [saved[rank]]
+        else:
+            rank_zero_warn(
+                f"CommVolumeLogger: the checkpoint's totals were written by {state_dict['world_size']} ranks, now "
+                f"{world}; they are summed into rank 0's (the summary stays right, per-rank metrics restart)"
+            )
+            entries = saved if rank == 0 else []
+        for entry in entries:
+            self._prior = add_totals(self._prior, totals_from_rows(entry["all"]))
+            self._train = add_totals(self._train, totals_from_rows(entry["train"]))
+            self._ddp_bytes += float(entry["ddp_bytes"])
+            self._steps = max(self._steps, int(entry["steps"]))
 
     # plain-DDP counting ----------------------------------------------------------------------------------
     def _attach_counting_hook(self, trainer: pl.Trainer) -> None:
@@ -232,6 +274,9 @@ class CommVolumeLogger(pl.Callback):
         model = strategy.model
         if isinstance(model, DistributedDataParallel):
             existing = model._get_ddp_logging_data().get("comm_hook")
+            hooks = [hook for hook, _ in getattr(model, "_comm_hooks", ())]
+            if existing and hooks and all(getattr(h, "__module__", "").startswith("lightning_qcomm.") for h in hooks):
+                return  # one of ours (e.g. 1-bit Adam's warm-up hook): it records its own traffic
             if existing:
                 rank_zero_info(
                     f"CommVolumeLogger: the DDP model already has the comm hook {existing!r}; its traffic is counted only if that hook records into the CommLedger."
@@ -251,7 +296,7 @@ class CommVolumeLogger(pl.Callback):
         if not self._hook_checked:
             self._attach_counting_hook(trainer)
         if self._step_start is None:
-            self._step_start = _snapshot(self._active_ledger().cumulative)
+            self._step_start = snapshot(self._active_ledger().cumulative)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -263,73 +308,94 @@ class CommVolumeLogger(pl.Callback):
         ledger.next_step()
         step_totals = diff_totals(ledger.cumulative, self._step_start or {})
         self._step_start = None
+        self._numel = trainable_numel(pl_module)
+        ddp_step = ddp_fp32_step_bytes(self._numel, trainer.world_size)
+        self._train = add_totals(self._train, step_totals)
+        self._ddp_bytes += ddp_step
+        self._steps += 1
+        sent = overall(step_totals)
         if self.prog_bar:
-            ratio = _group(step_totals, "all").get("all", OpTotals()).ratio
-            pl_module.log("comm/ratio", ratio, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            shown = ("comm/vs_ddp", sent.wire_bytes / ddp_step) if ddp_step else ("comm/ratio", sent.ratio)
+            pl_module.log(*shown, prog_bar=True, logger=False, on_step=True, on_epoch=False)
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if trainer.global_step % every or not trainer.is_global_zero or not trainer.loggers:
             return
-        metrics = metrics_from_totals(step_totals, self._since_fit_start(), self.per_op)
+        metrics = metrics_from_totals(step_totals, self._since_start(), self.per_op, ddp_step, self._ddp_bytes)
+        metrics.update(self._method_metrics(trainer))
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step - 1)  # Lightning's 0-based step index
 
+    def _method_metrics(self, trainer: pl.Trainer) -> dict[str, float]:
+        out: dict[str, float] = {}
+        sgd = local_sgd_info(trainer.strategy, self._steps)
+        if sgd is not None:
+            out["comm/syncs"] = float(sgd["syncs"])
+            if sgd["mean_h"] is not None:
+                out["comm/mean_h"] = float(sgd["mean_h"])
+        onebit = onebit_info(trainer.optimizers)
+        if onebit is not None:
+            out["comm/onebit_compressed"] = float(onebit["last"])
+        return out
+
     # summary ------------------------------------------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        totals = aggregate_over_ranks(self._since_fit_start(), trainer.strategy.root_device)
+        device = trainer.strategy.root_device
+        totals, _ = aggregate_over_ranks(self._since_start(), device)
+        train, (ddp_bytes,) = aggregate_over_ranks(self._train, device, [self._ddp_bytes])
         self.summary_totals = totals
+        steps = trainer.global_step
+        train_sent = overall(train).wire_bytes
+        doc: dict[str, Any] = {
+            "vs_ddp": {
+                "train_wire_bytes": train_sent,
+                "ddp_fp32_bytes": ddp_bytes,
+                "ratio": train_sent / ddp_bytes if ddp_bytes else None,
+                "trainable_params": self._numel,
+            }
+        }
+        notes = [vs_ddp_line(train_sent, ddp_bytes, self._numel)]
+        outside = overall(totals).wire_bytes - train_sent
+        if outside > 0:
+            notes.append(f"outside training steps (sanity check, validation): {outside / 1e6:.3f} MB more")
+        sgd = local_sgd_info(trainer.strategy, self._steps)
+        if sgd is not None:
+            doc["local_sgd"] = sgd
+            mean_h = "no sync yet" if sgd["mean_h"] is None else f"mean H {sgd['mean_h']:.2f}"
+            notes.append(
+                f"Local SGD: {sgd['syncs']} parameter averages in {self._steps} optimizer steps ({mean_h}), "
+                f"{sgd['forced_syncs']} more before validation / checkpoint / end"
+            )
+        onebit = onebit_info(trainer.optimizers)
+        if onebit is not None:
+            doc["onebit_adam"] = {"phase": onebit["phase"], "frozen_at": onebit["frozen_at"]}
+            k = onebit["frozen_at"]
+            notes.append(
+                f"1-bit Adam: still in the fp32 AdamW warm-up after {steps} optimizer steps"
+                if k is None
+                else f"1-bit Adam: warm-up (fp32 AdamW) for the first {k} optimizer steps, compressed since "
+                f"(1-bit momentum for {steps - k} steps)"
+            )
+        self.summary_doc = doc
         extra = {
             k: float(v) for k, v in trainer.callback_metrics.items() if ("loss" in k or "acc" in k) and v.numel() == 1
         }
-        self.summary_table = format_summary(totals, trainer.world_size, trainer.global_step, extra)
+        self.summary_table = format_summary(totals, trainer.world_size, steps, extra, notes)
         if not trainer.is_global_zero:
             return
         if self.summary:
             print(self.summary_table, flush=True)
         if self.summary_file:
-            write_summary_json(self.summary_file, totals, trainer.world_size, trainer.global_step, extra)
+            write_summary_json(self.summary_file, totals, trainer.world_size, steps, extra, doc)
 
 
-def aggregate_over_ranks(totals: Totals, device: torch.device) -> Totals:
-    """Sum ``totals`` over all ranks (keys unioned with ``all_gather_object``; values in one fp64 all-reduce).
-
-    Every rank must call this. These two collectives are deliberately not recorded in the ledger.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return _snapshot(totals)
-    key_lists: list[list[tuple[str, str]] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(key_lists, sorted(totals))
-    keys = sorted({tuple(k) for ks in key_lists for k in ks})
-    values = torch.tensor(
-        [[t.calls, t.payload_bytes, t.wire_bytes, t.baseline_bytes] for t in (totals.get(k, OpTotals()) for k in keys)],
-        dtype=torch.float64,
-        device=device,
-    ).reshape(len(keys), 4)
-    dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    out: Totals = {}
-    for key, (calls, payload, wire, baseline) in zip(keys, values.cpu().tolist()):
-        out[key] = OpTotals(int(round(calls)), int(round(payload)), wire, baseline)
-    return out
-
-
-def write_summary_json(path: str, totals: Totals, world_size: int, steps: int, extra: dict[str, float]) -> None:
-    """JSON with ``total``, ``by_op``, ``by_tag`` (each calls/payload_bytes/wire_bytes/baseline_bytes/ratio)."""
-
-    def as_dict(t: OpTotals) -> dict[str, float]:
-        return {
-            "calls": t.calls,
-            "payload_bytes": t.payload_bytes,
-            "wire_bytes": t.wire_bytes,
-            "baseline_bytes": t.baseline_bytes,
-            "ratio": t.ratio,
-        }
-
-    doc = {
-        "world_size": world_size,
-        "optimizer_steps": steps,
-        "total": as_dict(_group(totals, "all").get("all", OpTotals())),
-        "by_op": {k: as_dict(v) for k, v in sorted(_group(totals, "op").items())},
-        "by_tag": {k: as_dict(v) for k, v in sorted(_group(totals, "tag").items())},
-        "metrics": {k: v for k, v in extra.items() if math.isfinite(v)},
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=2, sort_keys=True))
+__all__ = [
+    "CommVolumeLogger",
+    "aggregate_over_ranks",
+    "counting_allreduce_hook",
+    "ddp_fp32_step_bytes",
+    "diff_totals",
+    "format_summary",
+    "metrics_from_totals",
+    "trainable_numel",
+    "write_summary_json",
+]

@@ -1,4 +1,4 @@
-"""OneBitAdamCallback: 1-bit Adam for an existing Lightning project (Lightning layer, DESIGN §2 "1-bit Adam").
+"""OneBitAdamCallback: 1-bit Adam for an existing Lightning project (Lightning layer, docs/design.md "1-bit Adam").
 
     Trainer(strategy="ddp", callbacks=[OneBitAdamCallback(freeze_step=100)])
 
@@ -67,7 +67,10 @@ _SETTINGS = ("freeze_step", "auto_freeze_threshold", "auto_freeze_interval", "au
 class OneBitAdamCallback(pl.Callback):
     """Train with 1-bit Adam: AdamW warm-up, then frozen variance and 1-bit momentum all-reduce.
 
-    Args (None = OneBitAdam's default, or the value of a OneBitAdam returned by ``configure_optimizers``):
+    An argument left None means OneBitAdam's default, or the value of a OneBitAdam returned by
+    ``configure_optimizers``.
+
+    Args:
         freeze_step: warm-up optimizer steps (>= 1; default 100). Rule of thumb (DeepSpeed): 15-25% of training.
         auto_freeze_threshold: freeze earlier once the relative change of the bias-corrected variance
             over ``auto_freeze_interval`` steps stays below this (0 < τ < 1) for ``auto_freeze_patience``

@@ -1,4 +1,4 @@
-"""Codecs: pure tensor -> Packed -> tensor functions (DESIGN §2). Every layer goes through ``get_codec``.
+"""Codecs: pure tensor -> Packed -> tensor functions (docs/design.md, "Codecs"). Every layer goes through ``get_codec``.
 
 >>> codec = get_codec("qsgd", bits=4, bucket_size=512)
 >>> packed = codec.encode(x, seed=derive_seed(0, step, rank))

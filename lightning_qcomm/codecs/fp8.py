@@ -1,12 +1,14 @@
 """FP8 blockwise quantization (AGoQ's gradient storage and FP8 all-reduce), e4m3 and e5m2.
 
-Per block: s = amax / fmax (fmax 448 for e4m3, 57344 for e5m2); v = x / s, so |v| <= fmax; the code
+Per block: s = amax / fmax (fmax 448 for e4m3, 57344 for e5m2); v = x / s, so ``|v| <= fmax``; the code
 is v rounded onto the fp8 grid, stored as the fp8 bit pattern; decode = fp8(code) * s.
 
-Rounding, with e = max(floor(log2|v|), emin) and spacing q = 2^(e - mantissa_bits) (exact powers of
-two, read from the exponent bits): t = |v| / q, f = floor(t), d = t - f;
+Rounding, with ``e = max(floor(log2|v|), emin)`` and spacing q = 2^(e - mantissa_bits) (exact powers of
+two, read from the exponent bits): ``t = |v| / q``, f = floor(t), d = t - f, then::
+
     nearest:     f + [d > 1/2 or (d == 1/2 and f odd)]   (round half to even, as torch's cast)
     stochastic:  f + [u < d]                              (unbiased: E = t)
+
 The bit pattern is assembled with integer arithmetic, identically in the Triton kernel.
 """
 

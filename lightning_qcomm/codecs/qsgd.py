@@ -1,14 +1,17 @@
 """QSGD, QSGDinf and NUQSGD: norm-scaled sign/magnitude stochastic quantizers, 2..8 bits.
 
 A b-bit code is a sign bit (bit b-1, set for x < 0) and a (b-1)-bit magnitude index. Per bucket the
-only scale on the wire is a norm n (4 bytes). With r = |x| / n in [0, 1] and u ~ U[0, 1):
+only scale on the wire is a norm n (4 bytes). With ``r = |x| / n`` in [0, 1] and u ~ U[0, 1):
 
-QSGD / QSGDinf (Alistarh et al. 2017), n = ||x||_2 or ||x||_inf, s = 2^(b-1) - 1 uniform levels:
+QSGD / QSGDinf (Alistarh et al. 2017), ``n = ||x||_2`` or ``||x||_inf``, s = 2^(b-1) - 1 uniform levels::
+
     l = floor(r s),  level = l + [u < r s - l],   decode = sign * level * n / s
     E[decode] = x;  E||Q(x) - x||^2 <= min(B / s^2, sqrt(B) / s) ||x||^2   (QSGD, bucket length B)
 
-NUQSGD (Ramezani-Kebrya et al. 2019), n = ||x||_2, L = 2^(b-1) levels {0} U {2^-k : k = 0..L-2}:
+NUQSGD (Ramezani-Kebrya et al. 2019), ``n = ||x||_2``, L = 2^(b-1) levels {0} U {2^-k : k = 0..L-2}::
+
     l_j <= r < l_{j+1}  ->  round up with probability (r - l_j) / (l_{j+1} - l_j)
+
 The bracketing level comes from r's binary exponent (exact bit arithmetic), and every division is by a
 power of two, so the torch reference and the Triton kernel agree bit for bit.
 """
@@ -33,14 +36,16 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
 
 
 def l2_norm_rows(xb: torch.Tensor) -> torch.Tensor:
-    """||row||_2 of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares.
+    """``||row||_2`` of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares.
 
     One pass of ``torch.linalg.vector_norm`` per row. Rows where that pass may be inaccurate are redone
-    as amax * ||row / amax||_2:
-    - a sum of squares that overflowed (norm inf or NaN: |x| > ~1e19);
-    - a norm below sqrt(n) * 2^-51 (n = row length). Squares under 2^-126 (|x| < 2^-63) lose precision
+    as ``amax * ||row / amax||_2``:
+
+    - a sum of squares that overflowed (norm inf or NaN: ``|x| > ~1e19``);
+    - a norm below sqrt(n) * 2^-51 (n = row length). Squares under 2^-126 (``|x| < 2^-63``) lose precision
       or flush to zero, at most 2^-126 each, n * 2^-126 in all. That is under 2^-24 of the sum of
       squares exactly when the sum is at least n * 2^-102, i.e. the norm at least sqrt(n) * 2^-51.
+
     Accepted rows are therefore within fp32 rounding of the exact norm, like the rescaled ones.
     """
     norm = torch.linalg.vector_norm(xb, ord=2, dim=1)

@@ -5,7 +5,7 @@ Per bucket: lo = min, hi = max, unit = (hi - lo) / (2^b - 1). With u ~ U[0, 1):
     code = clamp(floor((x - lo) * (1/unit) + u), 0, 2^b - 1),    decode = lo + code * unit
 
 floor(t + u) is t rounded up with probability frac(t), so E[decode] = x (unbiased), and
-|decode - x| < unit. A constant bucket (hi == lo) has unit 0 and decodes exactly to lo.
+``|decode - x| < unit``. A constant bucket (hi == lo) has unit 0 and decodes exactly to lo.
 Wire: 2 fp32 scales (lo, unit) per bucket.
 """
 

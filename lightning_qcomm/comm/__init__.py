@@ -1,4 +1,4 @@
-"""Compressed collectives over torch.distributed and the CommLedger (DESIGN §1, §3)."""
+"""Compressed collectives over torch.distributed and the CommLedger (docs/design.md: "Collectives", "Byte accounting")."""
 
 from lightning_qcomm.comm.collectives import (
     DEFAULT_ONEBIT_PIECE_NUMEL,

@@ -1,4 +1,4 @@
-"""Compressed collectives over torch.distributed (DESIGN §2 "precision-preserving all-reduce", "1-bit").
+"""Compressed collectives over torch.distributed (docs/design.md, "Collectives").
 
 This module owns the process logic that moves codec payloads between ranks; the math of each
 codec lives in ``lightning_qcomm.codecs`` and the byte accounting in ``comm.ledger``.
@@ -492,7 +492,7 @@ def quantized_all_reduce(
 
         e_r <- (y_r - D(Q(y_r)))  +  k * [chunk r] (S_r - D(Q(S_r))),      k = 1 (sum) or N (avg)
 
-    The first term is the DESIGN formula e <- (x + e) - decode (this rank's phase-1 residual); the
+    The first term is docs/design.md's error feedback e <- (x + e) - decode (this rank's phase-1 residual); the
     second is the requantization residual of the reduced chunk that rank r itself encoded in step 3
     (written into the chunk-r slice of each piece of e_r only), measured against the value x finally
     holds (rounded to x's dtype when x is bf16/fp16; keep e in fp32 so it can hold that rounding). Summed over ranks,
@@ -755,19 +755,19 @@ def onebit_all_reduce(
     check: bool = True,
     piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL,
 ) -> torch.Tensor:
-    """Error-compensated 1-bit average over ranks (1-bit Adam, DESIGN §2), in place on a flat fused buffer.
+    """Error-compensated 1-bit average over ranks (docs/design.md, "1-bit all-reduce"), in place on a flat fused buffer.
 
     The buffer is cut into pieces of N*m elements (``onebit_pieces``, m = ``piece_numel``); each piece,
     of length n, runs the algorithm below on its own, with chunks of c = ceil(n/N) elements.
     C(v) = (||v||_2 / sqrt(len v)) * sign(v), sign(0) = +1, applied per chunk (the ``sign1`` codec with one
     bucket per chunk; the zero tail padding of the last chunk counts in its length). With e_w =
     ``worker_error`` (d elements) and e_s = ``server_error`` (this rank's chunk of every piece, in piece
-    order: ceil(d/N) elements, see ``onebit_server_error_numel``):
+    order: ceil(d/N) elements, see ``onebit_server_error_numel``)::
 
-    worker r:  y = x + e_w (zero-padded to N*c); send C(y[chunk j]) to rank j; e_w <- y - C(y)  (n elements)
-    server j:  z = (1/N) sum_r C(y_r[chunk j]) + e_s  (sum in rank order; padding positions of z set to 0);
-               send C(z) to all; e_s <- z - C(z)  (padding positions kept 0)
-    all:       x <- concat_j C(z_j)[:n], identical on every rank.
+        worker r:  y = x + e_w (zero-padded to N*c); send C(y[chunk j]) to rank j; e_w <- y - C(y)  (n elements)
+        server j:  z = (1/N) sum_r C(y_r[chunk j]) + e_s  (sum in rank order; padding positions of z set to 0);
+                   send C(z) to all; e_s <- z - C(z)  (padding positions kept 0)
+        all:       x <- concat_j C(z_j)[:n], identical on every rank.
 
     Pieces are pipelined as in ``quantized_all_reduce`` (async all-to-all per piece; each piece's
     all-gather issued once its all-to-all is done). Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1)

@@ -1,4 +1,4 @@
-"""DDP communication hook that all-reduces gradient buckets with a codec (adapter layer, DESIGN §1-2).
+"""DDP communication hook that all-reduces gradient buckets with a codec (adapter layer; docs/design.md, "QuantDDP").
 
 This file owns the glue between ``torch.nn.parallel.DistributedDataParallel`` and
 ``quantized_all_reduce``: a state object (``QuantDDPHookState``: codec, step counter, error-feedback

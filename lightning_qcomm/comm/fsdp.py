@@ -1,4 +1,4 @@
-"""FSDP2 comm adapters for QSDP: quantized weight all-gather and gradient reduce-scatter (DESIGN §2 "QSDP").
+"""FSDP2 comm adapters for QSDP: quantized weight all-gather and gradient reduce-scatter (docs/design.md, "QSDP").
 
 This file owns the bridge between FSDP2's flat communication buffers and the codecs. FSDP2 (torch >= 2.9)
 lets a module replace its collectives with ``FSDPModule.set_custom_all_gather`` /

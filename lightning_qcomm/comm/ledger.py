@@ -1,4 +1,4 @@
-"""CommLedger: byte accounting for every collective lightning_qcomm issues (DESIGN §3).
+"""CommLedger: byte accounting for every collective lightning_qcomm issues (docs/design.md, "Byte accounting").
 
 Each record carries, for this rank:
 

@@ -1,4 +1,4 @@
-"""1-bit Adam's process logic (adapter layer, DESIGN §2 "1-bit Adam"): fused momentum sync, warm-up DDP hook.
+"""1-bit Adam's process logic (adapter layer; docs/design.md, "1-bit Adam"): fused momentum sync, warm-up DDP hook.
 
 This file owns the collectives 1-bit Adam issues and knows nothing of Lightning or of the optimizer's math:
 

@@ -1,4 +1,4 @@
-"""Memory adapters (DESIGN §1 adapters layer): quantized storage of saved activations (AGoQ LAAQ).
+"""Memory adapters (docs/design.md, "Architecture": adapters layer): quantized storage of saved activations (AGoQ LAAQ).
 
 ``config`` holds the validated settings, ``saved_tensors`` the quantized container and the rules for what
 may be quantized, ``recompute`` the norm / activation ops that keep only their quantized input,

@@ -1,4 +1,4 @@
-"""ActivationQuantizer: stores the saved activations of a forward pass in b bits (DESIGN §2, AGoQ LAAQ).
+"""ActivationQuantizer: stores the saved activations of a forward pass in b bits (AGoQ LAAQ; docs/design.md).
 
 What it quantizes. Only the *inputs* that these ops save for backward, intercepted with a
 ``TorchFunctionMode`` while a forward runs under ``begin()``/``end()`` (or ``forward_context``):

@@ -1,4 +1,4 @@
-"""Optimizers of lightning_qcomm (DESIGN §1): ``OneBitAdam`` (1-bit Adam, Tang et al. 2021)."""
+"""Optimizers of lightning_qcomm (docs/design.md, "Architecture"): ``OneBitAdam`` (1-bit Adam, Tang et al. 2021)."""
 
 from lightning_qcomm.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
 

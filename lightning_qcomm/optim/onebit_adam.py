@@ -1,4 +1,4 @@
-"""OneBitAdam: 1-bit Adam (Tang et al. 2021) as a torch optimizer (DESIGN §2 "1-bit Adam").
+"""OneBitAdam: 1-bit Adam (Tang et al. 2021) as a torch optimizer (docs/design.md, "1-bit Adam").
 
 This file owns the optimizer math and its freeze schedule; the compressed momentum average is
 ``comm.onebit.OneBitMomentumSync`` and the Lightning glue (replacing Adam/AdamW, switching DDP's

@@ -1,4 +1,4 @@
-"""Lightning strategies of lightning_qcomm (DESIGN §1, lightning layer) and their registry names."""
+"""Lightning strategies of lightning_qcomm (Lightning layer, docs/design.md) and their registry names."""
 
 from typing import Any
 

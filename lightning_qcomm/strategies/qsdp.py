@@ -1,4 +1,4 @@
-"""QSDPStrategy: FSDP2 with quantized weight all-gather and gradient reduce-scatter (DESIGN §2 "QSDP").
+"""QSDPStrategy: FSDP2 with quantized weight all-gather and gradient reduce-scatter (docs/design.md, "QSDP").
 
 Lightning glue only: this file validates the user's choices, shards the model with FSDP2 (``fully_shard``
 on a 1-D data-parallel device mesh) when the LightningModule does not do it in ``configure_model``,
@@ -196,7 +196,7 @@ class QSDPStrategy(ModelParallelStrategy):
 
     @property
     def dp_mesh(self):
-        """The 1-D data-parallel mesh every FSDP group of this strategy shards over (explicit, per DESIGN §4)."""
+        """The 1-D data-parallel mesh every FSDP group of this strategy shards over (explicit: docs/design.md)."""
         return self.device_mesh["data_parallel"]
 
     # ------------------------------------------------------------------ model setup

@@ -8,8 +8,8 @@ for the hook, per-rank checkpointing of the hook state, and the registry names.
     Trainer(strategy=QuantDDPStrategy(codec="nuqsgd", bits=4))       # or strategy="quant_ddp_nuqsgd4"
 
 Per optimizer step each DDP bucket g (local gradient) becomes avg_r Q(g_r [+ e_r]) by the
-precision-preserving all-reduce of DESIGN §2: quantize N chunks, all-to-all, fp32 sum, requantize,
-all-gather. Wire bytes per rank ~ 2(N-1)/N * d * (bits + 32 k / bucket_size) / 8 (k fp32 scales per
+precision-preserving all-reduce (docs/design.md, "Collectives"): quantize N chunks, all-to-all, fp32 sum,
+requantize, all-gather. Wire bytes per rank ~ 2(N-1)/N * d * (bits + 32 k / bucket_size) / 8 (k fp32 scales per
 codec bucket), i.e. (bits + 32 k / bucket_size) / 32 of an fp32 ring all-reduce.
 
 Checkpoint format (per-rank state in a rank-0 file): at ``save_checkpoint`` every rank's hook state

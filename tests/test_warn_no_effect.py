@@ -1,0 +1,108 @@
+"""A feature that does nothing says so, once (``rank_zero_warn``), naming the setting and why.
+
+ActivationQuantization on a model that saves nothing it quantizes (a conv-only network), and on a model
+that runs under ``torch.compile`` (the whole LightningModule, or a submodule compiled in
+``configure_model``); a model it does quantize stays silent. (1-bit Adam's own DDP hook no longer draws a
+message from CommVolumeLogger: tests/test_comm_logger.py checks that in its two-rank run.)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_qcomm import ActivationQuantization
+
+NO_SAVES = "quantized no saved activation"
+COMPILED = "torch.compile"
+
+
+class ConvNet(pl.LightningModule):
+    """Convolutions and ReLU only: nothing the callback quantizes (Linear, norms, GELU/SiLU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 1, 3, padding=1))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.net(x).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(16, 3, 16, 16, generator=torch.Generator().manual_seed(0))), 4)
+
+
+class MLP(ConvNet):
+    """Linear + GELU on 32 x 64 inputs: 2048-element saves, above min_numel, so they are quantized."""
+
+    def __init__(self, compile_net: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+        self.compile_net = compile_net
+
+    def configure_model(self) -> None:
+        if self.compile_net:
+            self.net = torch.compile(self.net, backend="eager")
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 64, generator=torch.Generator().manual_seed(0))), 32)
+
+
+def _fit(model: pl.LightningModule, steps: int = 3) -> ActivationQuantization:
+    cb = ActivationQuantization(bits=4)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        callbacks=[cb],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model)
+    return cb
+
+
+def _messages(record, needle: str) -> list[str]:
+    """The callback's own warnings containing ``needle`` (torch's dynamo warns about graph breaks too)."""
+    return [
+        str(w.message)
+        for w in record
+        if str(w.message).startswith("ActivationQuantization") and needle in str(w.message)
+    ]
+
+
+def test_conv_only_model_warns_once():
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cb = _fit(ConvNet())
+    assert cb.last_step_stats.quantized_tensors == 0
+    (msg,) = _messages(record, NO_SAVES)
+    assert "bits=4" in msg and "min_numel=1024" in msg and "no effect" in msg
+
+
+def test_quantizable_model_is_silent():
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cb = _fit(MLP())
+    assert cb.last_step_stats.quantized_tensors > 0
+    assert not _messages(record, NO_SAVES) and not _messages(record, COMPILED)
+
+
+@pytest.mark.parametrize("how", ["whole_module", "submodule"])
+def test_torch_compile_warns_once(how):
+    model = torch.compile(MLP(), backend="eager") if how == "whole_module" else MLP(compile_net=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _fit(model, steps=1)
+    (msg,) = _messages(record, COMPILED)
+    assert "not supported" in msg
