@@ -196,7 +196,7 @@ class QuantDDPStrategy(DDPStrategy):
         group, worker = self.model.process_group, None
         if self.overlap_comm and self.root_device.type == "cpu" and self.world_size > 1:
             if self._comm_worker is None:  # collective: every rank gets here in the same order
-                self._comm_group = dedicated_group(self.model.process_group)
+                self._comm_group = dedicated_group(self.model.process_group, timeout=self._timeout)
                 self._comm_worker = CommWorker()
             group, worker = self._comm_group, self._comm_worker
         state = QuantDDPHookState(
