@@ -10,13 +10,10 @@ timeout) that only a 30-minute wait can exceed: no timing is measured or compare
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from _launch import run_ranks
 
 TIMEOUT_S = 5
 GUARD_S = 90
@@ -59,33 +56,13 @@ CASES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_stalled_peer_fails_the_others_within_the_strategy_timeout(case, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.replace("{strategy}", CASES[case]))
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
-        env.update(LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(
-            subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    try:
-        try:
-            out, _ = procs[0].communicate(timeout=GUARD_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 still waiting after {GUARD_S} s for a peer, with timeout={TIMEOUT_S} s")
-        text = out.decode(errors="replace")
-        assert procs[0].returncode != 0, text[-3000:]
-        assert "timed out" in text.lower() or "timeout" in text.lower(), text[-3000:]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    rank0 = run_ranks(str(script), guard_s=GUARD_S)[0]
+    assert rank0.returncode is not None, (
+        f"rank 0 still waiting after {GUARD_S} s for a peer, with timeout={TIMEOUT_S} s"
+    )
+    assert rank0.returncode != 0, rank0.output[-3000:]
+    assert "timed out" in rank0.output.lower() or "timeout" in rank0.output.lower(), rank0.output[-3000:]
