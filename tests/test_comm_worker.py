@@ -60,3 +60,28 @@ def test_future_work_waits_for_the_job_and_reraises_its_exception():
             FutureWork(worker.submit(boom)).wait()
     finally:
         worker.close()
+
+
+def test_dedicated_group_inherits_or_takes_the_timeout():
+    """torch.distributed.new_group gives a new group torch's 30-minute default; ours inherits the parent's
+    timeout, or takes the one passed (checked in a fresh process with a world of one)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import datetime, os, socket
+        import torch, torch.distributed as dist
+        from lightning_qcomm.comm.comm_worker import dedicated_group, group_timeout
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=17))
+        print("inherited", group_timeout(dedicated_group()).total_seconds())
+        print("explicit", group_timeout(dedicated_group(timeout=datetime.timedelta(seconds=9))).total_seconds())
+        dist.destroy_process_group()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "inherited 17.0" in out.stdout and "explicit 9.0" in out.stdout, out.stdout

@@ -186,3 +186,89 @@ def test_build_failure_warns_once_and_uses_reference(monkeypatch, tmp_path, capl
     warnings = [r for r in caplog.records if "fused CPU codecs unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "failed" in warnings[0].getMessage()
     assert torch.equal(p1.codes, p2.codes)
+
+
+# ---------------------------------------------------------------------------------------------- cache safety
+_PLANT = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen("%s", "w");
+    if (f) { fputs("planted code ran", f); fclose(f); }
+}
+"""
+
+_PROBE = r"""
+import logging, os, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+from lightning_qcomm.codecs import cpu_fused
+lib = cpu_fused.load()
+print("LOADED", lib is not None, lib._name if lib is not None else cpu_fused.load_error())
+"""
+
+
+def _plant_and_probe(tmp_path, dir_mode: int, file_mode: int, owner: int | None = None) -> tuple[str, bool]:
+    """Plant a library with a constructor at the exact path the cache would load, then load in a fresh process."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    cc = cpu_fused._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    root = tmp_path / "ext"
+    d = root / "lightning_qcomm_cpu_fused"
+    d.mkdir(parents=True)
+    marker = tmp_path / "planted.txt"
+    src = tmp_path / "planted.c"
+    src.write_text(_PLANT % marker)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root))
+    for flags, machine in (
+        ((*cpu_fused.CFLAGS, *cpu_fused.NATIVE_FLAGS), cpu_fused._cpu_fingerprint()),
+        (cpu_fused.CFLAGS, ""),
+    ):
+        so = cpu_fused.library_path(str(root), cc, flags, machine)
+        subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", so], check=True)
+        os.chmod(so, file_mode)
+        if owner is not None:
+            os.chown(so, owner, -1)
+    os.chmod(d, dir_mode)
+    os.chmod(root, dir_mode)
+    res = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    shutil.rmtree(root, ignore_errors=True)
+    assert res.returncode == 0, res.stderr
+    return res.stdout, marker.exists()
+
+
+@pytest.mark.parametrize(
+    "dir_mode,file_mode,owner",
+    [(0o777, 0o755, None), (0o755, 0o777, None), (0o755, 0o755, 65534)],
+    ids=["world_writable_dir", "world_writable_file", "foreign_owner"],
+)
+def test_planted_library_in_unsafe_cache_is_refused(tmp_path, dir_mode, file_mode, owner):
+    """A library planted in a shared or writable cache is never loaded: the cache is refused (as ssh refuses
+    a writable ~/.ssh), the codecs are built privately and still load, and the refusal is logged."""
+    import os
+
+    if owner is not None and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    out, ran = _plant_and_probe(tmp_path, dir_mode, file_mode, owner)
+    assert not ran, f"planted code ran: {out}"
+    assert "LOADED True" in out, out
+    assert "refus" in out.lower(), out
+
+
+def test_safe_cache_is_reused(tmp_path):
+    """Control for the test above: the same probe against our own safe cache loads the cached library."""
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path / "ext"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root))
+    first = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
+    second = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert "LOADED True" in first.stdout and "LOADED True" in second.stdout, (first.stdout, first.stderr)
+    path = second.stdout.split("LOADED True", 1)[1].strip()
+    assert path.startswith(str(root)), path
+    assert "refus" not in second.stdout.lower()

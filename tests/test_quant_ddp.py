@@ -64,6 +64,24 @@ def _make_module(unused_param: bool = False) -> _Net:
     return _Net(unused_param)
 
 
+class _Reordered(_Net):
+    """The head is defined before the layers that run first, so DDP's gradient-ready order differs from
+    its initial (reverse definition) order and, with small buckets, the rebuilt buckets after the first
+    iteration have other members than the initial ones (a resumed run starts again from the initial ones)."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.head = torch.nn.Linear(4 * N_HID, N_CLS)
+        self.mid = torch.nn.Linear(4 * N_HID, 4 * N_HID)
+        self.stem = torch.nn.Linear(N_FEAT, 4 * N_HID)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(torch.tanh(self.stem(x)))))
+
+
+MULTI_BUCKET = {"codec": "uniform", "bits": 2, "min_quant_numel": 0, "error_feedback": True, "bucket_cap_mb": 0.1}
+
+
 def _full_loss(model) -> float:
     ds = _dataset()
     with torch.no_grad():
@@ -77,7 +95,17 @@ def _free_port() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- worker
-def _fit(rank: int, port: int, strategy, max_steps: int = STEPS, ckpt_path=None, callbacks=(), unused=False, **tkw):
+def _fit(
+    rank: int,
+    port: int,
+    strategy,
+    max_steps: int = STEPS,
+    ckpt_path=None,
+    callbacks=(),
+    unused=False,
+    module=None,
+    **tkw,
+):
     """One in-process Lightning fit on this rank; returns (trainer, module, ledger)."""
     import lightning.pytorch as pl
 
@@ -88,7 +116,7 @@ def _fit(rank: int, port: int, strategy, max_steps: int = STEPS, ckpt_path=None,
     ledger = CommLedger()
     set_ledger(ledger)
     pl.seed_everything(0, verbose=False)
-    module = _make_module(unused)
+    module = _make_module(unused) if module is None else module()
     kw = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     kw.update(tkw)
     trainer = pl.Trainer(
@@ -205,6 +233,35 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     }
     if rank == 0:
         res["resume"]["ckpt_world"] = torch.load(ckpt, weights_only=True)[CHECKPOINT_KEY]["world_size"]
+
+    # several DDP buckets whose members change when DDP rebuilds them: resume at step RESUME_AT, finish, and
+    # compare with the uninterrupted run
+    layouts = {}
+
+    class LayoutProbe(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            layouts[len(layouts)] = sorted({len(key[1]) for key in trainer.strategy.hook_state._plans})
+
+    mb_dir = os.path.join(outdir, "mb")
+    mc = ModelCheckpoint(dirpath=mb_dir, filename="mb", every_n_train_steps=RESUME_AT, save_top_k=-1)
+    _fit(
+        rank,
+        port,
+        QuantDDPStrategy(**MULTI_BUCKET),
+        max_steps=RESUME_AT,
+        module=_Reordered,
+        callbacks=[mc],
+        enable_checkpointing=True,
+    )
+    _, straight, _ = _fit(rank, port, QuantDDPStrategy(**MULTI_BUCKET), module=_Reordered, callbacks=[LayoutProbe()])
+    _, resumed, _ = _fit(
+        rank, port, QuantDDPStrategy(**MULTI_BUCKET), module=_Reordered, ckpt_path=os.path.join(mb_dir, "mb.ckpt")
+    )
+    res["multi_bucket"] = {
+        "layouts": layouts[0],
+        "straight": [p.detach().clone() for p in straight.parameters()],
+        "resumed": [p.detach().clone() for p in resumed.parameters()],
+    }
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(res, f)
 
@@ -331,6 +388,16 @@ def test_resume_restores_error_feedback_per_rank(matrix_results):
     # the resumed run ends exactly where the uninterrupted one did (residuals, step counter, seeds restored)
     for p, q in zip(matrix_results[0]["resume"]["params"], matrix_results[0][RESUME_CFG]["params"]):
         assert torch.equal(p, q)
+
+
+def test_resume_is_exact_when_ddp_rebuilds_several_buckets_with_other_members(matrix_results):
+    """DDP's first iteration after a resume uses its initial buckets; the uninterrupted run is on the rebuilt
+    ones by then. The compressed all-reduce must not depend on that: the resumed run ends bit-identical."""
+    for r in matrix_results:
+        mb = r["multi_bucket"]
+        assert len(mb["layouts"]) > 1, f"the model did not exercise a bucket rebuild: {mb['layouts']}"
+        for p, q in zip(mb["resumed"], mb["straight"]):
+            assert torch.equal(p, q), float((p - q).abs().max())
 
 
 # ---------------------------------------------------------------------------------------------- Lightning's launcher

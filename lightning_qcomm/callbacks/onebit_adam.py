@@ -43,6 +43,7 @@ parameters the optimizer keeps its moments in fp32).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from functools import wraps
 from typing import Any
@@ -54,6 +55,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.onebit import OneBitGradHookState, gather_to_rank0, onebit_adam_grad_hook
 from lightning_qcomm.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
 
@@ -122,6 +124,13 @@ class OneBitAdamCallback(pl.Callback):
                 f"OneBitAdamCallback: precision={trainer.precision!r} uses a GradScaler, whose per-rank inf check "
                 "desynchronises ranks once gradients are local; allowed precisions: 32-true, bf16-mixed, bf16-true, 16-true"
             )
+        # every rank must run the callback with the same schedule (one without it would wait in DDP's all-reduce
+        # while the others send 1-bit momenta)
+        check_same_config(
+            "OneBitAdamCallback",
+            dataclasses.asdict(self.config),
+            timeout=presence_timeout(getattr(trainer.strategy, "_timeout", None)),
+        )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy

@@ -17,7 +17,10 @@ sign1) are still computed by torch, because their rounding depends on torch's su
 
 The C source is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``)
 into a shared library cached under torch's extensions dir (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), keyed by a hash of the source, flags and CPU (it is built with
+``~/.cache/torch_extensions``); a cache directory or library that another user could have written (not
+owned by this user or root, group/world-writable, a symlink) is refused with a warning, as ssh refuses a
+writable ``~/.ssh``, and the library is then built into a private temporary directory. It is keyed by a
+hash of the source, flags and CPU (it is built with
 ``-march=native`` when the compiler accepts it, else for the baseline ISA), and loaded with ctypes (the
 GIL is released during the calls). Single-threaded, no OpenMP: it runs in the calling thread, under
 the caller's floating-point environment (e.g. ``torch.set_flush_denormal``), like the reference with
@@ -36,6 +39,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -500,22 +504,92 @@ def _build() -> ctypes.CDLL:
         return _build_with(cc, CFLAGS, "")
 
 
-def _build_with(cc: str, flags: tuple[str, ...], machine: str) -> ctypes.CDLL:
+def library_path(build_dir: str, cc: str, flags: tuple[str, ...], machine: str) -> str:
+    """Where the library built from this source with ``cc``, ``flags`` for ``machine`` is cached."""
     key = hashlib.sha256("\0".join([_SOURCE, cc, *flags, machine]).encode()).hexdigest()[:16]
-    d = os.path.join(_build_dir(), "lightning_qcomm_cpu_fused")
-    so = os.path.join(d, f"codec_{key}.so")
+    return os.path.join(build_dir, "lightning_qcomm_cpu_fused", f"codec_{key}.so")
+
+
+def _unsafe(path: str, ancestor: bool = False) -> str | None:
+    """Why code loaded from ``path`` could have been written by someone else, or None (ssh's StrictModes rule).
+
+    ``path`` must be owned by this user or root and not writable by group or others, and must not be a
+    symbolic link. An ``ancestor`` directory may be group/world-writable only with the sticky bit (``/tmp``).
+    """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) and not ancestor:
+        return f"{path} is a symbolic link"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{path} is owned by uid {st.st_uid}, not by this user ({os.geteuid()}) or root"
+    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable and not (ancestor and st.st_mode & stat.S_ISVTX):
+        return (
+            f"{path} is writable by {'group' if st.st_mode & stat.S_IWGRP else 'others'} (mode {st.st_mode & 0o7777:o})"
+        )
+    return None
+
+
+def _unsafe_cache_dir(d: str) -> str | None:
+    """``_unsafe`` for the cache directory and its build root, and the sticky rule for every ancestor."""
+    d = os.path.abspath(d)
+    for path in (d, os.path.dirname(d)):
+        if os.path.lexists(path) and (reason := _unsafe(path)):
+            return reason
+    parent = os.path.dirname(os.path.dirname(d))
+    while True:
+        if os.path.lexists(parent) and (reason := _unsafe(os.path.realpath(parent), ancestor=True)):
+            return reason
+        if parent == os.path.dirname(parent):
+            return None
+        parent = os.path.dirname(parent)
+
+
+def _compile_into(d: str, cc: str, flags: tuple[str, ...], so: str) -> None:
+    """Compile into a private temporary directory inside ``d``, then rename onto ``so`` (atomic: concurrent
+    builders each publish a complete file; nobody sees a half-written library)."""
+    with tempfile.TemporaryDirectory(dir=d) as tmp:  # mode 0700
+        src = os.path.join(tmp, "codec.c")
+        with open(src, "w") as f:
+            f.write(_SOURCE)
+        out = os.path.join(tmp, "codec.so")
+        res = subprocess.run([cc, *flags, src, "-o", out], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
+        os.chmod(out, 0o755)  # whatever the umask: never group/world-writable
+        os.replace(out, so)
+
+
+def _build_with(cc: str, flags: tuple[str, ...], machine: str) -> ctypes.CDLL:
+    so = library_path(_build_dir(), cc, flags, machine)
+    d = os.path.dirname(so)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    reason = _unsafe_cache_dir(d)
+    if reason is not None:  # a shared or writable cache: build privately, cache nothing
+        log.warning(
+            "lightning_qcomm: refusing the compiled-codec cache %s (%s); building into a private temporary "
+            "directory instead (not cached)",
+            d,
+            reason,
+        )
+        private = tempfile.mkdtemp(prefix="lightning_qcomm_cpu_fused_")
+        try:
+            so = os.path.join(private, "codec.so")
+            _compile_into(private, cc, flags, so)
+            return _bind(ctypes.CDLL(so))
+        finally:
+            shutil.rmtree(private, ignore_errors=True)  # the loaded library stays mapped
+    if os.path.lexists(so) and (reason := _unsafe(so)):
+        log.warning("lightning_qcomm: refusing the cached library %s (%s); rebuilding it", so, reason)
+        os.remove(so)
     if not os.path.exists(so):
-        os.makedirs(d, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=d) as tmp:
-            src = os.path.join(tmp, "codec.c")
-            with open(src, "w") as f:
-                f.write(_SOURCE)
-            out = os.path.join(tmp, "codec.so")
-            res = subprocess.run([cc, *flags, src, "-o", out], capture_output=True, text=True)
-            if res.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
-            os.replace(out, so)  # atomic: concurrent builders each publish a complete file
-    lib = ctypes.CDLL(so)
+        _compile_into(d, cc, flags, so)
+    if reason := _unsafe(so):  # re-checked right before loading
+        raise RuntimeError(f"refusing to load {so}: {reason}")
+    return _bind(ctypes.CDLL(so))
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the C signatures on a freshly loaded library."""
     vp, i64, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
     lib.qc_encode.argtypes = [ctypes.POINTER(_Cfg), vp, i64, vp, i64, u32, u32, vp]
     lib.qc_encode.restype = None

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -96,18 +97,47 @@ class FutureWork(dist.Work):
         return self._future.done()
 
 
-def dedicated_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
-    """A new process group over the same ranks as ``group`` (default: the world), for a ``CommWorker``.
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The timeout ``group``'s (default: the world's) collectives were created with, or None if this torch
+    does not expose it (read from the backend's options)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for that device, or no options on this torch
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
-    Collective: every rank of the world must call it, in the same order. Returns None when
-    torch.distributed is not initialised (a world of one needs no group).
+
+def dedicated_group(
+    group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
+) -> dist.ProcessGroup | None:
+    """A new process group over the same ranks and backend as ``group`` (default: the world), for a ``CommWorker``.
+
+    ``timeout``: its collectives' timeout; None inherits ``group``'s (``torch.distributed.new_group`` would
+    otherwise give it torch's 30-minute default, whatever the user set). Collective: every rank of the world
+    must call it, in the same order. Returns None when torch.distributed is not initialised (a world of one
+    needs no group).
+
+    Example::
+
+        group = dedicated_group(ddp_model.process_group, timeout=timedelta(seconds=60))
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     backend = dist.get_backend(group)
-    log.debug("lightning_qcomm: creating a %s process group over ranks %s for background collectives", backend, ranks)
-    return dist.new_group(ranks=ranks, backend=backend)
+    if timeout is None:
+        timeout = group_timeout(group)
+    log.debug(
+        "lightning_qcomm: creating a %s process group over ranks %s for background collectives (timeout %s)",
+        backend,
+        ranks,
+        timeout,
+    )
+    return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
 
 
-__all__ = ["CommWorker", "FutureWork", "dedicated_group"]
+__all__ = ["CommWorker", "FutureWork", "dedicated_group", "group_timeout"]

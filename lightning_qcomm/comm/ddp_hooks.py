@@ -27,11 +27,9 @@ returns a completed future. Both paths compute bit-identical results.
 Canonical order: the quantized elements of a bucket are laid out in a fixed parameter order (reverse
 definition order), not in DDP's bucket order, before chunking and quantization. DDP's first iteration
 uses a different in-bucket order than its rebuilt buckets (and a resumed run starts again from the
-initial one), so this makes the compressed result independent of that order: a resumed run
-reproduces the uninterrupted one bit for bit as long as bucket membership is the same (true when
-the model fits in one bucket; with several buckets the rebuild may move parameters between buckets,
-and the first resumed step then quantizes different chunks). It costs a gather/scatter copy only
-for buckets whose order differs (typically DDP's first iteration).
+initial one), so this makes the compressed result independent of that order (membership is handled by
+the layout replay below). It costs a gather/scatter copy only for buckets whose order differs
+(typically DDP's first iteration).
 
 Error feedback (``error_feedback=True``): one fp32 buffer e per bucket (whatever the gradients' dtype: a
 bf16 residual would round away what it exists to keep), on this rank only, holding the compression
@@ -44,6 +42,9 @@ parameters, in canonical order). DDP rebuilds its buckets after the first iterat
 starts again from the initial layout, so when a layout changes the buffers are split into
 per-parameter pieces and reassembled for the new layout: no residual is lost or misaligned.
 The canonical, checkpointed form is per parameter name (``ef_state_dict``), independent of bucketing.
+The members of each bucket are saved too: DDP starts a resumed run on its initial buckets, and until they
+are the saved ones again the hook reduces by the saved layout (``ddp_relayout.LayoutReplay``), so a
+resumed run is bit-identical to an uninterrupted one whatever DDP's rebuild does.
 A non-finite gradient stays non-finite through the hook (so GradScaler skips the step), and the
 collective keeps the previous residual wherever the new one is non-finite, so it cannot poison later steps.
 """
@@ -58,6 +59,7 @@ import torch.distributed as dist
 from lightning_qcomm.codecs import Codec, derive_seed, get_codec
 from lightning_qcomm.comm.collectives import quantized_all_reduce
 from lightning_qcomm.comm.comm_worker import CommWorker
+from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,7 @@ class _BucketPlan:
     big_names: tuple[str, ...]
     big_numels: tuple[int, ...]
     big_numel: int
+    members: tuple[str, ...] = ()  # every parameter of the bucket, in DDP's bucket order
     checked: set[bool] = field(default_factory=set)  # modes (compressed or not) already cross-rank checked
 
 
@@ -148,6 +151,7 @@ class QuantDDPHookState:
         self.process_group = process_group
         self.worker = worker
         self._names = {id(p): n for p, n in param_names.items()}
+        self._params_by_name = {n: p for p, n in param_names.items()}
         self._numel_by_name = {n: p.numel() for p, n in param_names.items()}
         # Canonical order of quantized elements: reverse definition order (what DDP's rebuilt buckets
         # usually are, so the common case needs no copy). See "Canonical order" in the module doc.
@@ -159,12 +163,19 @@ class QuantDDPHookState:
         self._ef: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}
         # per-parameter residuals waiting for a bucket (after a layout change or a checkpoint load)
         self._pending: dict[str, torch.Tensor] = {}
+        # bucket index -> member names of the last bucket reduced with that index (saved with the state)
+        self._members: dict[int, tuple[str, ...]] = {}
+        self._replay: LayoutReplay | None = None  # a loaded layout, replayed until DDP's buckets match it
 
     # ---------------------------------------------------------------- step bookkeeping
     def next_step(self) -> None:
         """Call once per optimizer step (after it)."""
         self.step += 1
         self.round = 0
+
+    def advance_round(self) -> None:
+        """After the last bucket of a backward pass: the next pass of this step is a new round."""
+        self.round += 1
 
     def compressing(self) -> bool:
         return self.codec is not None and self.step >= self.config.start_step
@@ -190,7 +201,8 @@ class QuantDDPHookState:
                 _append_segment(big, off, p.numel())
             names = tuple(self._names[id(p)] for _, _, p in sorted(quant, key=lambda t: t[0]))
             numels = tuple(self._numel_by_name[n] for n in names)
-            plan = _BucketPlan(big, small, names, numels, sum(numels))
+            members = tuple(self._names[id(p)] for p in params)
+            plan = _BucketPlan(big, small, names, numels, sum(numels), members)
             self._plans[key] = plan
         return plan
 
@@ -243,15 +255,36 @@ class QuantDDPHookState:
         self._ef.clear()
         self._pending = {str(k): v.detach().reshape(-1).to(torch.float32).clone() for k, v in state.items()}
 
+    def bucket_layout(self) -> list[tuple[str, ...]]:
+        """Member names of each bucket by index, as last reduced (the replayed layout while a replay runs)."""
+        if self._replay is not None and self._replay.active:
+            return list(self._replay.layout)
+        if sorted(self._members) != list(range(len(self._members))):
+            return []
+        return [self._members[i] for i in range(len(self._members))]
+
     def state_dict(self) -> dict:
-        """Everything this rank needs to continue: step counter and residuals."""
-        return {"step": self.step, "error_feedback": self.ef_state_dict() if self.config.error_feedback else {}}
+        """Everything this rank needs to continue: step counter, residuals and DDP's bucket layout."""
+        return {
+            "step": self.step,
+            "error_feedback": self.ef_state_dict() if self.config.error_feedback else {},
+            "bucket_layout": [list(m) for m in self.bucket_layout()],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.round = 0
         if self.config.error_feedback:
             self.load_ef_state_dict(state.get("error_feedback", {}))
+        layout = [tuple(m) for m in state.get("bucket_layout", [])]
+        self._replay = None
+        if layout and LayoutReplay.matches(layout, set(self._params_by_name)):
+            self._replay = LayoutReplay(layout, self._params_by_name)
+        elif layout:
+            log.warning(
+                "quant_ddp: the checkpoint's bucket layout names other parameters than this model's; "
+                "compressing by DDP's own buckets (the first resumed step may differ from an uninterrupted run)"
+            )
 
 
 def _append_segment(segments: list[tuple[int, int]], offset: int, numel: int) -> None:
@@ -288,12 +321,14 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
     check = compress not in plan.checked
     plan.checked.add(compress)
     seed = derive_seed(state.config.seed, state.step, bucket.index(), state.round)
+    if not isinstance(bucket, VirtualBucket):
+        state._members[bucket.index()] = plan.members
     ef = state.error_buffer(bucket.index(), plan, buf) if compress and state.config.error_feedback else None
     scale = None if ef is None or state.loss_scale is None else state.loss_scale()
     if scale is not None:
         scale = torch.as_tensor(scale).to(device=ef.device, dtype=torch.float32)
     if bucket.is_last():
-        state.round += 1
+        state.advance_round()
 
     def job() -> torch.Tensor:
         if not compress:
@@ -323,8 +358,14 @@ def quant_ddp_comm_hook(state: QuantDDPHookState, bucket: dist.GradBucket) -> to
     Register with ``ddp_model.register_comm_hook(state, quant_ddp_comm_hook)``. Returns a future holding
     the bucket buffer, averaged in place: completed on return, or completed by ``state.worker``.
     """
+    on_worker = state.worker is not None and bucket.buffer().device.type == "cpu"
+    replay = state._replay
+    if replay is not None and replay.active:
+        names = [state._names[id(p)] for p in bucket.parameters()]
+        submit = state.worker.submit if on_worker else None
+        return replay.hook(bucket, names, lambda vb: _bucket_job(state, vb), submit, state.advance_round)
     job = _bucket_job(state, bucket)
-    if state.worker is not None and bucket.buffer().device.type == "cpu":
+    if on_worker:
         return state.worker.submit(job)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(job())

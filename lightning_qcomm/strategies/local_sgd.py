@@ -59,10 +59,18 @@ from torch.optim import Optimizer
 
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm.averaging import TensorAverager
+from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.strategies.sync_rules import SYNC_RULE_NAMES, QSRRule, SyncSchedule, make_rule
 
 log = logging.getLogger(__name__)
+
+# constructor arguments that decide when and what ranks communicate (compared across ranks at setup)
+_SETTINGS = (
+    "sync", "h_base", "alpha", "power", "period", "switch_step", "warmup_steps", "average_buffers",
+    "average_optimizer_state", "codec", "bits", "bucket_size", "quantize_delta", "comm_bucket_mb",
+    "save_rank_optimizer_states", "seed",
+)  # fmt: skip
 
 CHECKPOINT_KEY = "local_sgd"
 
@@ -124,6 +132,7 @@ class LocalSGDStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
+        settings = {k: v for k, v in locals().items() if k in _SETTINGS}  # the arguments as given
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -152,6 +161,7 @@ class LocalSGDStrategy(DDPStrategy):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         self._codec = None if codec is None else get_codec(codec, bits=bits, bucket_size=bucket_size)
+        self._settings = settings
         self.average_buffers = bool(average_buffers)
         self.average_optimizer_state = bool(average_optimizer_state)
         self.quantize_delta = bool(quantize_delta)
@@ -208,6 +218,12 @@ class LocalSGDStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_gloo_group_at_exit()  # a finished rank must not abort in interpreter teardown
+        check_same_config("LocalSGDStrategy", self.config_fingerprint(), timeout=presence_timeout(self._timeout))
+
+    def config_fingerprint(self) -> dict[str, Any]:
+        """The constructor's settings (compared across ranks at setup: a period or alpha that differs would
+        make ranks sync on different steps and wait in each other's averages)."""
+        return dict(self._settings)
 
     def configure_ddp(self) -> None:
         """No DDP wrapper: broadcast parameters and buffers from rank 0 once; no gradient hooks."""

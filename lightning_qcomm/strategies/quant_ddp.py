@@ -24,6 +24,7 @@ are reset to zero (logged): a residual belongs to one rank's data stream.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -40,6 +41,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
+from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.ddp_hooks import (
     DDP_CODECS,
     QuantDDPHookConfig,
@@ -180,6 +182,14 @@ class QuantDDPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_gloo_group_at_exit()  # a finished rank must not abort in interpreter teardown
+        check_same_config("QuantDDPStrategy", self.config_fingerprint(), timeout=presence_timeout(self._timeout))
+
+    def config_fingerprint(self) -> dict[str, Any]:
+        """Everything that decides what this strategy's collectives send (compared across ranks at setup)."""
+        ddp = {
+            k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for k, v in self._ddp_kwargs.items()
+        }
+        return {**dataclasses.asdict(self.hook_config), "overlap_comm": self.overlap_comm, "ddp_kwargs": ddp}
 
     # ------------------------------------------------------------------ hook registration
     @property
@@ -196,7 +206,7 @@ class QuantDDPStrategy(DDPStrategy):
         group, worker = self.model.process_group, None
         if self.overlap_comm and self.root_device.type == "cpu" and self.world_size > 1:
             if self._comm_worker is None:  # collective: every rank gets here in the same order
-                self._comm_group = dedicated_group(self.model.process_group)
+                self._comm_group = dedicated_group(self.model.process_group, timeout=self._timeout)
                 self._comm_worker = CommWorker()
             group, worker = self._comm_group, self._comm_worker
         state = QuantDDPHookState(
