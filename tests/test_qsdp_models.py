@@ -143,9 +143,7 @@ class Frozen(_Classifier):
         super().__init__()
         self.features = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.Tanh())
         self.features.requires_grad_(False)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.Tanh()) for _ in range(2)
-        )
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.Tanh()) for _ in range(2))
         self.blocks[0][0].requires_grad_(False)
         self.head = nn.Linear(64, N_CLS)
 
@@ -197,7 +195,14 @@ class DemoTransformer(pl.LightningModule):
         return torch.utils.data.DataLoader(token_data(64), batch_size=BATCH, shuffle=False)
 
 
-MODELS = {"vit": ViT, "cnn": CNN, "flat_cnn": FlatCNN, "tied": TiedGPT, "frozen": Frozen, "transformer": DemoTransformer}
+MODELS = {
+    "vit": ViT,
+    "cnn": CNN,
+    "flat_cnn": FlatCNN,
+    "tied": TiedGPT,
+    "frozen": Frozen,
+    "transformer": DemoTransformer,
+}
 
 
 # --------------------------------------------------------------------------- worker
@@ -413,7 +418,14 @@ def test_plan_groups_modulelist_size_and_ties():
     assert [names[m] for m in plan_fsdp_groups(cnn, None, min_wrap_numel=10**9)] == ["net"]
     vit = ViT()
     names = {m: n for n, m in vit.named_modules()}
-    assert [names[m] for m in plan_fsdp_groups(vit, None, 10**9)] == ["blocks.0", "blocks.1", "patch", "norm", "head", ""]
+    assert [names[m] for m in plan_fsdp_groups(vit, None, 10**9)] == [
+        "blocks.0",
+        "blocks.1",
+        "patch",
+        "norm",
+        "head",
+        "",
+    ]
     with pytest.raises(ValueError, match="Attention"):
         plan_fsdp_groups(vit, "Attention", 10**9)
     with pytest.raises(TypeError, match="min_wrap_numel"):
