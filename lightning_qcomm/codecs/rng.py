@@ -124,7 +124,10 @@ def hash_u32(seed: int, numel: int, device: torch.device | str = "cpu", offset: 
 def _to_uniform(h: torch.Tensor, out: torch.Tensor) -> None:
     h >>= 8
     h &= 0xFFFFFF  # (hash >>> 8) < 2**24: exact in fp32
-    torch.mul(h, INV_2_24, out=out)
+    # convert, then scale in place: int64 * python float would compute in torch's default dtype, which
+    # Lightning's "16-true" / "bf16-true" set to fp16 / bf16 during every step (2**24 overflows fp16)
+    out.copy_(h)
+    out.mul_(INV_2_24)
 
 
 def uniform(seed: int, numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
