@@ -531,13 +531,20 @@ def test_bad_argument_types(kwargs):
 
 
 def test_auto_shard_targets():
+    from lightning_qcomm.strategies.qsdp_sharding import plan_fsdp_groups
+
     model = TinyGPT()
-    assert QSDPStrategy()._wrap_targets(model) == list(model.blocks)  # default: ModuleList elements with params
-    assert QSDPStrategy(layer_classes="Block, LayerNorm")._wrap_targets(model) == [
-        m for m in model.modules() if isinstance(m, (Block, nn.LayerNorm))
+    # default: ModuleList elements with params, then the root's children with params left (here: all of
+    # TinyGPT's own tensors are in its children); TinyGPT holds no parameter itself, so it is no group
+    assert plan_fsdp_groups(model, None, 10**6) == [*model.blocks, model.tok, model.pos, model.ln_f, model.head]
+    b0, b1 = model.blocks
+    # deepest first (the blocks' norms, then the blocks, then ln_f), then the children left (tok, pos, head)
+    assert plan_fsdp_groups(model, "Block, LayerNorm", 10**6) == [
+        *(b0.ln1, b0.ln2, b1.ln1, b1.ln2, b0, b1, model.ln_f),
+        *(model.tok, model.pos, model.head),
     ]
     with pytest.raises(ValueError, match="Attention"):
-        QSDPStrategy(layer_classes="Block,Attention")._wrap_targets(model)
+        plan_fsdp_groups(model, "Block,Attention", 10**6)
 
 
 def test_bits_resolution_and_registry():

@@ -13,11 +13,13 @@ Bit widths: ``bits`` sets both widths; ``weight_bits`` / ``grad_bits`` override 
 means "unquantized" (the comm still runs through the adapter and the ledger). Codec names are those of
 ``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"`` (unquantized).
 
-Auto-sharding (no ``configure_model``): every module whose class name is in ``layer_classes`` (comma
-separated), or by default every element of an ``nn.ModuleList`` that has parameters (transformer blocks),
-is its own FSDP group, innermost first; then each direct child of the LightningModule that still holds
-unsharded parameters becomes a root group. A user's ``configure_model`` that calls ``fully_shard`` itself
-keeps its grouping and still gets the quantized comms.
+Auto-sharding (no ``configure_model`` calling ``fully_shard``): ``qsdp_sharding.plan_fsdp_groups``
+(``layer_classes`` or ``nn.ModuleList`` elements, else a ``min_wrap_numel`` size policy; then the
+LightningModule's children; then the LightningModule itself for parameters it holds or that are tied across
+children). When the LightningModule is an FSDP group itself, every ``*_step`` runs through its forward so
+FSDP2 gathers it. A user's ``configure_model`` that calls ``fully_shard`` keeps its grouping and still gets
+the quantized comms. Setup is idempotent: fit -> validate -> test -> predict, or a new Trainer, take an
+already sharded module as it is and install this strategy's comms on it.
 """
 
 from __future__ import annotations
@@ -35,22 +37,29 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_qcomm.codecs import CODEC_NAMES, Codec, get_codec
 from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
 from lightning_qcomm.comm.fsdp import (
     QSDPCommConfig,
     QSDPCommState,
+    check_torch_fsdp_api,
+    fsdp_param_shards,
     install_qsdp_comms,
+    is_quantized_param,
     project_master_weights,
 )
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
+from lightning_qcomm.strategies.qsdp_sharding import plan_fsdp_groups
 
 log = logging.getLogger(__name__)
 
 UNQUANTIZED_BITS = 32
+DEFAULT_MIN_WRAP_NUMEL = 1_000_000
 CODEC_CHOICES = (*CODEC_NAMES, "none")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CHECKPOINT_KEY = "qsdp"
@@ -101,6 +110,9 @@ class QSDPStrategy(ModelParallelStrategy):
         seed: user seed folded with (step, FSDP group, rank) into every codec seed.
         layer_classes: comma-separated module class names to shard as separate FSDP groups when the model has
             no ``configure_model``; None picks every element of an ``nn.ModuleList`` that has parameters.
+        min_wrap_numel: when neither ``layer_classes`` nor a ``ModuleList`` gives groups, a module whose
+            parameters not taken by an inner group number at least this many elements becomes a group
+            (FSDP1's ``size_based_auto_wrap_policy``). See ``qsdp_sharding`` for the whole policy.
         reshard_after_forward: FSDP2's option for the groups this strategy creates; None is FSDP2's default
             (reshard every group but the root, which the backward needs first).
         overlap_comm: on CPU (gloo), run the weight all-gathers on a background thread over a process group
@@ -127,6 +139,7 @@ class QSDPStrategy(ModelParallelStrategy):
         quantize_master: bool = False,
         seed: int = 0,
         layer_classes: str | None = None,
+        min_wrap_numel: int = DEFAULT_MIN_WRAP_NUMEL,
         reshard_after_forward: bool | None = None,
         overlap_comm: bool = True,
         save_distributed_checkpoint: bool = True,
@@ -146,8 +159,11 @@ class QSDPStrategy(ModelParallelStrategy):
                 raise TypeError(f"{arg} must be an int or None, got {type(val).__name__}")
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
             raise ValueError(f"bucket_size must be an int >= 1, got {bucket_size!r}")
-        if not isinstance(min_quant_numel, int) or isinstance(min_quant_numel, bool) or min_quant_numel < 0:
-            raise ValueError(f"min_quant_numel must be an int >= 0, got {min_quant_numel!r}")
+        for arg, val in (("min_quant_numel", min_quant_numel), ("min_wrap_numel", min_wrap_numel)):
+            if not isinstance(val, int) or isinstance(val, bool):
+                raise TypeError(f"{arg} must be an int, got {type(val).__name__}")
+            if val < 0:
+                raise ValueError(f"{arg} must be an int >= 0, got {val!r}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not allowed; allowed: {', '.join(START_METHODS)}")
         if layer_classes is not None and not isinstance(layer_classes, str):
@@ -169,6 +185,7 @@ class QSDPStrategy(ModelParallelStrategy):
         )
         if self.layer_classes is not None and not self.layer_classes:
             raise ValueError(f"layer_classes={layer_classes!r} names no class")
+        self.min_wrap_numel = min_wrap_numel
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be a bool or None, got {type(reshard_after_forward).__name__}")
         self.reshard_after_forward = reshard_after_forward
@@ -176,17 +193,22 @@ class QSDPStrategy(ModelParallelStrategy):
             raise TypeError(f"overlap_comm must be a bool, got {type(overlap_comm).__name__}")
         self.overlap_comm = overlap_comm
         self._comm_worker: CommWorker | None = None
+        self._worker_group = None  # created once, reused by every later stage of this strategy
         self._start_method = start_method
         self.comm_state = QSDPCommState(seed=self.seed, step=0)
         self._fsdp_modules: list[nn.Module] = []
+        self._root_is_group = False
+        self._warned_no_effect = False
 
     # ------------------------------------------------------------------ processes and mesh
+    @override
     def _configure_launcher(self) -> None:
         if self._start_method == "popen":
             super()._configure_launcher()
         else:
             self._launcher = _FullStateLauncher(self, start_method=self._start_method)
 
+    @override
     def setup_environment(self) -> None:
         # 1-D data parallelism over all processes: mesh (world, 1) named ("data_parallel", "tensor_parallel").
         self._data_parallel_size = self.num_nodes * self.num_processes
@@ -200,11 +222,13 @@ class QSDPStrategy(ModelParallelStrategy):
         return self.device_mesh["data_parallel"]
 
     # ------------------------------------------------------------------ model setup
+    @override
     def setup(self, trainer) -> None:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        check_torch_fsdp_api()
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError(f"{type(self).__name__} supports FSDP2 (fully_shard) only; found FSDP1-wrapped modules")
         if not any(p.numel() > 0 for p in self.model.parameters()):
@@ -212,17 +236,26 @@ class QSDPStrategy(ModelParallelStrategy):
                 f"{type(self).__name__}: the LightningModule {type(self.lightning_module).__name__} has no parameters"
                 " to shard"
             )
-        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+        fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        if not fsdp_modules:
             if is_overridden("configure_model", self.lightning_module):
                 log.warning(
                     "QSDP: configure_model did not call fully_shard; sharding the model with the default policy"
                 )
             self._auto_shard(self.model)
+        else:
+            # sharded before (configure_model, an earlier stage or Trainer): take it as it is; a group left
+            # gathered by its last forward (FSDP2 keeps the root's) goes back to its shards first
+            for m in fsdp_modules:
+                m.reshard()
         self._check_all_sharded(self.model)
+        self._root_is_group = isinstance(self.lightning_module, FSDPModule)
         worker, worker_group = None, None
         if self.overlap_comm and self.root_device.type == "cpu":
+            if self._worker_group is None:
+                self._worker_group = dedicated_group(self.dp_mesh.get_group())
             self._comm_worker = worker = CommWorker("lightning_qcomm-qsdp")
-            worker_group = dedicated_group(self.dp_mesh.get_group())
+            worker_group = self._worker_group
         self._fsdp_modules = install_qsdp_comms(
             self.model,
             QSDPCommConfig(self.weight_codec, self.grad_codec, self.min_quant_numel),
@@ -230,6 +263,7 @@ class QSDPStrategy(ModelParallelStrategy):
             worker=worker,
             worker_group=worker_group,
         )
+        self._warn_if_no_effect()
         if worker is not None:
             self._chain_forward_prefetch(self._fsdp_modules)
         _materialize_distributed_module(self.model, self.root_device)
@@ -241,6 +275,33 @@ class QSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _warn_if_no_effect(self) -> None:
+        """Settings that change nothing are said once (Lightning's rank_zero_warn), naming the setting."""
+        if self._warned_no_effect:
+            return
+        self._warned_no_effect = True
+        name = type(self).__name__
+        if self.world_size == 1:
+            rank_zero_warn(
+                f"{name} runs on one device: nothing is communicated, so weight_bits={self.weight_bits} and "
+                f"grad_bits={self.grad_bits} have no effect (FSDP2 over one rank only adds its bookkeeping)"
+            )
+            return
+        if self.weight_codec is None and self.grad_codec is None:
+            rank_zero_warn(
+                f"{name}(weight_bits={self.weight_bits}, grad_bits={self.grad_bits}, weight_codec="
+                f"{self.weight_codec_name!r}, grad_codec={self.grad_codec_name!r}) quantizes nothing: weights and "
+                "gradients travel as FSDP2 sends them (32 bits / codec 'none' mean unquantized)"
+            )
+            return
+        shards = [p for m in self._fsdp_modules for p in fsdp_param_shards(m)]
+        if not any(is_quantized_param(p, self.min_quant_numel) for p in shards):
+            rank_zero_warn(
+                f"{name}(min_quant_numel={self.min_quant_numel}) quantizes nothing: every parameter of "
+                f"{type(self.lightning_module).__name__} is 1-D or has fewer than {self.min_quant_numel} elements, "
+                "so all travel unquantized; lower min_quant_numel to compress them"
+            )
 
     @staticmethod
     def _chain_forward_prefetch(fsdp_modules: list[nn.Module]) -> None:
@@ -266,44 +327,39 @@ class QSDPStrategy(ModelParallelStrategy):
                 " sharded by fully_shard (configure_model must also shard the module that holds them, e.g. the root)"
             )
 
-    def _wrap_targets(self, root: nn.Module) -> list[nn.Module]:
-        if self.layer_classes is not None:
-            found = {type(m).__name__ for m in root.modules()}
-            missing = self.layer_classes - found
-            if missing:
-                raise ValueError(
-                    f"layer_classes names {sorted(missing)} that are not in the model; module classes present: "
-                    f"{sorted(found)}"
-                )
-            return [m for m in root.modules() if m is not root and type(m).__name__ in self.layer_classes]
-        targets = []
-        for m in root.modules():
-            if isinstance(m, nn.ModuleList):
-                targets.extend(c for c in m if any(True for _ in c.parameters()))
-        return targets
-
     def _auto_shard(self, root: nn.Module) -> None:
-        """FSDP2 groups: the layer targets (innermost first), then each direct child of ``root`` with params left."""
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        """``fully_shard`` every module of ``plan_fsdp_groups`` (inner first, the root last if it keeps params)."""
+        from torch.distributed.fsdp import fully_shard
 
-        mesh = self.dp_mesh
-        own = [n for n, _ in root.named_parameters(recurse=False)]
-        if own:
-            raise ValueError(
-                f"{type(self).__name__} cannot auto-shard parameters held directly by the LightningModule ({own}):"
-                " move them into a submodule, or shard in configure_model with fully_shard"
-            )
-        depth = {m: n.count(".") for n, m in root.named_modules()}
-        for m in sorted(self._wrap_targets(root), key=lambda m: -depth[m]):
-            if not isinstance(m, FSDPModule):
-                fully_shard(m, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
-        sharded = {id(p) for m in root.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
-        for child in root.children():
-            if isinstance(child, FSDPModule):
-                continue
-            if any(id(p) not in sharded for p in child.parameters()):
-                fully_shard(child, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        for m in plan_fsdp_groups(root, self.layer_classes, self.min_wrap_numel):
+            fully_shard(m, mesh=self.dp_mesh, reshard_after_forward=self.reshard_after_forward)
 
+    # ------------------------------------------------------------------ steps
+    def _step(self, method: str, context, *args: Any, **kwargs: Any) -> Any:
+        """When the LightningModule is an FSDP group (it holds parameters), call ``method`` through its forward,
+        which is where FSDP2 gathers a group (the redirection Lightning's FSDP strategy uses)."""
+        with context():
+            if self._root_is_group:
+                return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+            return getattr(self.lightning_module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    @override
     def teardown(self) -> None:
         if self._comm_worker is not None:
             self._comm_worker.close()
@@ -311,6 +367,7 @@ class QSDPStrategy(ModelParallelStrategy):
         super().teardown()
 
     # ------------------------------------------------------------------ per-step logic
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -334,10 +391,12 @@ class QSDPStrategy(ModelParallelStrategy):
         if int(state.get("seed", self.seed)) != self.seed:
             log.warning("QSDP: checkpoint seed %s differs from this strategy's seed %s", state["seed"], self.seed)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         checkpoint[CHECKPOINT_KEY] = self.qsdp_state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.pop(CHECKPOINT_KEY, None)
@@ -370,7 +429,7 @@ class _FullStateLauncher(_MultiProcessingLauncher):
         full = get_model_state_dict(  # collective: every rank takes part
             trainer.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        if self._strategy.local_rank != 0:
+        if self._strategy.global_rank != 0:  # local rank 0 of node 1 is not the process that saves
             return None
         weights_path = None
         if trainer.state.fn == TrainerFn.FITTING:
