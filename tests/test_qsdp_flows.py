@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from torch import nn
 from lightning_qcomm.strategies.qsdp import QSDPStrategy
 
 N_SAMPLES, BATCH, N_CLS = 256, 16, 4  # per rank: 128 samples -> 8 optimizer steps per epoch
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")  # 16-mixed: bf16-mixed on CPU
 
 
 def image_data(seed: int = 1234) -> torch.utils.data.TensorDataset:
@@ -49,7 +50,7 @@ class FlowNet(pl.LightningModule):
     """Classifier with every step; ``offset`` (if ``root_param``) is held by the LightningModule itself, which
     makes the LightningModule an FSDP group (the root) whose forward brackets every step."""
 
-    def __init__(self, hidden: int = 64, lr: float = 1e-2, root_param: bool = True) -> None:
+    def __init__(self, hidden: int = 64, lr: float = 1e-2, root_param: bool = True, eps: float = 1e-8) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
@@ -82,7 +83,7 @@ class FlowNet(pl.LightningModule):
         return self(batch[0]).float()
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, eps=self.hparams.eps, weight_decay=0.0)
 
     def train_dataloader(self):
         return _loader()
@@ -274,17 +275,22 @@ def _gan(rank, world, port, res):
 
 
 def _precisions(rank, world, port, res):
+    # Adam's default eps=1e-8 is 0 in fp16 (whose smallest normal is 6e-5): 16-true then gives NaN from the
+    # second step under plain DDP too; every row uses eps=1e-4, representable in all three dtypes. And lr 3e-3:
+    # at 1e-2 pure-fp16 Adam (its v = g^2 underflows) is chaotic, so that changing only QSDP's seed moved the
+    # epoch-2 loss by 3.4% (0.05% under fp32); at 3e-3 by 0.5%, which leaves the 2% band its meaning
     for precision in PRECISIONS:
-        _set_env(rank, world, port)
-        m = FlowNet()
-        trainer = _trainer(world, "qsdp", precision=precision, max_epochs=2, limit_val_batches=0)
-        trainer.fit(m)
-        res[f"precision/{precision}"] = {"losses": m.losses, "plugin": trainer.precision}
+        for kind, strategy in (("ddp", "ddp"), ("qsdp", "qsdp")):
+            _set_env(rank, world, port)
+            m = FlowNet(eps=1e-4, lr=3e-3)
+            trainer = _trainer(world, strategy, precision=precision, max_epochs=2, limit_val_batches=0)
+            trainer.fit(m)
+            res[f"precision/{precision}/{kind}"] = {"losses": m.losses, "plugin": trainer.precision}
     _set_env(rank, world, port)
-    m = FlowNetUserMP()
+    m = FlowNetUserMP(eps=1e-4, lr=3e-3)
     trainer = _trainer(world, QSDPStrategy(bits=8), max_epochs=2, limit_val_batches=0)
     trainer.fit(m)
-    res["precision/user_mp_bf16"] = {"losses": m.losses}
+    res["precision/user_mp_bf16/qsdp"] = {"losses": m.losses}
 
 
 def _reduce_scatter_dtypes(rank, world, res):
@@ -400,8 +406,9 @@ def _no_errors(ranks: list[dict], key: str) -> None:
         assert f"error/{key}" not in r, r[f"error/{key}"]
 
 
-def _final(losses: list[float], k: int = 4) -> float:
-    return sum(losses[-k:]) / k
+def _epoch(losses: list[float], epoch: int, steps: int = 8) -> float:
+    """Mean loss of one epoch (every epoch sees the same batches, so batch noise cancels)."""
+    return sum(losses[epoch * steps : (epoch + 1) * steps]) / steps
 
 
 # --------------------------------------------------------------------------- flows
@@ -512,19 +519,20 @@ def test_gan_manual_optimization_with_toggle_optimizer(run):
 # --------------------------------------------------------------------------- precisions
 @pytest.mark.slow
 def test_precision_matrix(run):
+    """Every precision trains under QSDP with finite losses, within the model matrix's band of DDP at the same
+    precision (2% of the epoch-2 mean loss) and learning (epoch 2 below 0.9x epoch 1, same batches). A user's
+    bf16 MixedPrecisionPolicy (fp32 master weights, bf16 gradients reduced in bf16) is held to DDP's
+    bf16-mixed."""
     _, ranks = run
     _no_errors(ranks, "precisions")
     for r in ranks:
-        fp32 = r["precision/32-true"]["losses"]
-        assert r["precision/16-mixed"]["plugin"] == "bf16-mixed"  # Lightning's own choice on CPU
+        assert r["precision/16-mixed/qsdp"]["plugin"] == "bf16-mixed"  # Lightning's own choice on CPU
         for key in (*PRECISIONS, "user_mp_bf16"):
-            losses = r[f"precision/{key}"]["losses"]
+            losses = r[f"precision/{key}/qsdp"]["losses"]
+            ddp = r[f"precision/{'bf16-mixed' if key == 'user_mp_bf16' else key}/ddp"]["losses"]
             assert len(losses) == 16 and all(math.isfinite(x) for x in losses), key
-            assert _final(losses) < 0.9 * losses[0], (key, losses)  # the fp32 test's learnability band
-            # mixed precision keeps fp32 master weights: the band of the QSDP-vs-DDP tests (2%); the
-            # 16-bit-weight runs round every update to 8 or 11 mantissa bits: 5%
-            band = 0.02 if key in ("bf16-mixed", "16-mixed", "user_mp_bf16") else 0.05
-            assert abs(_final(losses) - _final(fp32)) < band * _final(fp32), (key, losses, fp32)
+            assert _epoch(losses, 1) < 0.9 * _epoch(losses, 0), (key, losses)
+            assert abs(_epoch(losses, 1) - _epoch(ddp, 1)) < 0.02 * _epoch(ddp, 1), (key, losses, ddp)
 
 
 @pytest.mark.slow
@@ -588,7 +596,7 @@ def test_torch_internals_are_checked(monkeypatch):
 
     check_torch_fsdp_api()  # this torch passes
     monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
-    with pytest.raises(RuntimeError, match=rf"torch {torch.__version__}.*set_custom_reduce_scatter"):
+    with pytest.raises(RuntimeError, match=rf"torch {re.escape(torch.__version__)}.*set_custom_reduce_scatter"):
         check_torch_fsdp_api()
     with pytest.raises(RuntimeError, match=r"padded_sharded_param_size"):
         check_fsdp_param_internals(types.SimpleNamespace(sharded_size=torch.Size([2])))

@@ -79,9 +79,8 @@ class _Classifier(pl.LightningModule):
 
 # --------------------------------------------------------------------------- the shapes
 class ViT(_Classifier):
-    """ViT-style: ``cls_token`` and ``pos_embed`` are parameters of the LightningModule itself."""
-
-    lr = 3e-3
+    """ViT-style: ``cls_token`` and ``pos_embed`` are parameters of the LightningModule itself (the head reads
+    every token, which learns this task in few steps)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -89,16 +88,17 @@ class ViT(_Classifier):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, DIM))
         self.pos_embed = nn.Parameter(0.02 * torch.randn(1, 5, DIM))
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(DIM, 2, 2 * DIM, dropout=0.0, batch_first=True) for _ in range(2)
+            nn.TransformerEncoderLayer(DIM, 2, 2 * DIM, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(2)
         )
-        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, N_CLS)
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(5 * DIM, N_CLS)
 
     def forward(self, x):
         p = x.unfold(2, 4, 4).unfold(3, 4, 4).reshape(x.shape[0], 4, 16)  # four 4x4 patches
         z = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), self.patch(p)], dim=1) + self.pos_embed
         for blk in self.blocks:
             z = blk(z)
-        return self.head(self.norm(z[:, 0]))
+        return self.head(self.norm(z).flatten(1))
 
 
 class ConvNet(nn.Module):
@@ -330,8 +330,14 @@ def runs(tmp_path_factory):
     return [json.load(open(outdir / f"rank{r}.json")) for r in range(2)]
 
 
-def _final(losses: list[float], k: int = 4) -> float:
-    return sum(losses[-k:]) / k
+def _epoch_mean(losses: list[float], epoch: int) -> float:
+    """Mean loss over one epoch's steps: every epoch sees the same batches, so batch noise cancels."""
+    n = len(losses) // EPOCHS
+    return sum(losses[epoch * n : (epoch + 1) * n]) / n
+
+
+def _final(losses: list[float]) -> float:
+    return _epoch_mean(losses, EPOCHS - 1)
 
 
 def _ok(run: dict) -> dict:
@@ -349,7 +355,7 @@ def test_trains_like_ddp(runs, name):
         steps = EPOCHS * N_SAMPLES // (2 * BATCH)
         assert len(ddp["losses"]) == len(q["losses"]) == steps and q["global_step"] == steps
         assert all(math.isfinite(x) for x in q["losses"])
-        assert _final(ddp["losses"]) < 0.9 * ddp["losses"][0], ddp["losses"]  # the task is learnable
+        assert _final(ddp["losses"]) < 0.9 * _epoch_mean(ddp["losses"], 0), ddp["losses"]  # the task is learnable
         assert q["losses"] != ddp["losses"]  # weights and gradients travelled quantized
         assert abs(_final(q["losses"]) - _final(ddp["losses"])) < 0.02 * _final(ddp["losses"]), (q, ddp)
 
