@@ -159,6 +159,45 @@ class GAN(pl.LightningModule):
         return _loader()
 
 
+class RootGAN(GAN):
+    """The GAN with a parameter of its own (``scale``, the LightningModule's: the root FSDP group) read
+    directly in both phases of the manual step: after the generator's backward and step (FSDP2 reshards the
+    root group at the end of each backward), and while toggled off for the discriminator's phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1, 64))
+
+    def training_step(self, batch, batch_idx):
+        real = batch[0].flatten(1)
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(real.shape[0], 8, generator=torch.Generator().manual_seed(2 * batch_idx + self.global_rank))
+        ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
+        bce = nn.functional.binary_cross_entropy_with_logits
+
+        self.toggle_optimizer(opt_g)
+        g_loss = bce(self.discriminator(self.generator(z) * self.scale), ones)
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+
+        self.toggle_optimizer(opt_d)  # scale is frozen now: no gradient may reach it
+        fake = self.generator(z).detach() * self.scale
+        d_loss = (bce(self.discriminator(real), ones) + bce(self.discriminator(fake), zeros)) / 2
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.g_losses.append(float(g_loss.detach()))
+        self.d_losses.append(float(d_loss.detach()))
+
+    def configure_optimizers(self):
+        kw = {"lr": 2e-3, "betas": (0.5, 0.999)}
+        generator = [*self.generator.parameters(), self.scale]
+        return [torch.optim.Adam(generator, **kw), torch.optim.Adam(self.discriminator.parameters(), **kw)]
+
+
 # --------------------------------------------------------------------------- worker
 def _set_env(rank: int, world: int, port: int) -> None:
     os.environ.update(
@@ -258,13 +297,20 @@ def _full_ckpt(rank, world, port, outdir, res):
 
 
 def _gan(rank, world, port, res):
-    for key, strategy in (("ddp", "ddp_find_unused_parameters_true"), ("q32", QSDPStrategy(bits=32)), ("q8", "qsdp")):
+    ddp = "ddp_find_unused_parameters_true"
+    for key, cls, strategy in (
+        ("ddp", GAN, ddp),
+        ("q32", GAN, QSDPStrategy(bits=32)),
+        ("q8", GAN, "qsdp"),
+        ("root_ddp", RootGAN, ddp),
+        ("root_q32", RootGAN, QSDPStrategy(bits=32)),
+    ):
         _set_env(rank, world, port)
-        m = GAN()
+        m = cls()
         before = {k: v.clone() for k, v in m.state_dict().items()}
         trainer = _trainer(world, strategy)
         trainer.fit(m)
-        after = _full_state(m) if key != "ddp" else m.state_dict()
+        after = _full_state(m) if "ddp" not in key else m.state_dict()
         changed = {}
         if trainer.global_rank == 0:
             changed = {
@@ -514,6 +560,11 @@ def test_gan_manual_optimization_with_toggle_optimizer(run):
         assert all(math.isfinite(x) for x in q8["g"] + q8["d"]) and q8["g"] != q32["g"]
         for run_ in (ddp, q32, q8):
             assert run_["changed"] == {"generator": True, "discriminator": True}
+        # a root-held parameter read directly after a backward and while toggled off
+        root_ddp, root_q32 = r["gan/root_ddp"], r["gan/root_q32"]
+        assert len(root_q32["g"]) == 8
+        for a, b in zip(root_q32["g"] + root_q32["d"], root_ddp["g"] + root_ddp["d"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (root_q32, root_ddp)
 
 
 # --------------------------------------------------------------------------- precisions

@@ -89,6 +89,7 @@ __all__ = [
     "install_qsdp_comms",
     "is_quantized_param",
     "project_master_weights",
+    "sync_unsharded_requires_grad",
 ]
 
 _logged: set[str] = set()
@@ -322,6 +323,7 @@ def install_qsdp_comms(
     from torch.distributed.fsdp import FSDPModule
 
     check_torch_fsdp_api()
+    root_group = root if isinstance(root, FSDPModule) and fsdp_params(root) else None
     installed = []
     for module in root.modules():
         if not isinstance(module, FSDPModule):
@@ -353,20 +355,27 @@ def install_qsdp_comms(
             )
         )
         module.set_force_sum_reduction_for_comms(True)
-        _install_requires_grad_sync(module)
+        _install_requires_grad_sync(module, root_group)
         installed.append(module)
     return installed
 
 
-def _install_requires_grad_sync(module: torch.nn.Module) -> None:
+def _install_requires_grad_sync(module: torch.nn.Module, root: torch.nn.Module | None) -> None:
     """After FSDP's pre-forward unshard (its hook is prepended), copy the sharded params' requires_grad onto
-    the unsharded ones (see ``sync_unsharded_requires_grad``); one hook per module however often installed."""
+    the unsharded ones (see ``sync_unsharded_requires_grad``), for this module and for the FSDP ``root``:
+    the root stays gathered through a whole step, in which ``toggle_optimizer`` may change its flags, and
+    its own parameters are used alongside the inner groups' forwards. One hook per module however often
+    installed."""
     old = getattr(module, "_qsdp_requires_grad_hook", None)
     if old is not None:
         old.remove()
-    module._qsdp_requires_grad_hook = module.register_forward_pre_hook(
-        lambda mod, args: sync_unsharded_requires_grad(mod)
-    )
+    targets = [module] if root is None or root is module else [module, root]
+
+    def sync(mod, args) -> None:
+        for m in targets:
+            sync_unsharded_requires_grad(m)
+
+    module._qsdp_requires_grad_hook = module.register_forward_pre_hook(sync)
 
 
 @torch.no_grad()

@@ -52,6 +52,7 @@ from lightning_qcomm.comm.fsdp import (
     install_qsdp_comms,
     is_quantized_param,
     project_master_weights,
+    sync_unsharded_requires_grad,
 )
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.strategies.qsdp_sharding import plan_fsdp_groups
@@ -198,6 +199,7 @@ class QSDPStrategy(ModelParallelStrategy):
         self.comm_state = QSDPCommState(seed=self.seed, step=0)
         self._fsdp_modules: list[nn.Module] = []
         self._root_is_group = False
+        self._in_root_step = False
         self._warned_no_effect = False
 
     # ------------------------------------------------------------------ processes and mesh
@@ -339,9 +341,29 @@ class QSDPStrategy(ModelParallelStrategy):
         """When the LightningModule is an FSDP group (it holds parameters), call ``method`` through its forward,
         which is where FSDP2 gathers a group (the redirection Lightning's FSDP strategy uses)."""
         with context():
-            if self._root_is_group:
+            if not self._root_is_group:
+                return getattr(self.lightning_module, method)(*args, **kwargs)
+            self._in_root_step = True
+            try:
                 return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
-            return getattr(self.lightning_module, method)(*args, **kwargs)
+            finally:
+                self._in_root_step = False
+
+    def _regather_root(self) -> None:
+        """Manual optimization runs backward and optimizer steps inside ``training_step``, i.e. inside the
+        root group's forward; FSDP2 reshards the root group at the end of every backward. Gather it again
+        (after a step: the new weights) so the rest of the step reads the LightningModule's own parameters
+        as DDP would, with the flags ``toggle_optimizer`` set."""
+        if self._root_is_group and self._in_root_step:
+            self.lightning_module.reshard()  # after a step the gathered copy is stale; unshard alone keeps it
+            self.lightning_module.unshard()
+            sync_unsharded_requires_grad(self.lightning_module)
+
+    @override
+    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any) -> Any:
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._regather_root()
+        return out
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -379,6 +401,7 @@ class QSDPStrategy(ModelParallelStrategy):
         if self.quantize_master:
             project_master_weights(self._fsdp_modules, self.weight_codec, self.comm_state, self.min_quant_numel)
         self.comm_state.step += 1
+        self._regather_root()
         return out
 
     # ------------------------------------------------------------------ checkpoints
