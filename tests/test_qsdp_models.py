@@ -323,8 +323,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("qsdp_models")
+def outdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("qsdp_models")
+
+
+@pytest.fixture(scope="module")
+def runs(outdir):
     os.environ["OMP_NUM_THREADS"] = "1"
     mp.spawn(_worker, args=(2, _free_port(), str(outdir)), nprocs=2, join=True)
     return [json.load(open(outdir / f"rank{r}.json")) for r in range(2)]
@@ -388,6 +392,22 @@ def test_tied_weights_stay_one_parameter(runs):
         assert q["tie_max_diff"] == 0.0 and ddp["tie_max_diff"] == 0.0
         # neither head nor tok_emb is a group of its own (one group owns the tied weight)
         assert "head" not in q["groups"] and "tok_emb" not in q["groups"], q["groups"]
+
+
+@pytest.mark.slow
+def test_tied_checkpoint_consolidates_and_loads(runs, outdir, tmp_path):
+    """The sharded checkpoint of the tied model, consolidated, loads strictly into a fresh ByteGPT whose
+    head and embedding are still one parameter."""
+    from lightning_qcomm import consolidate_checkpoint
+
+    _ok(runs[0]["tied/qsdp"])
+    single = consolidate_checkpoint(outdir / "tied_epoch1", tmp_path / "tied.ckpt")
+    state = torch.load(single, weights_only=False)["state_dict"]
+    assert torch.equal(state["head.weight"], state["tok_emb.weight"])
+    model = TiedGPT.load_from_checkpoint(single)  # strict: every key present
+    assert model.head.weight is model.tok_emb.weight
+    assert sum(p.numel() for p in model.parameters()) == BYTEGPT_PARAMS
+    assert not torch.equal(model.tok_emb.weight, TiedGPT().tok_emb.weight)  # trained weights, not the init
 
 
 @pytest.mark.slow
