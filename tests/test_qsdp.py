@@ -588,6 +588,48 @@ def test_codecs_ignore_torch_default_dtype(default_dtype):
         assert torch.equal(decoded, codec.decode(ref)), name
 
 
+def test_sharded_save_is_atomic_on_overwrite(tmp_path, monkeypatch):
+    """A save interrupted while it overwrites ``last.ckpt`` (here: the metadata write fails after every shard
+    was written) leaves the previous checkpoint whole; the partial one is refused with a clear error; the
+    next save replaces the checkpoint. One process, no process group: the strategy's collectives are no-ops."""
+    from lightning_qcomm.consolidate import consolidate_checkpoint
+
+    strategy = QSDPStrategy(bits=8)
+    path = tmp_path / "last.ckpt"
+
+    def checkpoint(step: int) -> dict:
+        return {"state_dict": {"w": torch.full((4,), float(step))}, "optimizer_states": [], "global_step": step}
+
+    def saved(name: str) -> dict:
+        return torch.load(consolidate_checkpoint(path, tmp_path / name), weights_only=False)
+
+    strategy.save_checkpoint(checkpoint(1), path)
+    real_save = torch.save
+
+    def failing_save(obj, f, *args, **kwargs):
+        if str(f).endswith("meta.pt"):
+            raise OSError("disk full (injected)")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="injected"):
+        strategy.save_checkpoint(checkpoint(2), path)
+    monkeypatch.setattr(torch, "save", real_save)
+    first = saved("a.ckpt")
+    assert first["global_step"] == 1 and torch.equal(first["state_dict"]["w"], torch.full((4,), 1.0))
+
+    from lightning_qcomm.strategies.qsdp_checkpoint import check_sharded_checkpoint
+
+    check_sharded_checkpoint(path)  # complete
+    (partial,) = [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt")]
+    with pytest.raises(ValueError, match="incomplete"):
+        check_sharded_checkpoint(partial)
+    strategy.save_checkpoint(checkpoint(3), path)
+    third = saved("b.ckpt")
+    assert third["global_step"] == 3 and torch.equal(third["state_dict"]["w"], torch.full((4,), 3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", "b.ckpt", "last.ckpt"]  # nothing left over
+
+
 if __name__ == "__main__":
     # Summary for benchmarks/results/qsdp.md: python tests/test_qsdp.py
     import tempfile

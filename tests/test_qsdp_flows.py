@@ -626,10 +626,10 @@ def test_full_state_launcher_gates_on_global_rank(monkeypatch):
 
     import torch.distributed.checkpoint.state_dict as sd
 
-    from lightning_qcomm.strategies.qsdp import _FullStateLauncher
+    from lightning_qcomm.strategies.qsdp_checkpoint import FullStateLauncher
 
     monkeypatch.setattr(sd, "get_model_state_dict", lambda *a, **k: {"w": torch.ones(1)})
-    launcher = _FullStateLauncher.__new__(_FullStateLauncher)
+    launcher = FullStateLauncher.__new__(FullStateLauncher)
     trainer = types.SimpleNamespace(
         checkpoint_callback=None, lightning_module=None, state=types.SimpleNamespace(fn="x")
     )

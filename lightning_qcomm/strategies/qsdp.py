@@ -4,7 +4,8 @@ Lightning glue only: this file validates the user's choices, shards the model wi
 on a 1-D data-parallel device mesh) when the LightningModule does not do it in ``configure_model``,
 installs the quantized comms of ``lightning_qcomm.comm.fsdp`` on every ``FSDPModule``, advances the
 QSDP RNG step once per optimizer step, optionally projects the sharded master weights onto the
-quantization lattice after each step, and saves / restores the RNG step in checkpoints.
+quantization lattice after each step, and saves / restores the RNG step in checkpoints (the files:
+``qsdp_checkpoint``; arguments and presets: ``qsdp_config``; the grouping: ``qsdp_sharding``).
 
     Trainer(strategy=QSDPStrategy(bits=8))                     # weights and gradients at 8 bits
     Trainer(strategy=QSDPStrategy(weight_bits=8, grad_bits=4)) # or strategy="qsdp" / "qsdp_w8g8" / "qsdp_w4g4"
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -34,7 +36,6 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -42,7 +43,6 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_qcomm.codecs import CODEC_NAMES, Codec, get_codec
 from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
 from lightning_qcomm.comm.fsdp import (
     QSDPCommConfig,
@@ -55,44 +55,25 @@ from lightning_qcomm.comm.fsdp import (
     sync_unsharded_requires_grad,
 )
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
+from lightning_qcomm.strategies.qsdp_checkpoint import (
+    FullStateLauncher,
+    check_sharded_checkpoint,
+    missing_checkpoint_hint,
+    save_sharded_checkpoint,
+)
+from lightning_qcomm.strategies.qsdp_config import (
+    DEFAULT_MIN_WRAP_NUMEL,
+    START_METHODS,
+    build_codec,
+    no_effect_message,
+    register_presets,
+    resolve_bits,
+)
 from lightning_qcomm.strategies.qsdp_sharding import plan_fsdp_groups
 
 log = logging.getLogger(__name__)
 
-UNQUANTIZED_BITS = 32
-DEFAULT_MIN_WRAP_NUMEL = 1_000_000
-CODEC_CHOICES = (*CODEC_NAMES, "none")
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CHECKPOINT_KEY = "qsdp"
-
-# name -> (description, init kwargs)
-PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qsdp": ("QSDP: FSDP2 with 8-bit quantized weights and gradients", {}),
-    "qsdp_w8g8": ("QSDP: FSDP2 with 8-bit weight all-gather and 8-bit gradient reduce-scatter", {"bits": 8}),
-    "qsdp_w4g4": ("QSDP: FSDP2 with 4-bit weight all-gather and 4-bit gradient reduce-scatter", {"bits": 4}),
-}
-
-
-def _build_codec(arg_bits: str, bits: int, arg_codec: str, name: str, bucket_size: int) -> Codec | None:
-    """The codec for one direction, or None when it travels unquantized."""
-    if not isinstance(name, str) or name.lower() not in CODEC_CHOICES:
-        raise ValueError(f"{arg_codec}={name!r} is not a known codec; allowed: {', '.join(CODEC_CHOICES)}")
-    if not isinstance(bits, int) or isinstance(bits, bool):
-        raise TypeError(f"{arg_bits} must be an int, got {type(bits).__name__}")
-    if name.lower() == "none" or bits == UNQUANTIZED_BITS:
-        return None
-    try:
-        return get_codec(name.lower(), bits=bits, bucket_size=bucket_size)
-    except ValueError as err:
-        raise ValueError(
-            f"{arg_bits}={bits} is not valid for {arg_codec}={name!r} ({err}); use {UNQUANTIZED_BITS} for unquantized"
-        ) from None
-
-
-def _resolve_bits(bits: int | None, specific: int | None, default: int = 8) -> int:
-    if specific is not None:
-        return specific
-    return default if bits is None else bits
 
 
 class QSDPStrategy(ModelParallelStrategy):
@@ -120,7 +101,9 @@ class QSDPStrategy(ModelParallelStrategy):
             of their own, and have each FSDP group prefetch the next one's weights in forward (FSDP2 already
             prefetches in backward), so transfers overlap compute. Bit-identical to the inline path. CUDA
             runs inline (FSDP2's streams overlap there).
-        save_distributed_checkpoint: True saves one shard per rank (a folder), False a full state dict.
+        save_distributed_checkpoint: True saves one shard per rank (a folder, replaced atomically, see
+            ``qsdp_checkpoint``; ``python -m lightning_qcomm.consolidate IN OUT`` makes it one file for
+            ``load_from_checkpoint``), False a full state dict in one file, gathered on rank 0 at each save.
         start_method: "popen" (re-run the script per rank, like ``ModelParallelStrategy``) or a
             multiprocessing start method ("spawn", "fork", "forkserver").
         process_group_backend / timeout: as in ``ModelParallelStrategy``.
@@ -169,13 +152,13 @@ class QSDPStrategy(ModelParallelStrategy):
             raise ValueError(f"start_method={start_method!r} is not allowed; allowed: {', '.join(START_METHODS)}")
         if layer_classes is not None and not isinstance(layer_classes, str):
             raise TypeError(f"layer_classes must be a comma-separated str or None, got {type(layer_classes).__name__}")
-        self.weight_bits = _resolve_bits(bits, weight_bits)
-        self.grad_bits = _resolve_bits(bits, grad_bits)
+        self.weight_bits = resolve_bits(bits, weight_bits)
+        self.grad_bits = resolve_bits(bits, grad_bits)
         self.bucket_size = bucket_size
         self.weight_codec_name = weight_codec
         self.grad_codec_name = grad_codec
-        self.weight_codec = _build_codec("weight_bits", self.weight_bits, "weight_codec", weight_codec, bucket_size)
-        self.grad_codec = _build_codec("grad_bits", self.grad_bits, "grad_codec", grad_codec, bucket_size)
+        self.weight_codec = build_codec("weight_bits", self.weight_bits, "weight_codec", weight_codec, bucket_size)
+        self.grad_codec = build_codec("grad_bits", self.grad_bits, "grad_codec", grad_codec, bucket_size)
         self.min_quant_numel = min_quant_numel
         self.quantize_master = bool(quantize_master)
         if self.quantize_master and self.weight_codec is None:
@@ -208,7 +191,7 @@ class QSDPStrategy(ModelParallelStrategy):
         if self._start_method == "popen":
             super()._configure_launcher()
         else:
-            self._launcher = _FullStateLauncher(self, start_method=self._start_method)
+            self._launcher = FullStateLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -280,30 +263,12 @@ class QSDPStrategy(ModelParallelStrategy):
 
     def _warn_if_no_effect(self) -> None:
         """Settings that change nothing are said once (Lightning's rank_zero_warn), naming the setting."""
-        if self._warned_no_effect:
-            return
-        self._warned_no_effect = True
-        name = type(self).__name__
-        if self.world_size == 1:
-            rank_zero_warn(
-                f"{name} runs on one device: nothing is communicated, so weight_bits={self.weight_bits} and "
-                f"grad_bits={self.grad_bits} have no effect (FSDP2 over one rank only adds its bookkeeping)"
-            )
-            return
-        if self.weight_codec is None and self.grad_codec is None:
-            rank_zero_warn(
-                f"{name}(weight_bits={self.weight_bits}, grad_bits={self.grad_bits}, weight_codec="
-                f"{self.weight_codec_name!r}, grad_codec={self.grad_codec_name!r}) quantizes nothing: weights and "
-                "gradients travel as FSDP2 sends them (32 bits / codec 'none' mean unquantized)"
-            )
-            return
-        shards = [p for m in self._fsdp_modules for p in fsdp_param_shards(m)]
-        if not any(is_quantized_param(p, self.min_quant_numel) for p in shards):
-            rank_zero_warn(
-                f"{name}(min_quant_numel={self.min_quant_numel}) quantizes nothing: every parameter of "
-                f"{type(self.lightning_module).__name__} is 1-D or has fewer than {self.min_quant_numel} elements, "
-                "so all travel unquantized; lower min_quant_numel to compress them"
-            )
+        if not self._warned_no_effect:
+            self._warned_no_effect = True
+            shards = [p for m in self._fsdp_modules for p in fsdp_param_shards(m)]
+            message = no_effect_message(self, any(is_quantized_param(p, self.min_quant_numel) for p in shards))
+            if message is not None:
+                rank_zero_warn(message)
 
     @staticmethod
     def _chain_forward_prefetch(fsdp_modules: list[nn.Module]) -> None:
@@ -416,11 +381,22 @@ class QSDPStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """A sharded save is atomic (``qsdp_checkpoint.save_sharded_checkpoint``); a full one is Lightning's."""
         checkpoint[CHECKPOINT_KEY] = self.qsdp_state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        save_sharded_checkpoint(self, checkpoint, Path(self.broadcast(filepath)))
+        return None
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():
+            check_sharded_checkpoint(path)
+        elif not path.exists():
+            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist{missing_checkpoint_hint(path)}")
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.pop(CHECKPOINT_KEY, None)
         if state is not None:
@@ -436,33 +412,6 @@ class QSDPStrategy(ModelParallelStrategy):
         register_qsdp_strategies(strategy_registry)
 
 
-class _FullStateLauncher(_MultiProcessingLauncher):
-    """Multiprocessing launcher that hands the main process a *full* state dict: Lightning's default pickles
-    ``state_dict()`` of the sharded module (DTensors), which the main process cannot load."""
-
-    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
-        import os
-        import tempfile
-
-        from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        cb = trainer.checkpoint_callback
-        best_model_path = getattr(cb, "best_model_path", None) if cb else None
-        full = get_model_state_dict(  # collective: every rank takes part
-            trainer.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self._strategy.global_rank != 0:  # local rank 0 of node 1 is not the process that saves
-            return None
-        weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            self._strategy.checkpoint_io.save_checkpoint(full, weights_path)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
-
-
 def register_qsdp_strategies(registry: Any) -> None:
     """Register "qsdp", "qsdp_w8g8", "qsdp_w4g4" (skipping names already present, so it is idempotent)."""
-    for name, (description, init_params) in PRESETS.items():
-        if name not in registry:
-            registry.register(name, QSDPStrategy, description=description, **init_params)
+    register_presets(registry, QSDPStrategy)
