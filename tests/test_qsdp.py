@@ -630,6 +630,19 @@ def test_sharded_save_is_atomic_on_overwrite(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", "b.ckpt", "last.ckpt"]  # nothing left over
 
 
+def test_unsupported_precision_is_refused_at_setup():
+    """fp16 AMP (a GradScaler over sharded gradients; on CPU Lightning already turns it into bf16-mixed) and
+    64-bit are refused before anything is sharded, naming the precision and the allowed set."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision
+
+    for plugin, name in ((MixedPrecision("16-mixed", "cpu"), "16-mixed"), (DoublePrecision(), "64-true")):
+        strategy = QSDPStrategy(bits=8)
+        strategy.precision_plugin = plugin
+        strategy.model = nn.Linear(2, 2)
+        with pytest.raises(ValueError, match=rf"precision='{name}'.*32-true, bf16-mixed, bf16-true, 16-true"):
+            strategy.setup(trainer=None)
+
+
 if __name__ == "__main__":
     # Summary for benchmarks/results/qsdp.md: python tests/test_qsdp.py
     import tempfile

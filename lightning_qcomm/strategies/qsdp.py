@@ -65,6 +65,7 @@ from lightning_qcomm.strategies.qsdp_config import (
     DEFAULT_MIN_WRAP_NUMEL,
     START_METHODS,
     build_codec,
+    check_precision,
     no_effect_message,
     register_presets,
     resolve_bits,
@@ -211,6 +212,7 @@ class QSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer) -> None:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
+        check_precision(str(self.precision_plugin.precision))  # before anything is sharded
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         check_torch_fsdp_api()

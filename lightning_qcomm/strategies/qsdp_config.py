@@ -19,6 +19,8 @@ UNQUANTIZED_BITS = 32
 DEFAULT_MIN_WRAP_NUMEL = 1_000_000
 CODEC_CHOICES = (*CODEC_NAMES, "none")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# Lightning's own set for ModelParallelStrategy; "16-mixed" on CPU reaches the strategy as "bf16-mixed"
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 
 # name -> (description, init kwargs)
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -42,6 +44,14 @@ def build_codec(arg_bits: str, bits: int, arg_codec: str, name: str, bucket_size
         raise ValueError(
             f"{arg_bits}={bits} is not valid for {arg_codec}={name!r} ({err}); use {UNQUANTIZED_BITS} for unquantized"
         ) from None
+
+
+def check_precision(precision: str) -> None:
+    """Refuse, at setup, a Trainer precision QSDP does not support (fp16 AMP's GradScaler, 64-bit, ...)."""
+    if precision not in SUPPORTED_PRECISIONS:
+        raise ValueError(
+            f"QSDPStrategy does not support Trainer(precision={precision!r}); allowed: {', '.join(SUPPORTED_PRECISIONS)}"
+        )
 
 
 def resolve_bits(bits: int | None, specific: int | None, default: int = 8) -> int:
