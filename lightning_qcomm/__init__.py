@@ -4,8 +4,9 @@ Public API (re-exported here): codecs (``get_codec``), compressed collectives an
 (``lightning_qcomm.comm``), the strategies ``QSDPStrategy``, ``QuantDDPStrategy`` and
 ``LocalSGDStrategy`` (registered lowercase in Lightning's ``StrategyRegistry`` at import, so
 ``Trainer(strategy="qsdp")`` works), the callbacks ``CommVolumeLogger``, ``OneBitAdamCallback`` and
-``ActivationQuantization``, the optimizer ``OneBitAdam`` (1-bit Adam), and the activation quantizer
-underneath the callback (``lightning_qcomm.memory``).
+``ActivationQuantization``, the optimizer ``OneBitAdam`` (1-bit Adam), the activation quantizer
+underneath the callback (``lightning_qcomm.memory``), and ``consolidate_checkpoint`` (a sharded QSDP
+checkpoint folder -> one file; also ``python -m lightning_qcomm.consolidate IN OUT``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -22,6 +23,7 @@ from lightning_qcomm.comm import (
     quantized_reduce_scatter,
     set_ledger,
 )
+from lightning_qcomm.consolidate import consolidate_checkpoint
 from lightning_qcomm.memory import ActivationQuantConfig, ActivationQuantizer, count_saved_tensors
 from lightning_qcomm.optim import OneBitAdam
 from lightning_qcomm.strategies import LocalSGDStrategy, QSDPStrategy, QuantDDPStrategy, register_all_strategies
@@ -46,6 +48,7 @@ __all__ = [
     "QSDPStrategy",
     "QuantDDPStrategy",
     "__version__",
+    "consolidate_checkpoint",
     "count_saved_tensors",
     "derive_seed",
     "ensure_ledger",

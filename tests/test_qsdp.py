@@ -531,13 +531,20 @@ def test_bad_argument_types(kwargs):
 
 
 def test_auto_shard_targets():
+    from lightning_qcomm.strategies.qsdp_sharding import plan_fsdp_groups
+
     model = TinyGPT()
-    assert QSDPStrategy()._wrap_targets(model) == list(model.blocks)  # default: ModuleList elements with params
-    assert QSDPStrategy(layer_classes="Block, LayerNorm")._wrap_targets(model) == [
-        m for m in model.modules() if isinstance(m, (Block, nn.LayerNorm))
+    # default: ModuleList elements with params, then the root's children with params left (here: all of
+    # TinyGPT's own tensors are in its children); TinyGPT holds no parameter itself, so it is no group
+    assert plan_fsdp_groups(model, None, 10**6) == [*model.blocks, model.tok, model.pos, model.ln_f, model.head]
+    b0, b1 = model.blocks
+    # deepest first (the blocks' norms, then the blocks, then ln_f), then the children left (tok, pos, head)
+    assert plan_fsdp_groups(model, "Block, LayerNorm", 10**6) == [
+        *(b0.ln1, b0.ln2, b1.ln1, b1.ln2, b0, b1, model.ln_f),
+        *(model.tok, model.pos, model.head),
     ]
     with pytest.raises(ValueError, match="Attention"):
-        QSDPStrategy(layer_classes="Block,Attention")._wrap_targets(model)
+        plan_fsdp_groups(model, "Block,Attention", 10**6)
 
 
 def test_bits_resolution_and_registry():
@@ -557,6 +564,83 @@ def test_bits_resolution_and_registry():
     assert {"qsdp", "qsdp_w8g8", "qsdp_w4g4"} <= set(reg)
     w4 = reg.get("qsdp_w4g4")
     assert isinstance(w4, QSDPStrategy) and (w4.weight_bits, w4.grad_bits) == (4, 4)
+
+
+@pytest.mark.parametrize("default_dtype", [torch.float16, torch.bfloat16])
+def test_codecs_ignore_torch_default_dtype(default_dtype):
+    """Lightning's "16-true" / "bf16-true" set torch's default dtype to fp16 / bf16 during every step, so the
+    QSDP comms encode under it: codes and scales must be the same as under fp32 (the stochastic-rounding
+    uniforms were computed in the default dtype: 2**24 overflowed fp16, every code became the top level)."""
+    from lightning_qcomm.codecs import CODEC_NAMES, get_codec
+
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(0)) * 0.1  # small: the torch reference path
+    for name in CODEC_NAMES:
+        codec = get_codec(name, bits=8 if name != "sign1" else 1, bucket_size=1024)
+        ref = codec.encode(x, seed=3)
+        saved = torch.get_default_dtype()
+        torch.set_default_dtype(default_dtype)
+        try:
+            got = codec.encode(x, seed=3)
+            decoded = codec.decode(ref)
+        finally:
+            torch.set_default_dtype(saved)
+        assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales), name
+        assert torch.equal(decoded, codec.decode(ref)), name
+
+
+def test_sharded_save_is_atomic_on_overwrite(tmp_path, monkeypatch):
+    """A save interrupted while it overwrites ``last.ckpt`` (here: the metadata write fails after every shard
+    was written) leaves the previous checkpoint whole; the partial one is refused with a clear error; the
+    next save replaces the checkpoint. One process, no process group: the strategy's collectives are no-ops."""
+    from lightning_qcomm.consolidate import consolidate_checkpoint
+
+    strategy = QSDPStrategy(bits=8)
+    path = tmp_path / "last.ckpt"
+
+    def checkpoint(step: int) -> dict:
+        return {"state_dict": {"w": torch.full((4,), float(step))}, "optimizer_states": [], "global_step": step}
+
+    def saved(name: str) -> dict:
+        return torch.load(consolidate_checkpoint(path, tmp_path / name), weights_only=False)
+
+    strategy.save_checkpoint(checkpoint(1), path)
+    real_save = torch.save
+
+    def failing_save(obj, f, *args, **kwargs):
+        if str(f).endswith("meta.pt"):
+            raise OSError("disk full (injected)")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="injected"):
+        strategy.save_checkpoint(checkpoint(2), path)
+    monkeypatch.setattr(torch, "save", real_save)
+    first = saved("a.ckpt")
+    assert first["global_step"] == 1 and torch.equal(first["state_dict"]["w"], torch.full((4,), 1.0))
+
+    from lightning_qcomm.strategies.qsdp_checkpoint import check_sharded_checkpoint
+
+    check_sharded_checkpoint(path)  # complete
+    (partial,) = [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt")]
+    with pytest.raises(ValueError, match="incomplete"):
+        check_sharded_checkpoint(partial)
+    strategy.save_checkpoint(checkpoint(3), path)
+    third = saved("b.ckpt")
+    assert third["global_step"] == 3 and torch.equal(third["state_dict"]["w"], torch.full((4,), 3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", "b.ckpt", "last.ckpt"]  # nothing left over
+
+
+def test_unsupported_precision_is_refused_at_setup():
+    """fp16 AMP (a GradScaler over sharded gradients; on CPU Lightning already turns it into bf16-mixed) and
+    64-bit are refused before anything is sharded, naming the precision and the allowed set."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision
+
+    for plugin, name in ((MixedPrecision("16-mixed", "cpu"), "16-mixed"), (DoublePrecision(), "64-true")):
+        strategy = QSDPStrategy(bits=8)
+        strategy.precision_plugin = plugin
+        strategy.model = nn.Linear(2, 2)
+        with pytest.raises(ValueError, match=rf"precision='{name}'.*32-true, bf16-mixed, bf16-true, 16-true"):
+            strategy.setup(trainer=None)
 
 
 if __name__ == "__main__":

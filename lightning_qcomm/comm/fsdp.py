@@ -1,6 +1,6 @@
 """FSDP2 comm adapters for QSDP: quantized weight all-gather and gradient reduce-scatter (docs/design.md, "QSDP").
 
-This file owns the bridge between FSDP2's flat communication buffers and the codecs. FSDP2 (torch >= 2.9)
+This file owns the bridge between FSDP2's flat communication buffers and the codecs. FSDP2 (torch 2.13)
 lets a module replace its collectives with ``FSDPModule.set_custom_all_gather`` /
 ``set_custom_reduce_scatter``; the objects installed here implement those interfaces
 (``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`` / ``ReduceScatter``: ``allocate`` plus
@@ -14,18 +14,15 @@ shard (``padded_sharded_param_size``). The all-gather input is this rank's row (
 ``rank * S``); the output is N such rows. The reduce-scatter input is N rows (row j goes to rank j) with
 the same per-row layout (only parameters that have a gradient this step); the output is one row.
 
-Each row is split into *segments*, one per parameter shard. A segment is quantized with the codec when
-the parameter is "large" (``ndim >= 2`` and ``numel >= min_quant_numel``, the CGX rule) and travels raw in
-the buffer dtype otherwise (norm gains, biases). Quantized segments are bucketed on their own, so a
-bucket never mixes two parameters' scales. The wire row is ``[seg_0 bytes | seg_1 bytes | ...]`` with
-``codec.nbytes(n)`` bytes (codes, then fp32 scales) per quantized segment: a pure function of the layout,
-so no sizes are exchanged.
+Each row travels in the wire format of ``comm/row_codec.py`` (``RowCodec``: large matrices quantized per
+parameter segment, vectors and small tensors raw in the buffer dtype).
 
 * All-gather (weights): this rank encodes its row, ``all_gather_single`` of the bytes (``all_gather_bytes``:
   concurrent pieces on gloo), then every rank decodes all N rows, its own included, so every rank computes
   with identical weights.
-* Reduce-scatter (grads): encode each of the N rows, ``all_to_all_single`` (``all_to_all_bytes``), decode the received rows to
-  fp32, replace the own row by its exact value (it never left the rank), sum in fp32 and write the shard.
+* Reduce-scatter (grads): encode each of the N rows, ``all_to_all_single`` (``all_to_all_bytes``), decode the
+  received rows one at a time to fp32 and add them in rank order, the own row exact (it never left the rank);
+  write the shard.
   ``set_force_sum_reduction_for_comms(True)`` makes FSDP pass ``SUM`` and divide by N itself.
 
 Seeds: ``derive_seed(seed, kind, step, group_id, rank, segment, ...)`` with ``step`` read from the shared
@@ -42,25 +39,58 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from lightning_qcomm.codecs import Codec, Packed, derive_seed
+from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
 from lightning_qcomm.comm.collectives import all_gather_bytes, all_to_all_bytes
 from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork
+from lightning_qcomm.comm.fsdp_internals import (
+    ParamShard,
+    check_fsdp_module_internals,
+    check_fsdp_param_internals,
+    check_torch_fsdp_api,
+    fsdp_param_shards,
+    fsdp_params,
+    param_shard,
+    shard_rank,
+    sync_unsharded_requires_grad,
+)
 from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.row_codec import RowCodec, Segment, is_quantized_param
+
+try:  # a torch without them is refused at setup by check_torch_fsdp_api, with its version named
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - depends on the installed torch
+    AllGather = ReduceScatter = object
 
 log = logging.getLogger(__name__)
 
 SEED_WEIGHTS = 1
 SEED_GRADS = 2
 SEED_MASTER = 3
-FP32_BYTES = 4
+FP32_BYTES = 4  # the baseline the ledger compares against: fp32 elements
+
+__all__ = [
+    "ParamShard",
+    "QSDPCommConfig",
+    "QSDPCommState",
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "RowCodec",
+    "Segment",
+    "check_fsdp_param_internals",
+    "check_torch_fsdp_api",
+    "fsdp_param_shards",
+    "install_qsdp_comms",
+    "is_quantized_param",
+    "project_master_weights",
+    "sync_unsharded_requires_grad",
+]
 
 _logged: set[str] = set()
 
@@ -71,161 +101,12 @@ def _log_once(key: str, msg: str) -> None:
         log.warning(msg)
 
 
-def has_custom_comms() -> bool:
-    """Whether this torch's FSDP2 supports ``set_custom_all_gather`` (torch >= 2.9)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return hasattr(FSDPModule, "set_custom_all_gather") and hasattr(FSDPModule, "set_custom_reduce_scatter")
-
-
 @dataclass
 class QSDPCommState:
     """Mutable state shared by all comms of one strategy: the user seed and the optimizer step."""
 
     seed: int = 0
     step: int = 0
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    """What the comms need to know about one parameter of an FSDP param group."""
-
-    padded_shard_numel: int  # elements of this param in one rank's row
-    shard_numel: int  # real (unpadded) elements of this rank's shard; a prefix of the padded one
-    numel: int  # elements of the whole (unsharded) parameter
-    ndim: int
-    requires_grad: bool
-
-
-def _fsdp_params(module: torch.nn.Module) -> list:
-    """The ``FSDPParam`` objects of ``module``'s (single) FSDP param group; [] if it owns no params.
-
-    Reads FSDP2 internals (``_get_fsdp_state()._fsdp_param_groups[0].fsdp_params``), pinned to torch 2.9-2.13.
-    """
-    groups = module._get_fsdp_state()._fsdp_param_groups
-    if not groups:
-        return []
-    if len(groups) > 1:
-        raise ValueError(
-            f"module {type(module).__name__} has {len(groups)} FSDP param groups (shard_placement_fn with "
-            "per-param meshes); QSDP comms support one group per fully_shard call"
-        )
-    return list(groups[0].fsdp_params)
-
-
-def _param_shard(fp) -> ParamShard:
-    if fp.fsdp_placement.dim != 0:
-        raise ValueError(f"QSDP comms need dim-0 sharding, got Shard({fp.fsdp_placement.dim}) for {fp}")
-    return ParamShard(
-        padded_shard_numel=fp.padded_sharded_param_size.numel(),
-        shard_numel=fp.sharded_size.numel(),
-        numel=fp._orig_size.numel(),
-        ndim=len(fp._orig_size),
-        requires_grad=fp.sharded_param.requires_grad,
-    )
-
-
-def fsdp_param_shards(module: torch.nn.Module) -> list[ParamShard]:
-    """The per-parameter row layout of ``module``'s FSDP param group, in buffer order."""
-    return [_param_shard(fp) for fp in _fsdp_params(module)]
-
-
-def is_quantized_param(p: ParamShard, min_quant_numel: int) -> bool:
-    """Large matrices are quantized; vectors (norms, biases) and small tensors travel raw."""
-    return p.ndim >= 2 and p.numel >= min_quant_numel
-
-
-# --------------------------------------------------------------------------- row codec
-@dataclass(frozen=True)
-class Segment:
-    numel: int
-    quantize: bool
-
-
-class RowCodec:
-    """Encodes R rows of one layout (R, S) into wire bytes (R, P) and back.
-
-    ``segments`` partition S; quantized segments use ``codec``, raw ones the buffer dtype's bytes.
-    """
-
-    def __init__(self, segments: Sequence[Segment], codec: Codec | None) -> None:
-        self.segments = [s for s in segments if s.numel > 0]
-        self.codec = codec
-        self.row_numel = sum(s.numel for s in self.segments)
-
-    def row_nbytes(self, dtype: torch.dtype) -> int:
-        es = torch.empty((), dtype=dtype).element_size()
-        return sum(self._seg_nbytes(s, es) for s in self.segments)
-
-    def _seg_nbytes(self, s: Segment, elem_size: int) -> int:
-        return self.codec.nbytes(s.numel) if (s.quantize and self.codec is not None) else s.numel * elem_size
-
-    def _aligned(self, n: int, rows: int) -> bool:
-        """Whether R rows of a segment can be coded as one flat tensor with per-row byte boundaries."""
-        if rows == 1:
-            return True
-        b = self.codec.bucket_size
-        return b is not None and n % b == 0 and n % 8 == 0
-
-    def encode(self, rows: torch.Tensor, seed: int) -> torch.Tensor:
-        """rows (R, S) float -> uint8 (R, P)."""
-        r_count = rows.shape[0]
-        parts = []
-        off = 0
-        for k, s in enumerate(self.segments):
-            x = rows[:, off : off + s.numel]
-            off += s.numel
-            if not (s.quantize and self.codec is not None):
-                parts.append(x.contiguous().view(torch.uint8))
-                continue
-            seg_seed = derive_seed(seed, k)
-            if self._aligned(s.numel, r_count):
-                p = self.codec.encode(x.reshape(-1), seed=seg_seed)
-                parts.append(p.codes.reshape(r_count, -1))
-                parts.append(p.scales.reshape(r_count, -1).view(torch.uint8))
-            else:
-                parts.append(
-                    torch.stack(
-                        [self.codec.encode(x[r], seed=derive_seed(seg_seed, r)).to_bytes() for r in range(r_count)]
-                    )
-                )
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
-
-    def decode(self, buf: torch.Tensor, out: torch.Tensor, skip_row: int | None = None) -> torch.Tensor:
-        """uint8 (R, P) -> writes ``out`` (R, S) (any float dtype; raw segments are bit-exact); row
-        ``skip_row`` is left as it is."""
-        r_count = buf.shape[0]
-        es = out.element_size()
-        boff = 0
-        off = 0
-        rows = [r for r in range(r_count) if r != skip_row]
-        for s in self.segments:
-            dst = out[:, off : off + s.numel]
-            off += s.numel
-            nb = self._seg_nbytes(s, es)
-            src = buf[:, boff : boff + nb]
-            boff += nb
-            if not (s.quantize and self.codec is not None):
-                for r in rows:
-                    dst[r].copy_(src[r].clone().view(out.dtype))  # clone: the byte offset may not be 4-aligned
-                continue
-            if out.dtype == torch.float32 and (skip_row is not None or self._aligned(s.numel, r_count)):
-                # row by row straight into the output: same values as the batched decode (whole buckets
-                # per row when aligned), no temporary and no copy
-                for r in rows:
-                    self.codec.decode_into(self.codec.from_bytes(src[r], (s.numel,), torch.float32), dst[r])
-                continue
-            if self._aligned(s.numel, r_count):
-                ncode = nb - self.codec.num_buckets(s.numel) * self.codec.scales_per_bucket * FP32_BYTES
-                codes = src[:, :ncode].reshape(-1)
-                scales = src[:, ncode:].contiguous().view(torch.float32).reshape(-1, self.codec.scales_per_bucket)
-                packed = Packed(codes=codes, scales=scales, shape=torch.Size((r_count * s.numel,)), dtype=torch.float32)
-                dst.copy_(self.codec.decode(packed).view(r_count, s.numel))
-            else:
-                for r in range(r_count):
-                    p = self.codec.from_bytes(src[r], (s.numel,), torch.float32)
-                    dst[r].copy_(self.codec.decode(p))
-        return out
 
 
 # --------------------------------------------------------------------------- FSDP2 comms
@@ -323,12 +204,32 @@ class QuantizedAllGather(_QSDPComm, AllGather):
 
 
 class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
-    """FSDP2 reduce-scatter of gradients: quantized rows, all-to-all, fp32 sum (precision preserving)."""
+    """FSDP2 reduce-scatter of gradients: quantized rows, all-to-all, fp32 sum (precision preserving).
 
-    def __init__(self, *args, **kwargs) -> None:
+    Received rows are decoded one at a time and added in rank order into an fp32 total (the output itself
+    when it is a contiguous fp32 buffer), so the extra memory is one fp32 row besides the total whatever
+    the world size. The own row never leaves the rank and enters the sum exactly. Raw segments (biases,
+    norms) travel in the gradient dtype and are widened exactly, so with bf16/fp16 gradients they come
+    back as the fp32 sum of the ranks' values, rounded once to the output dtype.
+
+    ``live_requires_grad`` (optional) returns the group's current ``requires_grad`` flags in param order:
+    FSDP2 leaves parameters without a gradient out of the buffer, and which ones those are can change
+    between steps (``toggle_optimizer``); without it the flags read at installation are used.
+    """
+
+    def __init__(self, *args, live_requires_grad: Callable[[], list[bool]] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._live_requires_grad = live_requires_grad
         self._call_step = -1
         self._calls = 0
+
+    def _layout(self, s_numel: int) -> list[ParamShard]:
+        if sum(p.padded_shard_numel for p in self.params) == s_numel:
+            return self.params
+        flags = self._live_requires_grad() if self._live_requires_grad is not None else None
+        if flags is None:
+            flags = [p.requires_grad for p in self.params]
+        return [p for p, flag in zip(self.params, flags) if flag]  # params without a grad this step are left out
 
     def __call__(
         self,
@@ -354,26 +255,24 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         if self._call_step != self.state.step:
             self._call_step, self._calls = self.state.step, 0
         self._calls += 1
-        params = self.params
-        if sum(p.padded_shard_numel for p in params) != s_numel:  # params without a grad this step are left out
-            params = [p for p in params if p.requires_grad]
-        rc = self._row_codec(s_numel, input_tensor.dtype, params)
+        rc = self._row_codec(s_numel, input_tensor.dtype, self._layout(s_numel))
         seed = derive_seed(self.state.seed, SEED_GRADS, self.state.step, self.group_id, rank, self._calls)
         rows = input_tensor.view(world, s_numel)
         send = rc.encode(rows, seed)
         recv = torch.empty_like(send)
         all_to_all_bytes(recv.view(-1), send.view(-1), group=group)
-        decoded = torch.empty(world, s_numel, dtype=torch.float32, device=input_tensor.device)
-        decoded[rank].copy_(rows[rank])  # the own row never left this rank: keep it exact
-        rc.decode(recv, decoded, skip_row=rank)
+        device = input_tensor.device
         direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
-        total = output_tensor.view(-1) if direct else torch.empty(s_numel, dtype=torch.float32)
-        if world > 1:
-            torch.add(decoded[0], decoded[1], out=total)
-        else:
-            total.copy_(decoded[0])
-        for j in range(2, world):  # rank order
-            total += decoded[j]
+        total = output_tensor.view(-1) if direct else torch.empty(s_numel, dtype=torch.float32, device=device)
+        row = torch.empty(s_numel, dtype=torch.float32, device=device) if world > 1 else total
+        for j in range(world):  # rank order, the same order on every rank
+            dst = total if j == 0 else row
+            if j == rank:
+                dst.copy_(rows[rank])  # the own row never left this rank: keep it exact
+            else:
+                rc.decode(recv[j : j + 1], dst.view(1, s_numel), wire_dtype=input_tensor.dtype)
+            if j > 0:
+                total += row
         if divide:
             total.div_(world)
         if not direct:
@@ -399,6 +298,13 @@ class QSDPCommConfig:
     min_quant_numel: int = 1024
 
 
+def _live_requires_grad(module: torch.nn.Module) -> Callable[[], list[bool]]:
+    def flags() -> list[bool]:
+        return [fp.sharded_param.requires_grad for fp in fsdp_params(module)]
+
+    return flags
+
+
 def install_qsdp_comms(
     root: torch.nn.Module,
     config: QSDPCommConfig,
@@ -411,15 +317,18 @@ def install_qsdp_comms(
     Group ids follow ``root.modules()`` order, identical on every rank. Returns the modules, in group-id order.
     ``worker`` / ``worker_group``: run CPU weight all-gathers on that thread and group (see
     ``QuantizedAllGather``); reduce-scatters stay inline (FSDP2 reads their output right after the call).
+    Installing again (a later Trainer stage, another strategy) replaces the comms and the hooks.
+    Refuses (RuntimeError naming torch's version) a torch whose FSDP2 lacks an internal these comms read.
     """
     from torch.distributed.fsdp import FSDPModule
 
-    if not has_custom_comms():
-        raise RuntimeError("QSDP needs FSDPModule.set_custom_all_gather / set_custom_reduce_scatter (torch >= 2.9)")
+    check_torch_fsdp_api()
+    root_group = root if isinstance(root, FSDPModule) and fsdp_params(root) else None
     installed = []
     for module in root.modules():
         if not isinstance(module, FSDPModule):
             continue
+        check_fsdp_module_internals(module)
         params = fsdp_param_shards(module)
         if not params:
             continue
@@ -436,12 +345,37 @@ def install_qsdp_comms(
             )
         )
         module.set_custom_reduce_scatter(
-            QuantizedReduceScatter(config.grad_codec, state, gid, params, config.min_quant_numel)
+            QuantizedReduceScatter(
+                config.grad_codec,
+                state,
+                gid,
+                params,
+                config.min_quant_numel,
+                live_requires_grad=_live_requires_grad(module),
+            )
         )
-        if hasattr(module, "set_force_sum_reduction_for_comms"):  # else FSDP passes AVG, which the comm also does
-            module.set_force_sum_reduction_for_comms(True)
+        module.set_force_sum_reduction_for_comms(True)
+        _install_requires_grad_sync(module, root_group)
         installed.append(module)
     return installed
+
+
+def _install_requires_grad_sync(module: torch.nn.Module, root: torch.nn.Module | None) -> None:
+    """After FSDP's pre-forward unshard (its hook is prepended), copy the sharded params' requires_grad onto
+    the unsharded ones (see ``sync_unsharded_requires_grad``), for this module and for the FSDP ``root``:
+    the root stays gathered through a whole step, in which ``toggle_optimizer`` may change its flags, and
+    its own parameters are used alongside the inner groups' forwards. One hook per module however often
+    installed."""
+    old = getattr(module, "_qsdp_requires_grad_hook", None)
+    if old is not None:
+        old.remove()
+    targets = [module] if root is None or root is module else [module, root]
+
+    def sync(mod, args) -> None:
+        for m in targets:
+            sync_unsharded_requires_grad(m)
+
+    module._qsdp_requires_grad_hook = module.register_forward_pre_hook(sync)
 
 
 @torch.no_grad()
@@ -456,12 +390,12 @@ def project_master_weights(
     extremes map to themselves, so the next all-gather of a projected shard is exact up to fp rounding.
     """
     for gid, module in enumerate(modules):
-        fparams = _fsdp_params(module)
+        fparams = fsdp_params(module)
         if not fparams:
             continue
-        rank = module._get_fsdp_state()._fsdp_param_groups[0].mesh_info.shard_mesh_rank
+        rank = shard_rank(module)
         for k, fp in enumerate(fparams):
-            info = _param_shard(fp)
+            info = param_shard(fp)
             data = fp._sharded_param_data
             if info.shard_numel == 0 or not is_quantized_param(info, min_quant_numel) or data.dtype not in FLOAT_DTYPES:
                 continue

@@ -4,7 +4,8 @@ Lightning glue only: this file validates the user's choices, shards the model wi
 on a 1-D data-parallel device mesh) when the LightningModule does not do it in ``configure_model``,
 installs the quantized comms of ``lightning_qcomm.comm.fsdp`` on every ``FSDPModule``, advances the
 QSDP RNG step once per optimizer step, optionally projects the sharded master weights onto the
-quantization lattice after each step, and saves / restores the RNG step in checkpoints.
+quantization lattice after each step, and saves / restores the RNG step in checkpoints (the files:
+``qsdp_checkpoint``; arguments and presets: ``qsdp_config``; the grouping: ``qsdp_sharding``).
 
     Trainer(strategy=QSDPStrategy(bits=8))                     # weights and gradients at 8 bits
     Trainer(strategy=QSDPStrategy(weight_bits=8, grad_bits=4)) # or strategy="qsdp" / "qsdp_w8g8" / "qsdp_w4g4"
@@ -13,11 +14,13 @@ Bit widths: ``bits`` sets both widths; ``weight_bits`` / ``grad_bits`` override 
 means "unquantized" (the comm still runs through the adapter and the ledger). Codec names are those of
 ``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"`` (unquantized).
 
-Auto-sharding (no ``configure_model``): every module whose class name is in ``layer_classes`` (comma
-separated), or by default every element of an ``nn.ModuleList`` that has parameters (transformer blocks),
-is its own FSDP group, innermost first; then each direct child of the LightningModule that still holds
-unsharded parameters becomes a root group. A user's ``configure_model`` that calls ``fully_shard`` itself
-keeps its grouping and still gets the quantized comms.
+Auto-sharding (no ``configure_model`` calling ``fully_shard``): ``qsdp_sharding.plan_fsdp_groups``
+(``layer_classes`` or ``nn.ModuleList`` elements, else a ``min_wrap_numel`` size policy; then the
+LightningModule's children; then the LightningModule itself for parameters it holds or that are tied across
+children). When the LightningModule is an FSDP group itself, every ``*_step`` runs through its forward so
+FSDP2 gathers it. A user's ``configure_model`` that calls ``fully_shard`` keeps its grouping and still gets
+the quantized comms. Setup is idempotent: fit -> validate -> test -> predict, or a new Trainer, take an
+already sharded module as it is and install this strategy's comms on it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -32,57 +36,45 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_qcomm.codecs import CODEC_NAMES, Codec, get_codec
 from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
 from lightning_qcomm.comm.fsdp import (
     QSDPCommConfig,
     QSDPCommState,
+    check_torch_fsdp_api,
+    fsdp_param_shards,
     install_qsdp_comms,
+    is_quantized_param,
     project_master_weights,
+    sync_unsharded_requires_grad,
 )
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
+from lightning_qcomm.strategies.qsdp_checkpoint import (
+    FullStateLauncher,
+    check_sharded_checkpoint,
+    missing_checkpoint_hint,
+    save_sharded_checkpoint,
+)
+from lightning_qcomm.strategies.qsdp_config import (
+    DEFAULT_MIN_WRAP_NUMEL,
+    START_METHODS,
+    build_codec,
+    check_precision,
+    no_effect_message,
+    register_presets,
+    resolve_bits,
+)
+from lightning_qcomm.strategies.qsdp_sharding import plan_fsdp_groups
 
 log = logging.getLogger(__name__)
 
-UNQUANTIZED_BITS = 32
-CODEC_CHOICES = (*CODEC_NAMES, "none")
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CHECKPOINT_KEY = "qsdp"
-
-# name -> (description, init kwargs)
-PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qsdp": ("QSDP: FSDP2 with 8-bit quantized weights and gradients", {}),
-    "qsdp_w8g8": ("QSDP: FSDP2 with 8-bit weight all-gather and 8-bit gradient reduce-scatter", {"bits": 8}),
-    "qsdp_w4g4": ("QSDP: FSDP2 with 4-bit weight all-gather and 4-bit gradient reduce-scatter", {"bits": 4}),
-}
-
-
-def _build_codec(arg_bits: str, bits: int, arg_codec: str, name: str, bucket_size: int) -> Codec | None:
-    """The codec for one direction, or None when it travels unquantized."""
-    if not isinstance(name, str) or name.lower() not in CODEC_CHOICES:
-        raise ValueError(f"{arg_codec}={name!r} is not a known codec; allowed: {', '.join(CODEC_CHOICES)}")
-    if not isinstance(bits, int) or isinstance(bits, bool):
-        raise TypeError(f"{arg_bits} must be an int, got {type(bits).__name__}")
-    if name.lower() == "none" or bits == UNQUANTIZED_BITS:
-        return None
-    try:
-        return get_codec(name.lower(), bits=bits, bucket_size=bucket_size)
-    except ValueError as err:
-        raise ValueError(
-            f"{arg_bits}={bits} is not valid for {arg_codec}={name!r} ({err}); use {UNQUANTIZED_BITS} for unquantized"
-        ) from None
-
-
-def _resolve_bits(bits: int | None, specific: int | None, default: int = 8) -> int:
-    if specific is not None:
-        return specific
-    return default if bits is None else bits
 
 
 class QSDPStrategy(ModelParallelStrategy):
@@ -101,13 +93,18 @@ class QSDPStrategy(ModelParallelStrategy):
         seed: user seed folded with (step, FSDP group, rank) into every codec seed.
         layer_classes: comma-separated module class names to shard as separate FSDP groups when the model has
             no ``configure_model``; None picks every element of an ``nn.ModuleList`` that has parameters.
+        min_wrap_numel: when neither ``layer_classes`` nor a ``ModuleList`` gives groups, a module whose
+            parameters not taken by an inner group number at least this many elements becomes a group
+            (FSDP1's ``size_based_auto_wrap_policy``). See ``qsdp_sharding`` for the whole policy.
         reshard_after_forward: FSDP2's option for the groups this strategy creates; None is FSDP2's default
             (reshard every group but the root, which the backward needs first).
         overlap_comm: on CPU (gloo), run the weight all-gathers on a background thread over a process group
             of their own, and have each FSDP group prefetch the next one's weights in forward (FSDP2 already
             prefetches in backward), so transfers overlap compute. Bit-identical to the inline path. CUDA
             runs inline (FSDP2's streams overlap there).
-        save_distributed_checkpoint: True saves one shard per rank (a folder), False a full state dict.
+        save_distributed_checkpoint: True saves one shard per rank (a folder, replaced atomically, see
+            ``qsdp_checkpoint``; ``python -m lightning_qcomm.consolidate IN OUT`` makes it one file for
+            ``load_from_checkpoint``), False a full state dict in one file, gathered on rank 0 at each save.
         start_method: "popen" (re-run the script per rank, like ``ModelParallelStrategy``) or a
             multiprocessing start method ("spawn", "fork", "forkserver").
         process_group_backend / timeout: as in ``ModelParallelStrategy``.
@@ -127,6 +124,7 @@ class QSDPStrategy(ModelParallelStrategy):
         quantize_master: bool = False,
         seed: int = 0,
         layer_classes: str | None = None,
+        min_wrap_numel: int = DEFAULT_MIN_WRAP_NUMEL,
         reshard_after_forward: bool | None = None,
         overlap_comm: bool = True,
         save_distributed_checkpoint: bool = True,
@@ -146,19 +144,22 @@ class QSDPStrategy(ModelParallelStrategy):
                 raise TypeError(f"{arg} must be an int or None, got {type(val).__name__}")
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
             raise ValueError(f"bucket_size must be an int >= 1, got {bucket_size!r}")
-        if not isinstance(min_quant_numel, int) or isinstance(min_quant_numel, bool) or min_quant_numel < 0:
-            raise ValueError(f"min_quant_numel must be an int >= 0, got {min_quant_numel!r}")
+        for arg, val in (("min_quant_numel", min_quant_numel), ("min_wrap_numel", min_wrap_numel)):
+            if not isinstance(val, int) or isinstance(val, bool):
+                raise TypeError(f"{arg} must be an int, got {type(val).__name__}")
+            if val < 0:
+                raise ValueError(f"{arg} must be an int >= 0, got {val!r}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not allowed; allowed: {', '.join(START_METHODS)}")
         if layer_classes is not None and not isinstance(layer_classes, str):
             raise TypeError(f"layer_classes must be a comma-separated str or None, got {type(layer_classes).__name__}")
-        self.weight_bits = _resolve_bits(bits, weight_bits)
-        self.grad_bits = _resolve_bits(bits, grad_bits)
+        self.weight_bits = resolve_bits(bits, weight_bits)
+        self.grad_bits = resolve_bits(bits, grad_bits)
         self.bucket_size = bucket_size
         self.weight_codec_name = weight_codec
         self.grad_codec_name = grad_codec
-        self.weight_codec = _build_codec("weight_bits", self.weight_bits, "weight_codec", weight_codec, bucket_size)
-        self.grad_codec = _build_codec("grad_bits", self.grad_bits, "grad_codec", grad_codec, bucket_size)
+        self.weight_codec = build_codec("weight_bits", self.weight_bits, "weight_codec", weight_codec, bucket_size)
+        self.grad_codec = build_codec("grad_bits", self.grad_bits, "grad_codec", grad_codec, bucket_size)
         self.min_quant_numel = min_quant_numel
         self.quantize_master = bool(quantize_master)
         if self.quantize_master and self.weight_codec is None:
@@ -169,6 +170,7 @@ class QSDPStrategy(ModelParallelStrategy):
         )
         if self.layer_classes is not None and not self.layer_classes:
             raise ValueError(f"layer_classes={layer_classes!r} names no class")
+        self.min_wrap_numel = min_wrap_numel
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be a bool or None, got {type(reshard_after_forward).__name__}")
         self.reshard_after_forward = reshard_after_forward
@@ -176,17 +178,23 @@ class QSDPStrategy(ModelParallelStrategy):
             raise TypeError(f"overlap_comm must be a bool, got {type(overlap_comm).__name__}")
         self.overlap_comm = overlap_comm
         self._comm_worker: CommWorker | None = None
+        self._worker_group = None  # created once, reused by every later stage of this strategy
         self._start_method = start_method
         self.comm_state = QSDPCommState(seed=self.seed, step=0)
         self._fsdp_modules: list[nn.Module] = []
+        self._root_is_group = False
+        self._in_root_step = False
+        self._warned_no_effect = False
 
     # ------------------------------------------------------------------ processes and mesh
+    @override
     def _configure_launcher(self) -> None:
         if self._start_method == "popen":
             super()._configure_launcher()
         else:
-            self._launcher = _FullStateLauncher(self, start_method=self._start_method)
+            self._launcher = FullStateLauncher(self, start_method=self._start_method)
 
+    @override
     def setup_environment(self) -> None:
         # 1-D data parallelism over all processes: mesh (world, 1) named ("data_parallel", "tensor_parallel").
         self._data_parallel_size = self.num_nodes * self.num_processes
@@ -200,11 +208,14 @@ class QSDPStrategy(ModelParallelStrategy):
         return self.device_mesh["data_parallel"]
 
     # ------------------------------------------------------------------ model setup
+    @override
     def setup(self, trainer) -> None:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
+        check_precision(str(self.precision_plugin.precision))  # before anything is sharded
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        check_torch_fsdp_api()
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError(f"{type(self).__name__} supports FSDP2 (fully_shard) only; found FSDP1-wrapped modules")
         if not any(p.numel() > 0 for p in self.model.parameters()):
@@ -212,17 +223,26 @@ class QSDPStrategy(ModelParallelStrategy):
                 f"{type(self).__name__}: the LightningModule {type(self.lightning_module).__name__} has no parameters"
                 " to shard"
             )
-        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+        fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        if not fsdp_modules:
             if is_overridden("configure_model", self.lightning_module):
                 log.warning(
                     "QSDP: configure_model did not call fully_shard; sharding the model with the default policy"
                 )
             self._auto_shard(self.model)
+        else:
+            # sharded before (configure_model, an earlier stage or Trainer): take it as it is; a group left
+            # gathered by its last forward (FSDP2 keeps the root's) goes back to its shards first
+            for m in fsdp_modules:
+                m.reshard()
         self._check_all_sharded(self.model)
+        self._root_is_group = isinstance(self.lightning_module, FSDPModule)
         worker, worker_group = None, None
         if self.overlap_comm and self.root_device.type == "cpu":
+            if self._worker_group is None:
+                self._worker_group = dedicated_group(self.dp_mesh.get_group())
             self._comm_worker = worker = CommWorker("lightning_qcomm-qsdp")
-            worker_group = dedicated_group(self.dp_mesh.get_group())
+            worker_group = self._worker_group
         self._fsdp_modules = install_qsdp_comms(
             self.model,
             QSDPCommConfig(self.weight_codec, self.grad_codec, self.min_quant_numel),
@@ -230,6 +250,7 @@ class QSDPStrategy(ModelParallelStrategy):
             worker=worker,
             worker_group=worker_group,
         )
+        self._warn_if_no_effect()
         if worker is not None:
             self._chain_forward_prefetch(self._fsdp_modules)
         _materialize_distributed_module(self.model, self.root_device)
@@ -241,6 +262,15 @@ class QSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _warn_if_no_effect(self) -> None:
+        """Settings that change nothing are said once (Lightning's rank_zero_warn), naming the setting."""
+        if not self._warned_no_effect:
+            self._warned_no_effect = True
+            shards = [p for m in self._fsdp_modules for p in fsdp_param_shards(m)]
+            message = no_effect_message(self, any(is_quantized_param(p, self.min_quant_numel) for p in shards))
+            if message is not None:
+                rank_zero_warn(message)
 
     @staticmethod
     def _chain_forward_prefetch(fsdp_modules: list[nn.Module]) -> None:
@@ -266,44 +296,59 @@ class QSDPStrategy(ModelParallelStrategy):
                 " sharded by fully_shard (configure_model must also shard the module that holds them, e.g. the root)"
             )
 
-    def _wrap_targets(self, root: nn.Module) -> list[nn.Module]:
-        if self.layer_classes is not None:
-            found = {type(m).__name__ for m in root.modules()}
-            missing = self.layer_classes - found
-            if missing:
-                raise ValueError(
-                    f"layer_classes names {sorted(missing)} that are not in the model; module classes present: "
-                    f"{sorted(found)}"
-                )
-            return [m for m in root.modules() if m is not root and type(m).__name__ in self.layer_classes]
-        targets = []
-        for m in root.modules():
-            if isinstance(m, nn.ModuleList):
-                targets.extend(c for c in m if any(True for _ in c.parameters()))
-        return targets
-
     def _auto_shard(self, root: nn.Module) -> None:
-        """FSDP2 groups: the layer targets (innermost first), then each direct child of ``root`` with params left."""
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        """``fully_shard`` every module of ``plan_fsdp_groups`` (inner first, the root last if it keeps params)."""
+        from torch.distributed.fsdp import fully_shard
 
-        mesh = self.dp_mesh
-        own = [n for n, _ in root.named_parameters(recurse=False)]
-        if own:
-            raise ValueError(
-                f"{type(self).__name__} cannot auto-shard parameters held directly by the LightningModule ({own}):"
-                " move them into a submodule, or shard in configure_model with fully_shard"
-            )
-        depth = {m: n.count(".") for n, m in root.named_modules()}
-        for m in sorted(self._wrap_targets(root), key=lambda m: -depth[m]):
-            if not isinstance(m, FSDPModule):
-                fully_shard(m, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
-        sharded = {id(p) for m in root.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
-        for child in root.children():
-            if isinstance(child, FSDPModule):
-                continue
-            if any(id(p) not in sharded for p in child.parameters()):
-                fully_shard(child, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        for m in plan_fsdp_groups(root, self.layer_classes, self.min_wrap_numel):
+            fully_shard(m, mesh=self.dp_mesh, reshard_after_forward=self.reshard_after_forward)
 
+    # ------------------------------------------------------------------ steps
+    def _step(self, method: str, context, *args: Any, **kwargs: Any) -> Any:
+        """When the LightningModule is an FSDP group (it holds parameters), call ``method`` through its forward,
+        which is where FSDP2 gathers a group (the redirection Lightning's FSDP strategy uses)."""
+        with context():
+            if not self._root_is_group:
+                return getattr(self.lightning_module, method)(*args, **kwargs)
+            self._in_root_step = True
+            try:
+                return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+            finally:
+                self._in_root_step = False
+
+    def _regather_root(self) -> None:
+        """Manual optimization runs backward and optimizer steps inside ``training_step``, i.e. inside the
+        root group's forward; FSDP2 reshards the root group at the end of every backward. Gather it again
+        (after a step: the new weights) so the rest of the step reads the LightningModule's own parameters
+        as DDP would, with the flags ``toggle_optimizer`` set."""
+        if self._root_is_group and self._in_root_step:
+            self.lightning_module.reshard()  # after a step the gathered copy is stale; unshard alone keeps it
+            self.lightning_module.unshard()
+            sync_unsharded_requires_grad(self.lightning_module)
+
+    @override
+    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any) -> Any:
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._regather_root()
+        return out
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    @override
     def teardown(self) -> None:
         if self._comm_worker is not None:
             self._comm_worker.close()
@@ -311,6 +356,7 @@ class QSDPStrategy(ModelParallelStrategy):
         super().teardown()
 
     # ------------------------------------------------------------------ per-step logic
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -322,6 +368,7 @@ class QSDPStrategy(ModelParallelStrategy):
         if self.quantize_master:
             project_master_weights(self._fsdp_modules, self.weight_codec, self.comm_state, self.min_quant_numel)
         self.comm_state.step += 1
+        self._regather_root()
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -334,11 +381,24 @@ class QSDPStrategy(ModelParallelStrategy):
         if int(state.get("seed", self.seed)) != self.seed:
             log.warning("QSDP: checkpoint seed %s differs from this strategy's seed %s", state["seed"], self.seed)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """A sharded save is atomic (``qsdp_checkpoint.save_sharded_checkpoint``); a full one is Lightning's."""
         checkpoint[CHECKPOINT_KEY] = self.qsdp_state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        save_sharded_checkpoint(self, checkpoint, Path(self.broadcast(filepath)))
+        return None
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():
+            check_sharded_checkpoint(path)
+        elif not path.exists():
+            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist{missing_checkpoint_hint(path)}")
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.pop(CHECKPOINT_KEY, None)
         if state is not None:
@@ -354,33 +414,6 @@ class QSDPStrategy(ModelParallelStrategy):
         register_qsdp_strategies(strategy_registry)
 
 
-class _FullStateLauncher(_MultiProcessingLauncher):
-    """Multiprocessing launcher that hands the main process a *full* state dict: Lightning's default pickles
-    ``state_dict()`` of the sharded module (DTensors), which the main process cannot load."""
-
-    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
-        import os
-        import tempfile
-
-        from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        cb = trainer.checkpoint_callback
-        best_model_path = getattr(cb, "best_model_path", None) if cb else None
-        full = get_model_state_dict(  # collective: every rank takes part
-            trainer.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self._strategy.local_rank != 0:
-            return None
-        weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            self._strategy.checkpoint_io.save_checkpoint(full, weights_path)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
-
-
 def register_qsdp_strategies(registry: Any) -> None:
     """Register "qsdp", "qsdp_w8g8", "qsdp_w4g4" (skipping names already present, so it is idempotent)."""
-    for name, (description, init_params) in PRESETS.items():
-        if name not in registry:
-            registry.register(name, QSDPStrategy, description=description, **init_params)
+    register_presets(registry, QSDPStrategy)
