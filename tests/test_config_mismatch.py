@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent(
     import torch, lightning.pytorch as pl
     from torch import nn
     from lightning.pytorch.strategies import DDPStrategy
-    from lightning_qcomm import LocalSGDStrategy, OneBitAdamCallback, QuantDDPStrategy
+    from lightning_qcomm import LocalSGDStrategy, OneBitAdamCallback, QSDPStrategy, QuantDDPStrategy
 
     rank = int(os.environ["LOCAL_RANK"])
     T = datetime.timedelta(seconds=5)
@@ -73,6 +73,16 @@ CASES = {
     "onebit_freeze_step": (
         [f"(DDPStrategy(timeout=T), [OneBitAdamCallback(freeze_step={f})])" for f in (3, 5)],
         ["OneBitAdamCallback", "freeze_step", "rank0=3", "rank1=5"],
+        True,
+    ),
+    "qsdp_weight_codec": (
+        [f"(QSDPStrategy(bits=4, weight_codec='{c}', min_quant_numel=0, timeout=T), [])" for c in ("qsgd", "nuqsgd")],
+        ["QSDPStrategy", "weight_codec", "'name': 'qsgd'", "'name': 'nuqsgd'"],
+        True,
+    ),
+    "qsdp_bits": (
+        [f"(QSDPStrategy(bits={b}, min_quant_numel=0, timeout=T), [])" for b in (8, 4)],
+        ["QSDPStrategy", "'bits': 8", "'bits': 4"],
         True,
     ),
     "onebit_on_rank0_only": (

@@ -24,7 +24,7 @@ _SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch, lightning.pytorch as pl
     from torch import nn
-    from lightning_qcomm import QuantDDPStrategy
+    from lightning_qcomm import QSDPStrategy, QuantDDPStrategy
 
     rank = int(os.environ["LOCAL_RANK"])
 
@@ -53,6 +53,7 @@ _SCRIPT = textwrap.dedent(
 CASES = {
     "quant_ddp_overlap": "QuantDDPStrategy(codec='uniform', bits=8, min_quant_numel=0, overlap_comm=True, "
     f"timeout=datetime.timedelta(seconds={TIMEOUT_S}))",
+    "qsdp_overlap": f"QSDPStrategy(bits=8, min_quant_numel=0, overlap_comm=True, timeout=datetime.timedelta(seconds={TIMEOUT_S}))",
 }
 
 

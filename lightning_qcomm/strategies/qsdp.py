@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
+from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.fsdp import (
     QSDPCommConfig,
     QSDPCommState,
@@ -201,6 +202,23 @@ class QSDPStrategy(ModelParallelStrategy):
         self._tensor_parallel_size = 1
         super().setup_environment()
         destroy_gloo_group_at_exit()  # a finished rank must not abort in interpreter teardown
+        check_same_config("QSDPStrategy", self.config_fingerprint(), timeout=presence_timeout(self._timeout))
+
+    def config_fingerprint(self) -> dict[str, Any]:
+        """Everything that decides the FSDP groups and what their collectives send (compared across ranks at
+        setup: codecs with equal payload sizes would otherwise decode each other's bytes as garbage)."""
+        return {
+            "weight_codec": None if self.weight_codec is None else self.weight_codec.config(),
+            "grad_codec": None if self.grad_codec is None else self.grad_codec.config(),
+            "min_quant_numel": self.min_quant_numel,
+            "quantize_master": self.quantize_master,
+            "seed": self.seed,
+            "layer_classes": None if self.layer_classes is None else sorted(self.layer_classes),
+            "min_wrap_numel": self.min_wrap_numel,
+            "reshard_after_forward": self.reshard_after_forward,
+            "overlap_comm": self.overlap_comm,
+            "save_distributed_checkpoint": self._save_distributed_checkpoint,
+        }
 
     @property
     def dp_mesh(self):
@@ -240,7 +258,7 @@ class QSDPStrategy(ModelParallelStrategy):
         worker, worker_group = None, None
         if self.overlap_comm and self.root_device.type == "cpu":
             if self._worker_group is None:
-                self._worker_group = dedicated_group(self.dp_mesh.get_group())
+                self._worker_group = dedicated_group(self.dp_mesh.get_group(), timeout=self._timeout)
             self._comm_worker = worker = CommWorker("lightning_qcomm-qsdp")
             worker_group = self._worker_group
         self._fsdp_modules = install_qsdp_comms(
