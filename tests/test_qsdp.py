@@ -497,6 +497,28 @@ def test_world_size_one_with_lightning_spawn_launcher():
 
 
 @pytest.mark.slow
+def test_spawn_launcher_leaves_no_weights_file_behind_when_the_main_process_fails(tmp_path, monkeypatch):
+    """The spawn launcher hands the trained full weights to the main process through a file; a failure
+    while the main process takes them (here: loading raises) must not leave that full-size file behind."""
+    import tempfile
+
+    from lightning_qcomm.strategies.qsdp_checkpoint import FullStateLauncher
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR here and in the spawned worker
+
+    def fail(self, worker_output, trainer):
+        assert worker_output.weights_path and os.path.isfile(worker_output.weights_path)
+        raise RuntimeError("main process died while loading the weights")
+
+    monkeypatch.setattr(FullStateLauncher, "_recover_results_in_main_process", fail)
+    with pytest.raises(RuntimeError, match="died while loading"):
+        _spawn_trainer(GPTModule())
+    left = [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix == ".ckpt"]
+    assert not left, left
+
+
+@pytest.mark.slow
 def test_model_without_parameters_is_rejected(two_ranks):
     for r in two_ranks:
         assert "has no parameters" in r["empty_error"], r["empty_error"]

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,23 @@ def missing_checkpoint_hint(path: Path) -> str:
 
 class FullStateLauncher(_MultiProcessingLauncher):
     """Multiprocessing launcher that hands the main process a *full* state dict: Lightning's default pickles
-    ``state_dict()`` of the sharded module (DTensors), which the main process cannot load."""
+    ``state_dict()`` of the sharded module (DTensors), which the main process cannot load.
+
+    The weights travel through a file in a private directory that the main process creates before the
+    workers start and removes when ``launch`` returns or raises, so a failure on either side leaves no
+    full-size copy of the model in the temporary directory.
+    """
+
+    _handoff_dir: str | None = None
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._handoff_dir = tempfile.mkdtemp(prefix="lightning_qcomm_weights_")  # travels to the workers
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            shutil.rmtree(self._handoff_dir, ignore_errors=True)
+            self._handoff_dir = None
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
@@ -127,6 +144,6 @@ class FullStateLauncher(_MultiProcessingLauncher):
             return None
         weights_path = None
         if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            weights_path = os.path.join(self._handoff_dir or tempfile.mkdtemp(), "weights.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(full, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
