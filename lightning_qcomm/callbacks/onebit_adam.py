@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "onebit_adam"
 _UNHONOURED = ("foreach", "fused", "capturable", "differentiable")  # Adam group keys OneBitAdam does not implement
-_SETTINGS = ("freeze_step", "auto_freeze_threshold", "auto_freeze_interval", "auto_freeze_patience", "bucket_mb")
 
 
 class OneBitAdamCallback(pl.Callback):
@@ -80,6 +79,8 @@ class OneBitAdamCallback(pl.Callback):
         auto_freeze_interval: steps between auto-freeze checks (>= 1; default 10).
         auto_freeze_patience: consecutive checks below the threshold (>= 1; default 3).
         bucket_mb: size of one flat fused momentum bucket in MiB of fp32 (> 0; default 32).
+        nonfinite: a step with a NaN/Inf gradient on any rank: "skip" (default; on every rank, logged and
+            counted), "raise" (FloatingPointError) or "propagate".
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class OneBitAdamCallback(pl.Callback):
         auto_freeze_interval: int | None = None,
         auto_freeze_patience: int | None = None,
         bucket_mb: float | None = None,
+        nonfinite: str | None = None,
     ) -> None:
         given = dict(
             freeze_step=freeze_step,
@@ -96,6 +98,7 @@ class OneBitAdamCallback(pl.Callback):
             auto_freeze_interval=auto_freeze_interval,
             auto_freeze_patience=auto_freeze_patience,
             bucket_mb=bucket_mb,
+            nonfinite=nonfinite,
         )
         self.settings = {k: v for k, v in given.items() if v is not None}
         try:

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard, check_policy
 from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class OneBitAdamConfig:
         auto_freeze_interval: k, optimizer steps between two auto-freeze checks (>= 1).
         auto_freeze_patience: consecutive checks with r < τ needed to freeze (>= 1).
         bucket_mb: maximum size of one flat fused momentum bucket, MiB of fp32 (> 0).
+        nonfinite: a step whose gradient holds NaN/Inf on any rank is ``"skip"``-ped on every rank (m, v, the
+            error buffers and the step count untouched; logged, counted in ``nonfinite.skipped``; the ranks agree
+            with one 8-byte all-reduce per step), ``"raise"``-s FloatingPointError, or ``"propagate"``-s.
     """
 
     freeze_step: int = 100
@@ -103,6 +107,7 @@ class OneBitAdamConfig:
     auto_freeze_interval: int = 10
     auto_freeze_patience: int = 3
     bucket_mb: float = 32.0
+    nonfinite: str = "skip"
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -119,6 +124,7 @@ class OneBitAdamConfig:
                 raise bad(name, v, "an int >= 1")
         if not _is_number(self.bucket_mb) or not self.bucket_mb > 0 or not math.isfinite(self.bucket_mb):
             raise bad("bucket_mb", self.bucket_mb, "a finite float > 0")
+        check_policy("OneBitAdam", self.nonfinite)
 
     @property
     def bucket_numel(self) -> int:
@@ -170,14 +176,16 @@ class OneBitAdam(Optimizer):
         auto_freeze_interval: int = 10,
         auto_freeze_patience: int = 3,
         bucket_mb: float = 32.0,
+        nonfinite: str = "skip",
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_adam_hparams(lr, betas, eps, weight_decay)
         if not isinstance(decoupled_weight_decay, bool):
             raise ValueError(f"OneBitAdam(decoupled_weight_decay={decoupled_weight_decay!r}): allowed True or False")
         self.config = OneBitAdamConfig(
-            freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience, bucket_mb
+            freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience, bucket_mb, nonfinite
         )
+        self.nonfinite = NonFiniteGuard(nonfinite, "OneBitAdam", agree=self._all_ranks_finite)
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay
         )
@@ -225,6 +233,9 @@ class OneBitAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not self.nonfinite.should_step(params, self.num_steps):
+            return loss  # skipped on every rank: nothing moves, the step is not counted
         if self.frozen:
             self._compressed_step()
         else:
@@ -323,6 +334,10 @@ class OneBitAdam(Optimizer):
                 # recomputed each step (two cheap passes) rather than cached: a cache would cost another d floats
                 denom = state["exp_avg_sq"].sqrt().add_(eps)
                 p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** state["step"].item()))
+
+    def _all_ranks_finite(self, finite: bool) -> bool:
+        """After the freeze each rank checks its own local gradient; the ranks agree before m moves."""
+        return max_over_ranks(0.0 if finite else 1.0, self.process_group, device=self._collective_device()) == 0.0
 
     # ------------------------------------------------------------------ freezing
     def _maybe_freeze(self) -> None:

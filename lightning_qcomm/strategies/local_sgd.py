@@ -60,6 +60,7 @@ from torch.optim import Optimizer
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm.averaging import TensorAverager
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.strategies.sync_rules import SYNC_RULE_NAMES, QSRRule, SyncSchedule, make_rule
 
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 _SETTINGS = (
     "sync", "h_base", "alpha", "power", "period", "switch_step", "warmup_steps", "average_buffers",
     "average_optimizer_state", "codec", "bits", "bucket_size", "quantize_delta", "comm_bucket_mb",
-    "save_rank_optimizer_states", "seed",
+    "save_rank_optimizer_states", "seed", "nonfinite",
 )  # fmt: skip
 
 CHECKPOINT_KEY = "local_sgd"
@@ -101,6 +102,9 @@ class LocalSGDStrategy(DDPStrategy):
         save_rank_optimizer_states: gather every rank's (local, differing) optimizer state into the
             checkpoint so a resume restores each rank's own.
         seed: base seed of the stochastic rounding of quantized averaging.
+        nonfinite: a NaN/Inf gradient ``"skip"``-s the step (a local step on that rank only, still counted so
+            every rank syncs on the same steps; a data-parallel step on every rank), ``"raise"``-s
+            FloatingPointError, or ``"propagate"``-s (see ``strategies.nonfinite``).
     """
 
     strategy_name = "local_sgd"
@@ -123,6 +127,7 @@ class LocalSGDStrategy(DDPStrategy):
         comm_bucket_mb: float = 25.0,
         save_rank_optimizer_states: bool = True,
         seed: int = 0,
+        nonfinite: str = "skip",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -162,6 +167,7 @@ class LocalSGDStrategy(DDPStrategy):
             raise TypeError(f"seed must be an int, got {seed!r}")
         self._codec = None if codec is None else get_codec(codec, bits=bits, bucket_size=bucket_size)
         self._settings = settings
+        self.nonfinite = NonFiniteGuard(nonfinite, "LocalSGDStrategy")
         self.average_buffers = bool(average_buffers)
         self.average_optimizer_state = bool(average_optimizer_state)
         self.quantize_delta = bool(quantize_delta)
@@ -320,6 +326,11 @@ class LocalSGDStrategy(DDPStrategy):
         data_parallel = sched.round_data_parallel
         if data_parallel:
             closure = self._gradient_averaging_closure(optimizer, closure)
+        # a local step's gradient is this rank's own: a bad one skips this rank's step only (the schedule still
+        # counts it, so every rank syncs on the same steps); a data-parallel step's is the same everywhere
+        self.nonfinite.scope = "on every rank" if data_parallel else "on this rank (a local step)"
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        closure = self.nonfinite.wrap(closure, optimizer, sched.step, scaler=scaler)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if sched.end_step():
             if data_parallel:

@@ -55,6 +55,8 @@ from lightning_qcomm.comm.fsdp import (
     project_master_weights,
     sync_unsharded_requires_grad,
 )
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard
+from lightning_qcomm.comm.onebit import max_over_ranks
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.strategies.qsdp_checkpoint import (
     FullStateLauncher,
@@ -103,6 +105,9 @@ class QSDPStrategy(ModelParallelStrategy):
             of their own, and have each FSDP group prefetch the next one's weights in forward (FSDP2 already
             prefetches in backward), so transfers overlap compute. Bit-identical to the inline path. CUDA
             runs inline (FSDP2's streams overlap there).
+        nonfinite: a step with a NaN/Inf gradient on any rank is ``"skip"``-ped on every rank (logged, counted
+            in ``nonfinite.skipped``; one 8-byte all-reduce per step), ``"raise"``-s FloatingPointError, or
+            ``"propagate"``-s (see ``strategies.nonfinite``).
         save_distributed_checkpoint: True saves one shard per rank (a folder, replaced atomically, see
             ``qsdp_checkpoint``; ``python -m lightning_qcomm.consolidate IN OUT`` makes it one file for
             ``load_from_checkpoint``), False a full state dict in one file, gathered on rank 0 at each save.
@@ -128,6 +133,7 @@ class QSDPStrategy(ModelParallelStrategy):
         min_wrap_numel: int = DEFAULT_MIN_WRAP_NUMEL,
         reshard_after_forward: bool | None = None,
         overlap_comm: bool = True,
+        nonfinite: str = "skip",
         save_distributed_checkpoint: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -178,6 +184,8 @@ class QSDPStrategy(ModelParallelStrategy):
         if not isinstance(overlap_comm, bool):
             raise TypeError(f"overlap_comm must be a bool, got {type(overlap_comm).__name__}")
         self.overlap_comm = overlap_comm
+        # gradient shards differ per rank: agree on "all finite" (one 8-byte all-reduce per step)
+        self.nonfinite = NonFiniteGuard(nonfinite, "QSDPStrategy", agree=self._all_ranks_finite)
         self._comm_worker: CommWorker | None = None
         self._worker_group = None  # created once, reused by every later stage of this strategy
         self._start_method = start_method
@@ -217,6 +225,7 @@ class QSDPStrategy(ModelParallelStrategy):
             "min_wrap_numel": self.min_wrap_numel,
             "reshard_after_forward": self.reshard_after_forward,
             "overlap_comm": self.overlap_comm,
+            "nonfinite": self.nonfinite.policy,
             "save_distributed_checkpoint": self._save_distributed_checkpoint,
         }
 
@@ -382,12 +391,16 @@ class QSDPStrategy(ModelParallelStrategy):
         model: nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        closure = self.nonfinite.wrap(closure, optimizer, self.comm_state.step)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.quantize_master:
             project_master_weights(self._fsdp_modules, self.weight_codec, self.comm_state, self.min_quant_numel)
         self.comm_state.step += 1
         self._regather_root()
         return out
+
+    def _all_ranks_finite(self, finite: bool) -> bool:
+        return max_over_ranks(0.0 if finite else 1.0, self.dp_mesh.get_group(), device=self.root_device) == 0.0
 
     # ------------------------------------------------------------------ checkpoints
     def qsdp_state_dict(self) -> dict[str, Any]:

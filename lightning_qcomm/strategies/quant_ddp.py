@@ -49,6 +49,7 @@ from lightning_qcomm.comm.ddp_hooks import (
     quant_ddp_comm_hook,
     relative_compression_error,
 )
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class QuantDDPStrategy(DDPStrategy):
         overlap_comm: on CPU/gloo, run each bucket's compressed all-reduce on a background thread over a
             process group of its own, so it overlaps the rest of the backward pass (as torch's own
             gloo all-reduce does). Results are bit-identical either way. CUDA buckets always run inline.
+        nonfinite: what a step with a NaN/Inf gradient does: ``"skip"`` it on every rank (logged, counted in
+            ``nonfinite.skipped``), ``"raise"`` FloatingPointError, or ``"propagate"`` (see ``strategies.nonfinite``).
         ddp_kwargs: everything ``DDPStrategy`` accepts (``find_unused_parameters``, ``start_method``,
             ``bucket_cap_mb``, ...) except its comm-hook arguments, which this strategy owns.
     """
@@ -109,6 +112,7 @@ class QuantDDPStrategy(DDPStrategy):
         start_step: int = 0,
         seed: int = 0,
         overlap_comm: bool = True,
+        nonfinite: str = "skip",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -129,6 +133,7 @@ class QuantDDPStrategy(DDPStrategy):
         if not isinstance(overlap_comm, bool):
             raise TypeError(f"QuantDDPStrategy(overlap_comm={overlap_comm!r}) must be a bool")
         self.overlap_comm = overlap_comm
+        self.nonfinite = NonFiniteGuard(nonfinite, "QuantDDPStrategy")  # averaged grads: same on all ranks
         self._hook_state: QuantDDPHookState | None = None
         self._pending_state: dict | None = None
         self._comm_worker: CommWorker | None = None
@@ -189,7 +194,12 @@ class QuantDDPStrategy(DDPStrategy):
         ddp = {
             k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for k, v in self._ddp_kwargs.items()
         }
-        return {**dataclasses.asdict(self.hook_config), "overlap_comm": self.overlap_comm, "ddp_kwargs": ddp}
+        return {
+            **dataclasses.asdict(self.hook_config),
+            "overlap_comm": self.overlap_comm,
+            "nonfinite": self.nonfinite.policy,
+            "ddp_kwargs": ddp,
+        }
 
     # ------------------------------------------------------------------ hook registration
     @property
@@ -239,6 +249,8 @@ class QuantDDPStrategy(DDPStrategy):
         model: Any = None,
         **kwargs: Any,
     ) -> Any:
+        step = self._hook_state.step if self._hook_state is not None else 0
+        closure = self.nonfinite.wrap(closure, optimizer, step, scaler=getattr(self.precision_plugin, "scaler", None))
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._hook_state is not None:
             self._hook_state.next_step()

@@ -1,0 +1,134 @@
+"""The non-finite gradient policy shared by the strategies and OneBitAdam (comm layer): skip, raise or propagate.
+
+A NaN or Inf in one rank's gradient reaches every rank through the gradient collective (the codecs decode
+a non-finite bucket as NaN, never as finite garbage), and an optimizer step then writes NaN into the
+weights of every rank. The strategies check the gradients the optimizer is about to apply, after their own
+synchronisation and before the step:
+
+* ``"skip"`` (default): the step is skipped (every gradient of the optimizer is set to None, so torch's
+  optimizers leave parameters and state alone, as a skipped ``GradScaler`` step does), counted in
+  ``skipped`` and logged. Where the checked gradients are identical on all ranks (DDP-style strategies
+  after their all-reduce) every rank reaches the same decision by itself; where they differ (QSDP's
+  gradient shards) the ranks agree through ``agree`` (one small all-reduce per step).
+* ``"raise"``: ``FloatingPointError`` on every rank, naming the step and the first parameters concerned.
+* ``"propagate"``: no check; torch's behaviour.
+
+Under a loss scaler (fp16 ``GradScaler``) the scaler already skips steps with non-finite gradients and
+lowers its scale; the guard stands aside then (setting gradients to None would hide the overflow from it).
+
+Example::
+
+    guard = NonFiniteGuard("skip", "QuantDDPStrategy")
+    closure = guard.wrap(closure, optimizer, step=trainer.global_step)   # before the optimizer step runs it
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
+
+NONFINITE_POLICIES = ("skip", "raise", "propagate")
+
+
+def check_policy(owner: str, value: Any) -> str:
+    """``value`` if it is one of ``NONFINITE_POLICIES``; TypeError/ValueError naming it otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{owner}(nonfinite={value!r}) must be a str; allowed: {', '.join(NONFINITE_POLICIES)}")
+    if value not in NONFINITE_POLICIES:
+        raise ValueError(f"{owner}(nonfinite={value!r}) is not allowed; allowed: {', '.join(NONFINITE_POLICIES)}")
+    return value
+
+
+def _params_with_grad(optimizer: Optimizer) -> list[torch.nn.Parameter]:
+    opt = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wraps the torch one
+    return [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+
+
+def nonfinite_params(params: list[torch.nn.Parameter]) -> list[int]:
+    """Indices of the parameters whose gradient holds a NaN or Inf (one host sync for all of them)."""
+    if not params:
+        return []
+    # max |g| cannot overflow (a sum or norm of finite values can) and is NaN/Inf iff an element is
+    local = [_local(p.grad.detach()) for p in params]
+    peaks = [g.abs().amax().float() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in local]
+    bad = (~torch.isfinite(torch.stack([t.to(peaks[0].device) for t in peaks]))).nonzero().reshape(-1)
+    return bad.tolist()
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient: a sharded DTensor's local shard (a reduction over the DTensor itself
+    would be a collective per parameter)."""
+    to_local = getattr(g, "to_local", None)
+    return to_local() if callable(to_local) else g
+
+
+class NonFiniteGuard:
+    """The policy of one strategy. ``agree(finite) -> finite on every rank`` when ranks check different
+    gradients (None: the checked gradients are the same on every rank)."""
+
+    def __init__(self, policy: str, owner: str, agree: Callable[[bool], bool] | None = None) -> None:
+        self.policy = check_policy(owner, policy)
+        self.owner = owner
+        self.agree = agree
+        self.skipped = 0
+        self.scope = "on every rank"  # where a skip happens; Local SGD's local steps skip on one rank
+
+    def should_step(self, params: list[torch.nn.Parameter], step: int) -> bool:
+        """Check ``params``' gradients: True to apply the step; False after a skip (counted, logged); raises
+        under ``"raise"``. Always True under ``"propagate"``."""
+        if self.policy == "propagate":
+            return True
+        bad = nonfinite_params(params)
+        finite = not bad if self.agree is None else self.agree(not bad)
+        if finite:
+            return True
+        shapes = [tuple(params[i].shape) for i in bad[:4]]
+        where = f"local parameters of shapes {shapes}" if bad else "another rank's gradients"
+        if self.policy == "raise":
+            raise FloatingPointError(
+                f"{self.owner}: non-finite gradient at optimizer step {step} ({where}); nonfinite='raise' "
+                f"(allowed: {', '.join(NONFINITE_POLICIES)})"
+            )
+        self.skipped += 1
+        log.warning(
+            "%s: non-finite gradient at optimizer step %d (%s): step skipped %s (%d so far; nonfinite='skip')",
+            self.owner,
+            step,
+            where,
+            self.scope,
+            self.skipped,
+        )
+        return False
+
+    def wrap(
+        self, closure: Callable[[], Any], optimizer: Optimizer, step: int, scaler: Any = None
+    ) -> Callable[[], Any]:
+        """``closure`` followed by the check, to hand to the optimizer step in its place: a skipped step sets
+        every gradient of ``optimizer`` to None, so the step that runs the closure changes nothing."""
+        if self.policy == "propagate" or scaler is not None:
+            return closure
+
+        def guarded() -> Any:
+            out = closure()
+            params = _params_with_grad(optimizer)
+            if not self.should_step(params, step):
+                for p in params:
+                    p.grad = None
+            return out
+
+        return guarded
+
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skipped = int(state.get("skipped", 0))
+
+
+__all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "check_policy", "nonfinite_params"]
