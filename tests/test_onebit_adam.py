@@ -10,7 +10,8 @@ Two gloo ranks, ONE ``torch.multiprocessing`` spawn for everything (each Lightni
 in-process on its rank: ``LOCAL_RANK`` is set, so Lightning does not launch). Inside the workers:
 
 * plain torch DDP + ``onebit_adam_grad_hook`` + OneBitAdam: torch.distributed calls counted per step
-  (all_reduce during warm-up, none after the freeze -- only the 1-bit all-to-all + all-gather), and the
+  (all_reduce during warm-up; after the freeze only the 1-bit all-to-all + all-gather and the 8-byte
+  non-finite agreement), and the
   first compressed step's momentum and parameters against an independent oracle of docs/design.md's formulas ("1-bit Adam"),
   computed from both ranks' local momenta; NaN gradients stay NaN; auto-freeze on rank-local gradients
   (the max over ranks decides, booked under ledger tag "control");
@@ -530,13 +531,27 @@ def _torch_ddp_checks(rank: int) -> dict:
     both = [torch.empty_like(flat) for _ in range(2)]
     dist.all_gather(both, flat)
     out["params_equal_across_ranks"] = bool(torch.equal(both[0], both[1]))
-    # a NaN gradient on rank 0 only, in the compression phase: momentum and parameters non-finite on BOTH ranks
+
+    # a NaN gradient on rank 0 only, in the compression phase. Under the default nonfinite="skip" the ranks agree
+    # and nothing moves on either rank (m, p, error buffers, step count)
+    def inject_nan():
+        opt.zero_grad()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        if rank == 0:
+            next(model.parameters()).grad[0, 0] = float("nan")
+
+    snapshot = [t.clone() for t in [*params, *(opt.state[p]["exp_avg"] for p in params), *opt._sync.worker_error]]
+    steps_before = opt.num_steps
+    inject_nan()
+    opt.step()
+    after = [*params, *(opt.state[p]["exp_avg"] for p in params), *opt._sync.worker_error]
+    out["skip_untouched"] = all(torch.equal(a, b) for a, b in zip(snapshot, after)) and opt.num_steps == steps_before
+    out["skip_counted"] = opt.nonfinite.skipped
+    # with nonfinite="propagate" (torch's behaviour): momentum and parameters non-finite on BOTH ranks
+    opt.nonfinite.policy = "propagate"
     errs_before = [e.clone() for e in opt._sync.worker_error]
-    opt.zero_grad()
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    if rank == 0:
-        next(model.parameters()).grad[0, 0] = float("nan")
+    inject_nan()
     opt.step()
     out["nan_momentum_nonfinite"] = not all(bool(torch.isfinite(opt.state[p]["exp_avg"]).all()) for p in params)
     out["nan_param_nonfinite"] = not bool(torch.isfinite(next(model.parameters())).all())
@@ -873,12 +888,12 @@ def test_torch_ddp_no_gradient_allreduce_after_freeze(results):
             assert t["records"][step] == [("all_reduce", "grads")]
         n = t["n_buckets"]
         assert n == 2, "the layout (2048 | 64 + 512 + 8 elements, bucket 600) must give two fused buckets"
-        for step in range(3, 6):  # compression: per bucket one all_to_all_single + one all_gather, no all_reduce
-            calls = t["calls"][step]
-            assert "all_reduce" not in calls, (step, calls)
+        for step in range(3, 6):  # compression: per bucket one all_to_all_single + one all_gather; the only
+            calls = t["calls"][step]  # all_reduce is the 8-byte "all gradients finite" agreement (tag control)
+            assert calls.count("all_reduce") == 1, (step, calls)
             assert calls.count("all_to_all_single") == n
             assert ("all_reduce", "grads") not in t["records"][step]
-            assert ("all_reduce", "momentum") in t["records"][step]
+            assert ("all_reduce", "momentum") in t["records"][step] and ("all_reduce", "control") in t["records"][step]
         assert t["params_equal_across_ranks"]
 
 
@@ -888,7 +903,12 @@ def test_torch_ddp_first_compressed_step_equals_oracle(results):
         assert r["torch"]["param_err"] < 1e-6, r["torch"]["param_err"]
 
 
-def test_nan_gradient_on_one_rank_stays_nonfinite_on_both(results):
+def test_nan_gradient_on_one_rank_skips_the_step_on_both(results):
+    for r in results:
+        assert r["torch"]["skip_untouched"] and r["torch"]["skip_counted"] == 1
+
+
+def test_nan_gradient_on_one_rank_stays_nonfinite_on_both_when_propagated(results):
     for r in results:
         t = r["torch"]
         assert t["nan_momentum_nonfinite"] and t["nan_param_nonfinite"]
@@ -931,7 +951,9 @@ def test_lightning_callback_replaces_adamw_and_switches_phase(results):
                 assert keys == [("all_reduce", "grads")] and set(calls) == {"all_reduce"}, (step, keys, calls)
             else:  # compression: no gradient bytes; one fused bucket -> one all_to_all + one all_gather
                 assert ("all_reduce", "grads") not in keys and ("all_reduce", "momentum") in keys, (step, keys)
-                assert "all_reduce" not in calls and calls.count("all_to_all_single") == 1, (step, calls)
+                # the one all_reduce: the 8-byte agreement that every rank's local gradient is finite
+                assert calls.count("all_reduce") == 1 and calls.count("all_to_all_single") == 1, (step, calls)
+                assert ("all_reduce", "control") in keys, (step, keys)
         assert ob["params_equal_across_ranks"]
 
 
@@ -986,9 +1008,10 @@ def test_gradient_accumulation_syncs_last_micro_batch_in_warmup_and_nothing_afte
                 assert keys == [] and calls == [], (i, keys, calls)
             elif step < 4:  # warm-up step: the accumulated gradient all-reduced once, fp32
                 assert keys == [("all_reduce", "grads")] and set(calls) == {"all_reduce"}, (i, keys, calls)
-            else:  # compression step: momentum only (+ the one-off shape check, an all_gather, at the first)
-                assert ("all_reduce", "momentum") in keys and {t for _, t in keys} == {"momentum"}, (i, keys)
-                assert "all_reduce" not in calls, (i, calls)
+            else:  # compression step: momentum (+ the one-off shape check, an all_gather, at the first) and the
+                # 8-byte non-finite agreement
+                assert ("all_reduce", "momentum") in keys and {t for _, t in keys} == {"momentum", "control"}, (i, keys)
+                assert calls.count("all_reduce") == 1, (i, calls)
         assert a["params_equal_across_ranks"]
 
 

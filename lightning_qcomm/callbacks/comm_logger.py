@@ -66,6 +66,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_qcomm._checks import check_bool, check_int, check_writable_file
 from lightning_qcomm.callbacks.comm_report import (
     Totals,
     add_totals,
@@ -151,14 +152,13 @@ class CommVolumeLogger(pl.Callback):
         prog_bar: bool = True,
         count_ddp: bool = True,
     ) -> None:
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ValueError(f"log_every_n_steps must be None or an int >= 1, got {log_every_n_steps!r}")
-        self.log_every_n_steps = log_every_n_steps
-        self.per_op = per_op
-        self.summary = summary
-        self.summary_file = summary_file
-        self.prog_bar = prog_bar
-        self.count_ddp = count_ddp
+        own = "CommVolumeLogger"
+        self.log_every_n_steps = check_int(own, "log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
+        self.per_op = check_bool(own, "per_op", per_op)
+        self.summary = check_bool(own, "summary", summary)
+        self.summary_file = check_writable_file(own, "summary_file", summary_file)  # now, not after training
+        self.prog_bar = check_bool(own, "prog_bar", prog_bar)
+        self.count_ddp = check_bool(own, "count_ddp", count_ddp)
         self.summary_totals: Totals = {}  # summed over ranks, filled at train end
         self.summary_table: str = ""
         self.summary_doc: dict[str, Any] = {}  # the headline numbers of the summary (also in the JSON)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_qcomm._checks import check_bool
 from lightning_qcomm.codecs.base import Codec
 
 
@@ -24,7 +25,7 @@ class UniformCodec(Codec):
 
     def __init__(self, bits: int = 8, bucket_size: int | None = 512, stochastic: bool = True) -> None:
         super().__init__(bits, bucket_size)
-        self.stochastic = bool(stochastic)
+        self.stochastic = check_bool("UniformCodec", "stochastic", stochastic)
 
     @property
     def levels(self) -> int:

@@ -98,8 +98,9 @@ class OneBitAdamConfig:
         auto_freeze_patience: consecutive checks with r < τ needed to freeze (>= 1).
         bucket_mb: maximum size of one flat fused momentum bucket, MiB of fp32 (> 0).
         nonfinite: a step whose gradient holds NaN/Inf on any rank is ``"skip"``-ped on every rank (m, v, the
-            error buffers and the step count untouched; logged, counted in ``nonfinite.skipped``; the ranks agree
-            with one 8-byte all-reduce per step), ``"raise"``-s FloatingPointError, or ``"propagate"``-s.
+            error buffers and the step count untouched; logged, counted in ``nonfinite.skipped``; after the freeze
+            the ranks agree with one 8-byte all-reduce per step), ``"raise"``-s FloatingPointError, or
+            ``"propagate"``-s.
     """
 
     freeze_step: int = 100
@@ -336,7 +337,10 @@ class OneBitAdam(Optimizer):
                 p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** state["step"].item()))
 
     def _all_ranks_finite(self, finite: bool) -> bool:
-        """After the freeze each rank checks its own local gradient; the ranks agree before m moves."""
+        """After the freeze each rank checks its own local gradient, so the ranks agree before m moves; during
+        the warm-up the gradient is DDP's average, the same on every rank, and needs no agreement."""
+        if not self.frozen:
+            return finite
         return max_over_ranks(0.0 if finite else 1.0, self.process_group, device=self._collective_device()) == 0.0
 
     # ------------------------------------------------------------------ freezing

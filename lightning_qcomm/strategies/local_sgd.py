@@ -57,6 +57,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_qcomm._checks import (
+    START_METHODS,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_str,
+    check_timeout,
+)
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm.averaging import TensorAverager
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
@@ -138,6 +147,18 @@ class LocalSGDStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         settings = {k: v for k, v in locals().items() if k in _SETTINGS}  # the arguments as given
+        own = "LocalSGDStrategy"
+        for name in ("average_buffers", "average_optimizer_state", "quantize_delta", "save_rank_optimizer_states"):
+            check_bool(own, name, settings[name])
+        check_int(own, "period", period, minimum=1)
+        check_int(own, "switch_step", switch_step, minimum=0, optional=True)
+        check_int(own, "bits", bits, minimum=1)
+        check_int(own, "bucket_size", bucket_size, minimum=1, optional=True)
+        check_int(own, "seed", seed, minimum=0)
+        check_str(own, "codec", codec, optional=True)
+        check_float(own, "comm_bucket_mb", comm_bucket_mb, minimum=0.0, exclusive_minimum=True)
+        check_choice(own, "start_method", start_method, START_METHODS)
+        check_timeout(own, timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -161,17 +182,13 @@ class LocalSGDStrategy(DDPStrategy):
             switch_step=switch_step,
             warmup_steps=warmup_steps,
         )
-        if isinstance(comm_bucket_mb, bool) or not isinstance(comm_bucket_mb, (int, float)) or comm_bucket_mb <= 0:
-            raise ValueError(f"comm_bucket_mb must be a float > 0, got {comm_bucket_mb!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
         self._codec = None if codec is None else get_codec(codec, bits=bits, bucket_size=bucket_size)
         self._settings = settings
         self.nonfinite = NonFiniteGuard(nonfinite, "LocalSGDStrategy")
-        self.average_buffers = bool(average_buffers)
-        self.average_optimizer_state = bool(average_optimizer_state)
-        self.quantize_delta = bool(quantize_delta)
-        self.save_rank_optimizer_states = bool(save_rank_optimizer_states)
+        self.average_buffers = average_buffers
+        self.average_optimizer_state = average_optimizer_state
+        self.quantize_delta = quantize_delta
+        self.save_rank_optimizer_states = save_rank_optimizer_states
         self.seed = seed
         self._bucket_numel = max(1, int(comm_bucket_mb * 1024 * 1024 / 4))
 

@@ -43,6 +43,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_qcomm._checks import check_bool, check_int, check_timeout
 from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.fsdp import (
@@ -139,6 +140,10 @@ class QSDPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        check_bool("QSDPStrategy", "quantize_master", quantize_master)
+        check_bool("QSDPStrategy", "save_distributed_checkpoint", save_distributed_checkpoint)
+        check_int("QSDPStrategy", "seed", seed, minimum=0)
+        check_timeout("QSDPStrategy", timeout)
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size="auto",

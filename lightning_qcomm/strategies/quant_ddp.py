@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_qcomm._checks import START_METHODS, check_choice, check_timeout
 from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.ddp_hooks import (
@@ -124,6 +125,8 @@ class QuantDDPStrategy(DDPStrategy):
                 f"QuantDDPStrategy registers its own DDP comm hook; do not pass {bad}. "
                 "Use DDPStrategy for a custom hook."
             )
+        check_choice("QuantDDPStrategy", "start_method", start_method, START_METHODS)
+        check_timeout("QuantDDPStrategy", timeout)
         self.hook_config = self._make_config(
             codec, bits, bucket_size, error_feedback, min_quant_numel, start_step, seed
         )

@@ -1,0 +1,141 @@
+"""Argument checks for every public constructor: a ``TypeError`` (wrong type) or ``ValueError`` (wrong value)
+that names the owner, the argument, the value given and what is allowed.
+
+No coercion: ``"no"`` is not a bool, ``"0"`` and ``1.7`` are not ints, ``True`` is not a number, NaN and
+infinities are not sizes, and a timeout is a positive ``timedelta``. Used from every layer (it imports
+nothing of the package).
+
+Example::
+
+    self.quantize_master = check_bool("QSDPStrategy", "quantize_master", quantize_master)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+
+def _where(owner: str, name: str, value: Any) -> str:
+    return f"{owner}({name}={value!r})"
+
+
+def check_bool(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{_where(owner, name, value)} must be a bool (True or False), got {type(value).__name__}")
+    return value
+
+
+def check_int(
+    owner: str,
+    name: str,
+    value: Any,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    optional: bool = False,
+) -> int | None:
+    """An int (not a bool) within [minimum, maximum]; None allowed when ``optional``."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        allowed = "an int" + (" or None" if optional else "")
+        raise TypeError(f"{_where(owner, name, value)} must be {allowed}, got {type(value).__name__}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = "" if minimum is None else f">= {minimum}"
+        hi = "" if maximum is None else f"<= {maximum}"
+        raise ValueError(
+            f"{_where(owner, name, value)} is out of range; allowed: an int {' and '.join(filter(None, (lo, hi)))}"
+        )
+    return value
+
+
+def check_float(
+    owner: str,
+    name: str,
+    value: Any,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    optional: bool = False,
+) -> float | None:
+    """A finite int or float (not a bool) within the bounds; None allowed when ``optional``."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        allowed = "a number" + (" or None" if optional else "")
+        raise TypeError(f"{_where(owner, name, value)} must be {allowed}, got {type(value).__name__}")
+    low = minimum is not None and (value <= minimum if exclusive_minimum else value < minimum)
+    if not math.isfinite(value) or low or (maximum is not None and value > maximum):
+        bounds = []
+        if minimum is not None:
+            bounds.append(f"{'>' if exclusive_minimum else '>='} {minimum}")
+        if maximum is not None:
+            bounds.append(f"<= {maximum}")
+        raise ValueError(
+            f"{_where(owner, name, value)} is not allowed; allowed: a finite number {' and '.join(bounds)}"
+        )
+    return float(value)
+
+
+def check_choice(owner: str, name: str, value: Any, allowed: Sequence[str], optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{_where(owner, name, value)} must be a str; allowed: {', '.join(allowed)}")
+    if value not in allowed:
+        raise ValueError(f"{_where(owner, name, value)} is not allowed; allowed: {', '.join(allowed)}")
+    return value
+
+
+def check_str(owner: str, name: str, value: Any, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        allowed = "a str" + (" or None" if optional else "")
+        raise TypeError(f"{_where(owner, name, value)} must be {allowed}, got {type(value).__name__}")
+    return value
+
+
+def check_timeout(owner: str, value: Any, name: str = "timeout") -> timedelta | None:
+    """A positive ``datetime.timedelta`` or None (torch.distributed's default)."""
+    if value is None:
+        return None
+    if not isinstance(value, timedelta):
+        raise TypeError(
+            f"{_where(owner, name, value)} must be a datetime.timedelta or None, got {type(value).__name__} "
+            "(e.g. timedelta(seconds=60); a bare number has no unit)"
+        )
+    if value <= timedelta(0):
+        raise ValueError(f"{_where(owner, name, value)} is not allowed; allowed: a positive timedelta")
+    return value
+
+
+def check_writable_file(owner: str, name: str, value: Any) -> str | None:
+    """A path (str or None) whose directory exists and is writable: checked when the object is made, not
+    after a whole training run."""
+    if value is None:
+        return None
+    path = check_str(owner, name, value, optional=True)
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise ValueError(f"{_where(owner, name, value)}: the directory {directory!r} does not exist or is not writable")
+    if os.path.isdir(path):
+        raise ValueError(f"{_where(owner, name, value)} is a directory; allowed: a file path")
+    return path
+
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+__all__ = [
+    "START_METHODS",
+    "check_bool",
+    "check_choice",
+    "check_float",
+    "check_int",
+    "check_str",
+    "check_timeout",
+    "check_writable_file",
+]
