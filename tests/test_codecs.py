@@ -805,13 +805,18 @@ def test_extreme_finite_values_decode_finite_within_bound(cfg, path, flush):
     x = extreme_values(repeat=1 if path == "reference" else 11)
     codec = get_codec(name, bits, EXTREME_BUCKET, **opts)
     with flush_denormal(flush):
-        out = codec.roundtrip(x, seed=derive_seed(13, 6))
+        p = codec.encode(x, seed=derive_seed(13, 6))
+        out = codec.decode(p)
+        wire = codec.decode(codec.from_bytes(p.to_bytes(), x.shape, x.dtype))
+    assert p.nbytes == codec.nbytes(x.numel()) == _formula_nbytes(name, bits, EXTREME_BUCKET, x.numel())
+    assert torch.equal(wire.view(torch.int32), out.view(torch.int32)), "the wire form decodes differently"
     bad = (~torch.isfinite(out)).nonzero().flatten()
     assert bad.numel() == 0, f"non-finite decode at {bad[:5].tolist()} (buckets {(bad[:5] // EXTREME_BUCKET).tolist()})"
-    if name == "sign1":
-        _assert_sign1_extreme(out, x, flush)
-    else:
-        _assert_within(out, x, _extreme_bound(name, bits, opts, x, flush), f"{_cfg_id(cfg)} {path}")
+    with flush_denormal(False):  # the check itself reads x and out exactly (x.double() would flush them)
+        if name == "sign1":
+            _assert_sign1_extreme(out, x, flush)
+        else:
+            _assert_within(out, x, _extreme_bound(name, bits, opts, x, flush), f"{_cfg_id(cfg)} {path}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -842,3 +847,35 @@ def test_extreme_half_dtypes_decode_finite(cfg, dtype):
     w, slack = _reference_widths(name, bits, EXTREME_BUCKET, x.double())
     nearest = opts.get("stochastic", True) is False or opts.get("rounding") == "nearest"
     _assert_within(out, x, (0.5 * w if nearest else w) + slack, f"{_cfg_id(cfg)} {dtype}")
+
+
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=_cfg_id)
+def test_prescaling_only_in_extreme_buckets(cfg):
+    """The wire flag of codecs.scaling (a negative unit / norm / block scale) marks exactly the extreme buckets:
+    none of the buckets of ordinary inputs (magnitudes 1e-30 .. 1e30 included) is flagged, and their per-bucket
+    parameters carry sigma = m = 1 (and the full level range), i.e. the unscaled arithmetic; the buckets of
+    +-FLT_MAX (where 1 / norm is subnormal) and of subnormals are flagged (fp8's +-FLT_MAX bucket is not: its
+    scale and 1 / scale stay normal; sign1's scale is never flagged: it is at most max |x|)."""
+    name, bits, opts = cfg
+    codec = get_codec(name, bits, EXTREME_BUCKET, **opts)
+    base = _make_x((4 * EXTREME_BUCKET,), seed=83, spread=3.0).double()
+    mags = torch.tensor([1e-30, 1.0, 1e30, 3e-25], dtype=torch.float64).repeat_interleave(EXTREME_BUCKET)
+    with flush_denormal(False):
+        scales = codec.encode((base * mags).float(), seed=1).scales
+        enc, dec = codec._encode_params(scales), codec._decode_params(scales)
+        extreme = codec.encode(extreme_values(), seed=1).scales
+    assert bool((scales[:, -1] >= 0).all()), f"ordinary buckets flagged: {scales}"  # unit (uniform) or norm / scale
+    if name != "sign1":
+        assert bool((enc[:, 0] == 1).all() and (dec[:, -1] == 1).all())
+    if name in ("qsgd", "qsgdinf"):
+        assert bool((enc[:, 2] == 2 ** (bits - 1) - 1).all())
+    if name == "nuqsgd":
+        assert bool((enc[:, 2] == 2 ** (bits - 1) - 1).all())
+    flagged = extreme[:, -1] < 0
+    fmax_pm, subnormal = 0, 6  # buckets of extreme_values
+    if name == "sign1":
+        assert not bool(flagged.any())
+    elif name in FP8:  # s = max |x| / fmax and 1 / s stay normal at FLT_MAX: only the subnormal bucket is flagged
+        assert not bool(flagged[fmax_pm]) and bool(flagged[subnormal])
+    else:
+        assert bool(flagged[fmax_pm]) and bool(flagged[subnormal])
