@@ -819,11 +819,12 @@ def test_extreme_finite_values_decode_finite_within_bound(cfg, path, flush):
             _assert_within(out, x, _extreme_bound(name, bits, opts, x, flush), f"{_cfg_id(cfg)} {path}")
 
 
+@pytest.mark.parametrize("path", ["reference", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=_cfg_id)
-def test_extreme_half_dtypes_decode_finite(cfg, dtype):
+def test_extreme_half_dtypes_decode_finite(cfg, dtype, path):
     """fp16 / bf16 inputs at their largest finite value: decoded and cast back, still finite and within the
-    bound (a level rounded up past the dtype's maximum would cast to inf)."""
+    bound (a level rounded up past the dtype's maximum would cast to inf), on the reference and fused paths."""
     name, bits, opts = cfg
     top = torch.finfo(dtype).max
     g = torch.Generator().manual_seed(4)
@@ -834,6 +835,7 @@ def test_extreme_half_dtypes_decode_finite(cfg, dtype):
             torch.full((128,), top) * (1 - torch.rand(128, generator=g) * 0.01),
         ]
     ).to(dtype)
+    x = x.repeat(1 if path == "reference" else 43)  # 43 * 384 >= 2^14
     codec = get_codec(name, bits, EXTREME_BUCKET, **opts)
     out = codec.roundtrip(x, seed=3)
     assert out.dtype == dtype and bool(torch.isfinite(out).all()), f"non-finite decode of finite {dtype} input"
@@ -879,3 +881,30 @@ def test_prescaling_only_in_extreme_buckets(cfg):
         assert not bool(flagged[fmax_pm]) and bool(flagged[subnormal])
     else:
         assert bool(flagged[fmax_pm]) and bool(flagged[subnormal])
+
+
+@pytest.mark.parametrize("path", ["reference", "fused"])
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=_cfg_id)
+def test_prescaling_cpu_shortcut_is_exact(cfg, path, monkeypatch):
+    """On CPU the pre-scaling ops are skipped when no bucket needs them (scaling.none_needed); on an
+    accelerator they always run, branch-free. Forcing them on CPU gives the same codes, scales and decoded
+    bits, for ordinary tensors (where they are skipped) and extreme ones (where they run in part)."""
+    from lightning_qcomm.codecs import scaling
+
+    name, bits, opts = cfg
+    repeat = 1 if path == "reference" else 11
+    ordinary = _make_x((len(extreme_values(repeat)),), seed=84, spread=6.0)
+    ordinary[5] = float("nan")
+    ordinary[EXTREME_BUCKET : 2 * EXTREME_BUCKET] = 0.0
+    codec = get_codec(name, bits, EXTREME_BUCKET, **opts)
+    for x in (ordinary, extreme_values(repeat)):
+        with flush_denormal(False):
+            skipped = codec.encode(x, seed=4)
+            skipped_out = codec.decode(skipped)
+            monkeypatch.setattr(scaling, "none_needed", lambda mask: False)
+            forced = codec.encode(x, seed=4)
+            forced_out = codec.decode(forced)
+            monkeypatch.undo()
+        assert torch.equal(skipped.codes, forced.codes)
+        assert torch.equal(skipped.scales.view(torch.int32), forced.scales.view(torch.int32))
+        assert torch.equal(skipped_out.view(torch.int32), forced_out.view(torch.int32))

@@ -58,7 +58,7 @@ class FP8Codec(Codec):
         s = torch.where(torch.isfinite(self.fmax * s) | ~torch.isfinite(s), s, torch.nextafter(s, torch.zeros_like(s)))
         a64 = amax.double()
         tiny = (a64 > 0) & (a64 < self.fmax * scaling.FLT_MIN)
-        return scaling.flagged(s, a64 * scaling.TINY_SIGMA / self.fmax, tiny)[:, None]
+        return scaling.flagged(s, a64 / self.fmax, torch.zeros_like(tiny), tiny)[:, None]
 
     def _encode_params(self, scales: torch.Tensor, out_max: float = scaling.FLT_MAX) -> torch.Tensor:
         s, sigma, _ = scaling.unflag(scales[:, 0])

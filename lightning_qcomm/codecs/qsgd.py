@@ -101,7 +101,7 @@ class _NormCodec(Codec):
         # torch's k / n is k * (1 / n): subnormal (0 under flush-denormal) once n > 2^126, or n overflows
         wide = live & ((n64 > 2.0**126) | ~torch.isfinite(n))
         tiny = live & (n64 < k * scaling.FLT_MIN)  # n / k subnormal
-        return scaling.flagged(n, n64 * scaling.sigma64(wide, tiny), wide | tiny)[:, None]
+        return scaling.flagged(n, n64, wide, tiny)[:, None]
 
     @property
     def _divisor(self) -> int:
@@ -113,11 +113,15 @@ class _NormCodec(Codec):
         n, sigma, m = scaling.unflag(scales[:, 0])
         k = self._divisor
         p = torch.where(n > 0, k / n, torch.where(torch.isfinite(n), torch.zeros_like(n), n))
-        return torch.stack([sigma, p, self._level_cap(self._decode_params(scales), out_max)], dim=1)
+        return torch.stack([sigma, p, self._level_cap(n / k, m, out_max)], dim=1)
 
     def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
         n, _, m = scaling.unflag(scales[:, 0])
         return torch.stack([n / self._divisor, m], dim=1)
+
+    def _level_cap(self, p0: torch.Tensor, m: torch.Tensor, out_max: float) -> torch.Tensor:
+        """Largest magnitude index whose decode (with decode factor p0 and multiplier m) is <= out_max."""
+        raise NotImplementedError
 
     def _signed(self, x: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
         return torch.where(x < 0, magnitude | self.sign_bit, magnitude)
@@ -137,10 +141,12 @@ class QSGDCodec(_NormCodec):
     def _divisor(self) -> int:
         return self.s
 
-    def _level_cap(self, dec: torch.Tensor, out_max: float) -> torch.Tensor:
+    def _level_cap(self, p0: torch.Tensor, m: torch.Tensor, out_max: float) -> torch.Tensor:
         """Largest level l <= s with l * p0 * m <= out_max (exact in fp64: then the fp32 decode fl(l p0) m is
         <= out_max too, out_max / m being an fp32 number); s for every bucket of norm below ~out_max."""
-        pm = dec[:, 0].double() * dec[:, 1].double()
+        if scaling.none_needed(p0 * m > out_max / (2 * self.s)):  # then s * p0 * m < out_max: cap s
+            return torch.full_like(p0, self.s)
+        pm = p0.double() * m.double()
         q = torch.floor(out_max / pm).clamp(0, self.s)  # pm == 0: inf -> s; NaN stays NaN
         q = torch.where((q < self.s) & ((q + 1) * pm <= out_max), q + 1, q)  # the fp64 quotient may be one off
         q = torch.where(q * pm > out_max, q - 1, q)
@@ -183,10 +189,12 @@ class NUQSGDCodec(_NormCodec):
         """Exponent of the smallest nonzero level, 2^-(L-2)."""
         return -(self.num_levels - 2)
 
-    def _level_cap(self, dec: torch.Tensor, out_max: float) -> torch.Tensor:
+    def _level_cap(self, p0: torch.Tensor, m: torch.Tensor, out_max: float) -> torch.Tensor:
         """Largest index i <= L - 1 with 2^(i - (L - 1)) * n * m <= out_max (exact in fp64), or 0."""
         top = self.num_levels - 1
-        pm = dec[:, 0].double() * dec[:, 1].double()
+        if scaling.none_needed(p0 * m > out_max / 2):  # then the top level 1 decodes below out_max
+            return torch.full_like(p0, top)
+        pm = p0.double() * m.double()
         j = torch.floor(torch.log2(out_max / pm)).clamp(-top, 0)  # exponent of the largest level that fits
         j = torch.where(torch.exp2(j) * pm > out_max, j - 1, j)  # log2 rounded across a power of two
         j = torch.where((j < 0) & (torch.exp2(j + 1) * pm <= out_max), j + 1, j)

@@ -34,27 +34,39 @@ WIDE_SIGMA = 2.0**-64
 TINY_SIGMA = 2.0**64
 
 
+def none_needed(mask: torch.Tensor) -> bool:
+    """True when no bucket of ``mask`` needs the pre-scaling and skipping its per-bucket ops is free: on CPU
+    this data-dependent branch only reads host memory, so ordinary tensors skip a few dozen small ops; on an
+    accelerator it is False without looking (the ops run branch-free, no host sync). Either way the
+    parameters are the same: sigma = m = 1 and the full level range for every bucket not flagged."""
+    return mask.device.type == "cpu" and not bool(mask.any())
+
+
 def unflag(wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(magnitude, sigma, m) of flagged-or-plain fp32 wire scales: ``sigma`` multiplies x before
     quantizing, ``m = 1 / sigma`` the decoded values; both 1 for a plain (or NaN) scale."""
     flagged = wire < 0
+    if none_needed(flagged):
+        one = torch.ones_like(wire)
+        return wire, one, one
     mag = wire.abs()
-    tiny = mag < 1
-    one = torch.ones_like(wire)
-    sigma = torch.where(flagged, torch.where(tiny, one * TINY_SIGMA, one * WIDE_SIGMA), one)
-    m = torch.where(flagged, torch.where(tiny, one * (1 / TINY_SIGMA), one * (1 / WIDE_SIGMA)), one)
-    return mag, sigma, m
+    sigma = torch.full_like(wire, WIDE_SIGMA).masked_fill_(mag < 1, TINY_SIGMA).masked_fill_(~flagged, 1.0)
+    return mag, sigma, sigma.reciprocal()  # exact: powers of two
 
 
 def sigma64(wide: torch.Tensor, tiny: torch.Tensor) -> torch.Tensor:
     """fp64 sigma per bucket from the two (disjoint) flags."""
     one = torch.ones(wide.shape, dtype=torch.float64, device=wide.device)
-    return torch.where(wide, one * WIDE_SIGMA, torch.where(tiny, one * TINY_SIGMA, one))
+    return one.masked_fill_(wide, WIDE_SIGMA).masked_fill_(tiny, TINY_SIGMA)
 
 
-def flagged(plain: torch.Tensor, scaled64: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-    """Wire scales: ``plain`` (fp32) where not flagged, ``-scaled64`` rounded to fp32 where flagged."""
-    return torch.where(flag, -scaled64.to(torch.float32), plain)
+def flagged(plain: torch.Tensor, value64: torch.Tensor, wide: torch.Tensor, tiny: torch.Tensor) -> torch.Tensor:
+    """Wire scales: ``plain`` (fp32) where not flagged, ``-(value64 * sigma)`` rounded once to fp32 where
+    ``wide`` (sigma = 2^-64) or ``tiny`` (sigma = 2^64)."""
+    flag = wide | tiny
+    if none_needed(flag):
+        return plain
+    return torch.where(flag, -(value64 * sigma64(wide, tiny)).to(torch.float32), plain)
 
 
 def round_down(v64: torch.Tensor) -> torch.Tensor:

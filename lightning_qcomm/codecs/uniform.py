@@ -59,14 +59,15 @@ class UniformCodec(Codec):
         finite = torch.isfinite(lo) & torch.isfinite(hi)
         wide = finite & (~torch.isfinite(top) | (unit > 2.0**126))  # overflow, or 1/unit subnormal
         tiny = (hi > lo) & (unit < scaling.FLT_MIN)
+        special = wide | tiny
+        if scaling.none_needed(special):
+            return torch.stack([lo, unit], dim=1)
         sigma = scaling.sigma64(wide, tiny)
         lo64 = lo.double()
         unit_s = (hi.double() - lo64) * sigma / L
         unit_s = torch.where(wide, scaling.round_down(unit_s / (1 + 2.0**-23)), unit_s.to(torch.float32))
-        special = wide | tiny
-        return torch.stack(
-            [torch.where(special, (lo64 * sigma).to(torch.float32), lo), torch.where(special, -unit_s, unit)], 1
-        )
+        lo_s = torch.where(special, (lo64 * sigma).to(torch.float32), lo)
+        return torch.stack([lo_s, torch.where(special, -unit_s, unit)], dim=1)
 
     def _encode_params(self, scales: torch.Tensor, out_max: float = scaling.FLT_MAX) -> torch.Tensor:
         lo = scales[:, 0]
