@@ -2,9 +2,9 @@
 dequantize, fused so each element is read and written once.
 
 The per-bucket reductions (min/max, norms, amax) stay in torch (``Codec._scales``, ``_encode_params``,
-``_decode_params``); the kernels receive those per-bucket fp32 parameters and do only element-wise
-work, in exactly the order of the torch reference, so codes are bit-identical to
-``Codec.encode_reference`` and decodes equal ``Codec.decode_reference``.
+``_decode_params``); the kernels receive those per-bucket fp32 parameters (P = 1..3 per bucket, not the
+wire's scales_per_bucket) and do only element-wise work, in exactly the order of the torch reference, so
+codes are bit-identical to ``Codec.encode_reference`` and decodes equal ``Codec.decode_reference``.
 
 Layout. Program ``pid`` owns ``GROUPS`` groups of 8 consecutive elements, as a (GROUPS, 8) tile.
 Element ``i`` lies in bucket ``i // BUCKET`` (BUCKET = the codec's bucket_size; 0 = one bucket).
@@ -46,6 +46,22 @@ INT32_INDEX_LIMIT = 2**31 - 1
 
 
 # ---------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _load_params(params_ptr, idx, inb, P: tl.constexpr, BUCKET: tl.constexpr):
+    """The P (1..3) fp32 parameters of each element's bucket, as (p0, p1, p2); missing ones repeat the last."""
+    if BUCKET == 0:
+        base = params_ptr
+        p0 = tl.load(base)
+        p1 = tl.load(base + 1) if P >= 2 else p0
+        p2 = tl.load(base + 2) if P >= 3 else p1
+    else:
+        base = params_ptr + (idx // BUCKET) * P
+        p0 = tl.load(base, mask=inb, other=0.0)
+        p1 = tl.load(base + 1, mask=inb, other=0.0) if P >= 2 else p0
+        p2 = tl.load(base + 2, mask=inb, other=0.0) if P >= 3 else p1
+    return p0, p1, p2
+
+
 @triton.jit(do_not_specialize=["k1", "k2"])
 def _encode_kernel(
     x_ptr,
@@ -79,31 +95,16 @@ def _encode_kernel(
     inb = idx < n
     x = tl.load(x_ptr + idx, mask=inb, other=0.0)
 
-    # Per-bucket parameters (fp32), gathered per element; a non-finite parameter zeroes the whole bucket.
-    if BUCKET == 0:
-        p0 = tl.load(params_ptr)
-        ok = inb & is_finite(x) & is_finite(p0)
-        if P == 2:
-            p1 = tl.load(params_ptr + 1)
-            ok = ok & is_finite(p1)
-        else:
-            p1 = p0
-    else:
-        b = idx // BUCKET
-        p0 = tl.load(params_ptr + b * P, mask=inb, other=0.0)
-        ok = inb & is_finite(x) & is_finite(p0)
-        if P == 2:
-            p1 = tl.load(params_ptr + b * P + 1, mask=inb, other=0.0)
-            ok = ok & is_finite(p1)
-        else:
-            p1 = p0
+    # Per-bucket parameters (fp32, P of them), gathered per element; a non-finite one zeroes the whole bucket.
+    p0, p1, p2 = _load_params(params_ptr, idx, inb, P, BUCKET)
+    ok = inb & is_finite(x) & is_finite(p0) & is_finite(p1) & is_finite(p2)
 
     if STOCHASTIC:
         u = uniform(idx, k1.to(tl.uint32, bitcast=True), k2.to(tl.uint32, bitcast=True))
     else:
         u = x  # unused
 
-    code = quantize(x, p0, p1, u, KIND, STOCHASTIC, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FMAX)
+    code = quantize(x, p0, p1, p2, u, KIND, STOCHASTIC, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FMAX)
     code = tl.where(ok, code, 0)  # non-finite x or bucket, and padding past n: code 0
 
     ngroups = (n + 7) // 8
@@ -161,21 +162,8 @@ def _decode_kernel(
         part = ((byte[:, None, :] << shl[None, :, :]) >> shr[None, :, :]) & ((1 << BITS) - 1)  # (GROUPS, 8, BITS_P2)
         c = tl.sum(part, axis=2)
 
-    if BUCKET == 0:
-        p0 = tl.load(params_ptr)
-        if P == 2:
-            p1 = tl.load(params_ptr + 1)
-        else:
-            p1 = p0
-    else:
-        b = idx // BUCKET
-        p0 = tl.load(params_ptr + b * P, mask=inb, other=0.0)
-        if P == 2:
-            p1 = tl.load(params_ptr + b * P + 1, mask=inb, other=0.0)
-        else:
-            p1 = p0
-
-    val = dequantize(c, p0, p1, KIND, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FP8_E4M3FN)
+    p0, p1, p2 = _load_params(params_ptr, idx, inb, P, BUCKET)
+    val = dequantize(c, p0, p1, p2, KIND, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FP8_E4M3FN)
     tl.store(out_ptr + idx, val, mask=inb)
 
 

@@ -68,6 +68,7 @@ def quantize(
     x,
     p0,
     p1,
+    p2,
     u,
     KIND: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -79,26 +80,27 @@ def quantize(
     FMAX: tl.constexpr,
 ):
     """int32 codes in [0, 2**BITS) of fp32 x; the same operations, in the same order, as each codec's
-    ``_quantize`` (LEVELS: uniform 2^b-1, QSGD s, NUQSGD L-1; EMIN: NUQSGD's or FP8's smallest exponent)."""
-    if KIND == 0:  # uniform: floor((x - lo) * inv + u), clamped to [0, LEVELS]
-        t = (x - p0) * p1
+    ``_quantize`` (LEVELS: uniform 2^b-1, QSGD s, NUQSGD L-1; EMIN: NUQSGD's or FP8's smallest exponent).
+    Parameters: uniform (sigma, lo, 1/unit); QSGD / NUQSGD (sigma, k/n, level cap); FP8 (sigma, 1/s)."""
+    if KIND == 0:  # uniform: floor((x sigma - lo) * inv + u), clamped to [0, LEVELS]
+        t = (x * p0 - p1) * p2
         if STOCHASTIC:
             t = t + u
         else:
             t = t + 0.5
         t = _nan_to_zero(t)
         code = tl.minimum(tl.maximum(tl.floor(t), 0.0), LEVELS).to(tl.int32)
-    elif KIND == 1:  # QSGD / QSGDinf: r = |x| * s / n; level = floor(r) + [u < frac(r)]
-        r = _nan_to_zero(tl.abs(x) * p0)
+    elif KIND == 1:  # QSGD / QSGDinf: r = |x| * s / n; level = floor(r) + [u < frac(r)], at most the cap
+        r = _nan_to_zero(tl.abs(x) * p0 * p1)
         lower = tl.floor(r)
         if STOCHASTIC:
             up = u < (r - lower)
         else:
             up = (r - lower) >= 0.5
-        level = tl.minimum(tl.maximum(lower + up.to(tl.float32), 0.0), LEVELS).to(tl.int32)
+        level = tl.minimum(tl.minimum(tl.maximum(lower + up.to(tl.float32), 0.0), LEVELS), p2).to(tl.int32)
         code = tl.where(x < 0, level | SIGN_BIT, level)
     elif KIND == 2:  # NUQSGD: levels {0} U {2^-k}; bracket from r's exponent, every factor a power of two
-        r = _nan_to_zero(tl.abs(x) * p0)
+        r = _nan_to_zero(tl.abs(x) * p0 * p1)
         r = tl.minimum(tl.maximum(r, 0.0), 1.0)
         e = _float_exponent(r)
         below = e < EMIN
@@ -110,12 +112,12 @@ def quantize(
             up = u < p
         else:
             up = p >= 0.5
-        level = tl.minimum(tl.maximum(idx_lower + up.to(tl.int32), 0), LEVELS)
+        level = tl.minimum(tl.minimum(tl.maximum(idx_lower + up.to(tl.int32), 0), LEVELS), p2.to(tl.int32))
         code = tl.where(x < 0, level | SIGN_BIT, level)
     elif KIND == 3:  # sign1: 1 for x < 0
         code = (x < 0).to(tl.int32)
     else:  # FP8: |v| = |x| / s on the fp8 grid, nearest-even or stochastic; bit pattern by integer arithmetic
-        a = _nan_to_zero(tl.abs(x) * p0)
+        a = _nan_to_zero(tl.abs(x) * p0 * p1)
         a = tl.minimum(tl.maximum(a, 0.0), FMAX)
         e = tl.maximum(_float_exponent(a), EMIN)
         t = a * _exp2_int(MBITS - e)
@@ -142,6 +144,7 @@ def dequantize(
     c,
     p0,
     p1,
+    p2,
     KIND: tl.constexpr,
     LEVELS: tl.constexpr,
     SIGN_BIT: tl.constexpr,
@@ -150,16 +153,17 @@ def dequantize(
     FP8_BIAS: tl.constexpr,
     FP8_E4M3FN: tl.constexpr,
 ):
-    """fp32 values of int32 codes, as each codec's ``_dequantize`` (FP8 decoded from its bit fields)."""
+    """fp32 values of int32 codes, as each codec's ``_dequantize`` (FP8 decoded from its bit fields).
+    Parameters: uniform (lo, unit, m); QSGD / NUQSGD (n/k, m); sign1 (scale); FP8 (s, m)."""
     if KIND == 0:
-        val = p0 + c.to(tl.float32) * p1
+        val = (p0 + c.to(tl.float32) * p1) * p2
     elif KIND == 1:
         level = (c & (SIGN_BIT - 1)).to(tl.float32)
-        val = _sign_of(c, SIGN_BIT) * level * p0
+        val = _sign_of(c, SIGN_BIT) * level * p0 * p1
     elif KIND == 2:
         idx = c & (SIGN_BIT - 1)
         mag = tl.where(idx > 0, _exp2_int(tl.maximum(idx - LEVELS, -126)), 0.0)
-        val = _sign_of(c, SIGN_BIT) * mag * p0
+        val = _sign_of(c, SIGN_BIT) * mag * p0 * p1
     elif KIND == 3:
         val = (1.0 - 2.0 * c.to(tl.float32)) * p0
     else:
@@ -175,5 +179,5 @@ def dequantize(
             special = exp_field == 31
             mag = tl.where(special, tl.where(mant == 0, _INF, _NAN), mag)
         val = tl.where((c & 0x80) != 0, -mag, mag)
-        val = val * p0
+        val = val * p0 * p1
     return val

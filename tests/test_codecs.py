@@ -685,3 +685,226 @@ def test_fp8_stochastic_codes_are_neighbours_of_nearest():
         sto = get_codec(name, 8, 256, rounding="stochastic").encode(x, seed=9).codes.to(torch.int64)
         assert bool(((near & 0x80) == (sto & 0x80)).all())
         assert int(((near & 0x7F) - (sto & 0x7F)).abs().max()) <= 1
+
+
+# ---------------------------------------------------------------------------------------------- extreme finite values
+# Issue 13 item 6: a finite input decodes finite and within the codec's bound at the ends of fp32's range.
+FLT_MAX = torch.finfo(torch.float32).max
+FLT_MIN = torch.finfo(torch.float32).tiny  # smallest normal fp32, 2^-126
+# The decode's last fp32 operation rounds onto fp32's grid, whose spacing below FLT_MIN is 2^-149: half of it
+# is the least absolute error any fp32 result can have there (the relative slack of _reference_widths vanishes).
+FP32_SUBNORMAL_HALF = 2.0**-150
+EXTREME_BUCKET = 128
+
+
+def flushing_denormals() -> bool:
+    """True when torch flushes fp32 subnormals (torch.set_flush_denormal has no getter): a subnormal
+    literal then becomes 0 on its way into a tensor."""
+    return torch.tensor(1e-40, dtype=torch.float32).item() == 0.0
+
+
+class flush_denormal:
+    """``with flush_denormal(flag):`` runs with torch.set_flush_denormal(flag), then restores the mode."""
+
+    def __init__(self, flag: bool) -> None:
+        self.flag = flag
+
+    def __enter__(self):
+        self.saved = flushing_denormals()
+        torch.set_flush_denormal(self.flag)
+
+    def __exit__(self, *exc):
+        torch.set_flush_denormal(self.saved)
+
+
+def extreme_values(repeat: int = 1, seed: int = 0) -> torch.Tensor:
+    """Buckets of EXTREME_BUCKET fp32 values, one extreme case each (the 12 cases below, ``repeat`` times),
+    then a short last bucket of 37 values in [-FLT_MAX, FLT_MAX]. Built with subnormals kept, whatever
+    the caller's flush mode."""
+    B, h = EXTREME_BUCKET, EXTREME_BUCKET // 2
+    F = FLT_MAX
+    with flush_denormal(False):
+        g = torch.Generator().manual_seed(seed)
+
+        def rnd(n=B):
+            return torch.rand(n, generator=g, dtype=torch.float64)
+
+        def gauss(n=B):
+            return torch.randn(n, generator=g, dtype=torch.float64)
+
+        def ints(lo, hi, n=B):
+            return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).double()
+
+        blocks = []
+        for _ in range(repeat):
+            near = F * (1 - rnd() * 1e-3)
+            near[3] = F
+            one = gauss()
+            one[5] = F
+            blocks += [
+                torch.tensor([F, -F], dtype=torch.float64).repeat(h),  # uniform range 2 FLT_MAX, norms > FLT_MAX
+                torch.cat([torch.full((h,), F, dtype=torch.float64), torch.zeros(h, dtype=torch.float64)]),
+                near,  # values near FLT_MAX, FLT_MAX itself among them
+                (2 * rnd() - 1) * F,
+                -rnd() * F,
+                one,  # one FLT_MAX among unit Gaussians: the norm is finite, just below the overflow
+                (2 * rnd() - 1) * 1e-40,  # subnormals
+                ints(-3, 4) * 2.0**-149,  # a few subnormal ulps: (max - min) / (2^b - 1) underflows to 0
+                2.0**-120 * (1 + ints(0, 9) * 2.0**-23),  # normal values whose differences are subnormal
+                torch.cat([gauss(h), (2 * rnd(h) - 1) * 1e-40]),  # normal + subnormal
+                torch.cat([gauss(h), (2 * rnd(h) - 1) * 1e38]),  # normal + 1e38
+                torch.cat([gauss(h), torch.tensor([F, -F], dtype=torch.float64).repeat(h // 2)]),
+            ]
+        blocks.append((2 * rnd(37) - 1) * F)
+        return torch.cat(blocks).float()
+
+
+def flushed64(x: torch.Tensor) -> torch.Tensor:
+    """x as float64 with its fp32 subnormals replaced by zeros: what the CPU reads under flush-denormal."""
+    subnormal = (x.view(torch.int32) & 0x7F800000) == 0
+    return torch.where(subnormal, torch.zeros_like(x), x).double()
+
+
+def _extreme_bound(name, bits, opts, x: torch.Tensor, flushed: bool) -> torch.Tensor:
+    """Per element bound on |decode - x| for fp32 x at EXTREME_BUCKET: the codec's bound of
+    _reference_widths, plus the final rounding of an fp32 result below FLT_MIN (FP32_SUBNORMAL_HALF).
+
+    Under flush-denormal the CPU reads subnormal inputs as zeros and writes results below FLT_MIN as zeros:
+    the bound is then the one of the flushed input, plus FLT_MIN for the input read as zero (|x - x_flushed|
+    < FLT_MIN) and FLT_MIN for the flushed result."""
+    x64 = flushed64(x) if flushed else x.double()
+    w, slack = _reference_widths(name, bits, EXTREME_BUCKET, x64)
+    nearest = opts.get("stochastic", True) is False or opts.get("rounding") == "nearest"
+    return (0.5 * w if nearest else w) + slack + (2 * FLT_MIN if flushed else FP32_SUBNORMAL_HALF)
+
+
+def _assert_sign1_extreme(out: torch.Tensor, x: torch.Tensor, flushed: bool) -> None:
+    """sign1 per bucket: (||x_b||_2 / sqrt(d_b)) sign(x), sign(0) = +1, to 1e-6 relative plus the rounding
+    of a subnormal scale (and, flushed, FLT_MIN: the scale of flushed inputs)."""
+    x64 = flushed64(x) if flushed else x.double()
+    xb, mask = _buckets(x64, EXTREME_BUCKET)
+    scale = _per_element(xb.norm(dim=1) / mask.sum(1).double().sqrt(), xb, x.numel())
+    expected = torch.where(x64 < 0, -scale, scale)
+    tol = 1e-6 * scale + (FLT_MIN if flushed else FP32_SUBNORMAL_HALF)
+    err = (out.double() - expected).abs()
+    worst = int((err - tol).argmax())
+    assert bool((err <= tol).all()), (
+        f"sign1: element {worst}: out {out[worst].item():.6g}, expected {expected[worst]:.6g}"
+    )
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["subnormals_kept", "flush_denormal"])
+@pytest.mark.parametrize("path", ["reference", "fused"])
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=_cfg_id)
+def test_extreme_finite_values_decode_finite_within_bound(cfg, path, flush):
+    """+-FLT_MAX, values near FLT_MAX, rand * FLT_MAX, subnormals (1e-40 and a few ulps), normal values with
+    subnormal differences, and mixed buckets (normal + subnormal, normal + 1e38, normal + FLT_MAX): every
+    decode is finite and within the codec's bound (_extreme_bound), on the torch reference (< 2^14 elements)
+    and the fused C path (>= 2^14), with subnormals kept and flushed."""
+    name, bits, opts = cfg
+    x = extreme_values(repeat=1 if path == "reference" else 11)
+    codec = get_codec(name, bits, EXTREME_BUCKET, **opts)
+    with flush_denormal(flush):
+        p = codec.encode(x, seed=derive_seed(13, 6))
+        out = codec.decode(p)
+        wire = codec.decode(codec.from_bytes(p.to_bytes(), x.shape, x.dtype))
+    assert p.nbytes == codec.nbytes(x.numel()) == _formula_nbytes(name, bits, EXTREME_BUCKET, x.numel())
+    assert torch.equal(wire.view(torch.int32), out.view(torch.int32)), "the wire form decodes differently"
+    bad = (~torch.isfinite(out)).nonzero().flatten()
+    assert bad.numel() == 0, f"non-finite decode at {bad[:5].tolist()} (buckets {(bad[:5] // EXTREME_BUCKET).tolist()})"
+    with flush_denormal(False):  # the check itself reads x and out exactly (x.double() would flush them)
+        if name == "sign1":
+            _assert_sign1_extreme(out, x, flush)
+        else:
+            _assert_within(out, x, _extreme_bound(name, bits, opts, x, flush), f"{_cfg_id(cfg)} {path}")
+
+
+@pytest.mark.parametrize("path", ["reference", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=_cfg_id)
+def test_extreme_half_dtypes_decode_finite(cfg, dtype, path):
+    """fp16 / bf16 inputs at their largest finite value: decoded and cast back, still finite and within the
+    bound (a level rounded up past the dtype's maximum would cast to inf), on the reference and fused paths."""
+    name, bits, opts = cfg
+    top = torch.finfo(dtype).max
+    g = torch.Generator().manual_seed(4)
+    x = torch.cat(
+        [
+            torch.tensor([top, -top]).repeat(64),
+            (2 * torch.rand(128, generator=g) - 1) * top,
+            torch.full((128,), top) * (1 - torch.rand(128, generator=g) * 0.01),
+        ]
+    ).to(dtype)
+    x = x.repeat(1 if path == "reference" else 43)  # 43 * 384 >= 2^14
+    codec = get_codec(name, bits, EXTREME_BUCKET, **opts)
+    out = codec.roundtrip(x, seed=3)
+    assert out.dtype == dtype and bool(torch.isfinite(out).all()), f"non-finite decode of finite {dtype} input"
+    if name == "sign1":
+        x64 = x.double()
+        xb, mask = _buckets(x64, EXTREME_BUCKET)
+        scale = _per_element(xb.norm(dim=1) / mask.sum(1).double().sqrt(), xb, x.numel())
+        expected = torch.where(x64 < 0, -scale, scale)
+        assert bool(((out.double() - expected).abs() <= (1e-6 + UNIT_ROUNDOFF[dtype]) * scale).all())
+        return
+    w, slack = _reference_widths(name, bits, EXTREME_BUCKET, x.double())
+    nearest = opts.get("stochastic", True) is False or opts.get("rounding") == "nearest"
+    _assert_within(out, x, (0.5 * w if nearest else w) + slack, f"{_cfg_id(cfg)} {dtype}")
+
+
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=_cfg_id)
+def test_prescaling_only_in_extreme_buckets(cfg):
+    """The wire flag of codecs.scaling (a negative unit / norm / block scale) marks exactly the extreme buckets:
+    none of the buckets of ordinary inputs (magnitudes 1e-30 .. 1e30 included) is flagged, and their per-bucket
+    parameters carry sigma = m = 1 (and the full level range), i.e. the unscaled arithmetic; the buckets of
+    +-FLT_MAX (where 1 / norm is subnormal) and of subnormals are flagged (fp8's +-FLT_MAX bucket is not: its
+    scale and 1 / scale stay normal; sign1's scale is never flagged: it is at most max |x|)."""
+    name, bits, opts = cfg
+    codec = get_codec(name, bits, EXTREME_BUCKET, **opts)
+    base = _make_x((4 * EXTREME_BUCKET,), seed=83, spread=3.0).double()
+    mags = torch.tensor([1e-30, 1.0, 1e30, 3e-25], dtype=torch.float64).repeat_interleave(EXTREME_BUCKET)
+    with flush_denormal(False):
+        scales = codec.encode((base * mags).float(), seed=1).scales
+        enc, dec = codec._encode_params(scales), codec._decode_params(scales)
+        extreme = codec.encode(extreme_values(), seed=1).scales
+    assert bool((scales[:, -1] >= 0).all()), f"ordinary buckets flagged: {scales}"  # unit (uniform) or norm / scale
+    if name != "sign1":
+        assert bool((enc[:, 0] == 1).all() and (dec[:, -1] == 1).all())
+    if name in ("qsgd", "qsgdinf"):
+        assert bool((enc[:, 2] == 2 ** (bits - 1) - 1).all())
+    if name == "nuqsgd":
+        assert bool((enc[:, 2] == 2 ** (bits - 1) - 1).all())
+    flagged = extreme[:, -1] < 0
+    fmax_pm, subnormal = 0, 6  # buckets of extreme_values
+    if name == "sign1":
+        assert not bool(flagged.any())
+    elif name in FP8:  # s = max |x| / fmax and 1 / s stay normal at FLT_MAX: only the subnormal bucket is flagged
+        assert not bool(flagged[fmax_pm]) and bool(flagged[subnormal])
+    else:
+        assert bool(flagged[fmax_pm]) and bool(flagged[subnormal])
+
+
+@pytest.mark.parametrize("path", ["reference", "fused"])
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=_cfg_id)
+def test_prescaling_cpu_shortcut_is_exact(cfg, path, monkeypatch):
+    """On CPU the pre-scaling ops are skipped when no bucket needs them (scaling.none_needed); on an
+    accelerator they always run, branch-free. Forcing them on CPU gives the same codes, scales and decoded
+    bits, for ordinary tensors (where they are skipped) and extreme ones (where they run in part)."""
+    from lightning_qcomm.codecs import scaling
+
+    name, bits, opts = cfg
+    repeat = 1 if path == "reference" else 11
+    ordinary = _make_x((len(extreme_values(repeat)),), seed=84, spread=6.0)
+    ordinary[5] = float("nan")
+    ordinary[EXTREME_BUCKET : 2 * EXTREME_BUCKET] = 0.0
+    codec = get_codec(name, bits, EXTREME_BUCKET, **opts)
+    for x in (ordinary, extreme_values(repeat)):
+        with flush_denormal(False):
+            skipped = codec.encode(x, seed=4)
+            skipped_out = codec.decode(skipped)
+            monkeypatch.setattr(scaling, "none_needed", lambda mask: False)
+            forced = codec.encode(x, seed=4)
+            forced_out = codec.decode(forced)
+            monkeypatch.undo()
+        assert torch.equal(skipped.codes, forced.codes)
+        assert torch.equal(skipped.scales.view(torch.int32), forced.scales.view(torch.int32))
+        assert torch.equal(skipped_out.view(torch.int32), forced_out.view(torch.int32))

@@ -13,6 +13,7 @@ import logging
 
 import pytest
 import torch
+from test_codecs import extreme_values, flush_denormal
 
 from lightning_qcomm.codecs import cpu_fused, dispatch, get_codec
 
@@ -125,6 +126,32 @@ def test_elementwise_small_and_odd_buckets(cfg):
             got = cpu_fused.encode(codec, x, enc_p, seed)
             assert torch.equal(got, ref), f"{codec} n={n}"
             assert _bits_equal(cpu_fused.decode(codec, ref, dec_p, n), codec.decode_reference(ref, dec_p, n))
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["subnormals_kept", "flush_denormal"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
+def test_extreme_values_bit_identical(cfg, flush, monkeypatch):
+    """Buckets at +-FLT_MAX, near it, of subnormals and mixed (test_codecs.extreme_values), bucket 128 and 37:
+    the fused path gives the reference's codes and decoded bits, and the decode is finite. With subnormals
+    kept the scales are bit-identical too; under flush-denormal torch's min / max / amax of a bucket of
+    subnormals (all equal to zero then) may return any of them, so only what is decoded is compared."""
+    name, bits, opts = cfg
+    x = extreme_values(repeat=11)
+    assert x.numel() >= cpu_fused.FUSED_MIN_NUMEL
+    for bucket in [None] if name == "sign1" else [128, 37]:
+        codec = get_codec(name, bits, bucket, **opts)
+        with flush_denormal(flush):
+            fused = codec.encode(x, seed=6)
+            fused_dec = codec.decode(fused)
+            monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
+            ref = codec.encode(x, seed=6)
+            ref_dec = codec.decode(ref)
+            monkeypatch.delenv(cpu_fused.ENV_SWITCH)
+        assert bool(torch.isfinite(fused_dec).all()), f"non-finite decode: {codec}"
+        assert torch.equal(fused.codes, ref.codes), f"codes differ: {codec}"
+        assert _bits_equal(fused_dec, ref_dec), f"decode differs: {codec}"
+        if not flush:
+            assert _bits_equal(fused.scales, ref.scales), f"scales differ: {codec}"
 
 
 def test_env_switch_disables(monkeypatch):

@@ -12,6 +12,8 @@ case on CPU tensors and reports per codec; the tests below assert on that report
   buckets, a bucket of +-2e37 (extreme scales), and once more with int64 element indexing forced;
 - decode: kernel decode of those codes, and of random bytes (every code value, FP8 NaN/Inf patterns
   included), equal to ``Codec.decode_reference`` element for element (NaN where the reference is NaN);
+- extreme finite values (+-FLT_MAX, subnormals, mixed buckets: ``test_codecs.extreme_values``): codes and
+  decoded bits equal to the reference's, and the decode finite;
 - the comparison can fail: a different seed changes the kernel's codes of every stochastic codec (and
   none of the deterministic ones).
 """
@@ -42,6 +44,7 @@ CODECS = [
 ]
 BUCKETS = (None, 37)  # codec default (512; sign1: whole tensor), and one that is odd and straddles groups
 LENGTHS = (1, 13, 1000, 2051)  # 2051 spans three programs of 1024 elements
+EXTREME_BUCKETS = (128, 37)  # the bucket of test_codecs.extreme_values, and one that straddles its cases
 INT64_CASES = ("uniform3", "nuqsgd4", "fp8_e4m3_stochastic", "sign1")
 WORKER_TIMEOUT_S = 240  # a safety net; the worker takes ~20 s of CPU
 
@@ -112,9 +115,35 @@ def _worker() -> dict:
                     res["seed_changes_codes"] = not torch.equal(tri_codes[0], tri_codes[1])
         return res
 
+    def run_extreme(name: str, bits: int, opts: dict) -> dict:
+        """Extreme finite values (test_codecs.extreme_values): kernel codes and decoded bits equal the
+        reference's, and the kernel's decode is finite."""
+        from test_codecs import extreme_values
+
+        x = extreme_values()
+        res = {"checked": 0, "mismatch": [], "nonfinite": []}
+        for bucket in EXTREME_BUCKETS:
+            codec = get_codec(name, bits, bucket, **opts)
+            ref = codec.encode(x, seed=5)
+            ref_dec = codec.decode(ref)
+            with to_kernels:
+                tri = codec.encode(x, seed=5)
+                tri_dec = codec.decode(ref)
+            res["checked"] += 1
+            if not (
+                torch.equal(ref.codes, tri.codes) and torch.equal(ref_dec.view(torch.int32), tri_dec.view(torch.int32))
+            ):
+                res["mismatch"].append(f"bucket={bucket}")
+            if not bool(torch.isfinite(tri_dec).all()):
+                res["nonfinite"].append(
+                    f"bucket={bucket}: {(~torch.isfinite(tri_dec)).nonzero().flatten()[:5].tolist()}"
+                )
+        return res
+
     report = {}
     for cid, name, bits, opts in CODECS:
         report[cid] = run_case(name, bits, opts)
+        report[f"{cid}_extreme"] = run_extreme(name, bits, opts)
     with mock.patch.object(codec_kernels, "INT32_INDEX_LIMIT", 0):  # every launch takes the int64 path
         for cid, name, bits, opts in CODECS:
             if cid in INT64_CASES:
@@ -151,6 +180,15 @@ def test_codes_bit_identical_to_reference(report, cid):
 def test_decode_equals_reference(report, cid):
     assert report[cid]["decode_mismatch"] == []
     assert report[cid]["random_decode_mismatch"] == []
+
+
+@pytest.mark.parametrize("cid", [c[0] for c in CODECS])
+def test_extreme_values_bit_identical_and_finite(report, cid):
+    """+-FLT_MAX, near it, subnormals and mixed buckets: the kernels' codes and decode are the reference's
+    bits, and finite."""
+    r = report[f"{cid}_extreme"]
+    assert r["checked"] == len(EXTREME_BUCKETS)
+    assert r["mismatch"] == [] and r["nonfinite"] == []
 
 
 @pytest.mark.parametrize("cid", [c[0] for c in CODECS])

@@ -7,11 +7,15 @@ of all elements are bit-packed densely (see ``packing``). The wire size of a ten
     nbytes(d) = ceil(d / 8) * bits  +  ceil(d / B) * scales_per_bucket * 4
 
 A bucket containing NaN or +-Inf gets a NaN scale, so its whole decode is non-finite: compression
-never turns non-finite gradients into finite numbers.
+never turns non-finite gradients into finite numbers. A finite bucket decodes finite (at most the output
+dtype's largest value), also at the ends of fp32's range: buckets whose parameters would overflow or be
+subnormal are pre-scaled by a power of two, flagged in the sign of one scale (``codecs.scaling``).
 
 The per-element work (random bits, quantize, pack / unpack, dequantize) has a torch reference here
 and a Triton kernel in ``lightning_qcomm.kernels``; both take the per-bucket parameters computed
-below by torch, so the two paths produce bit-identical codes for the same seed.
+below by torch, so the two paths produce bit-identical codes for the same seed. Those parameters (P per
+bucket, 1 to 3) are not the wire scales (``scales_per_bucket``): they add the pre-scaling factor, its
+inverse, and the norm codecs' level cap.
 Large CPU tensors use the compiled C path of ``codecs.cpu_fused`` (bit-identical to this reference).
 """
 
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_qcomm.codecs import packing, rng
+from lightning_qcomm.codecs import packing, rng, scaling
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +134,9 @@ class Codec(ABC):
         number of real elements per bucket."""
 
     @abstractmethod
-    def _encode_params(self, scales: torch.Tensor) -> torch.Tensor:
-        """Per-bucket fp32 parameters (nb, P) the element-wise quantizer multiplies / adds with."""
+    def _encode_params(self, scales: torch.Tensor, out_max: float = scaling.FLT_MAX) -> torch.Tensor:
+        """Per-bucket fp32 parameters (nb, P) the element-wise quantizer multiplies / adds with; no code may
+        decode past ``out_max`` (``scaling.output_max`` of the input dtype)."""
 
     @abstractmethod
     def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
@@ -181,13 +186,14 @@ class Codec(ABC):
         xf = x.detach().reshape(-1).to(torch.float32)
         from lightning_qcomm.codecs import dispatch
 
+        out_max = scaling.output_max(x.dtype)
         if dispatch.use_cpu_fused(self, xf, xf.numel()):  # same codes and scales, in compiled passes
-            codes, scales = dispatch.cpu_fused_encode(self, xf, seed)
+            codes, scales = dispatch.cpu_fused_encode(self, xf, seed, out_max)
             return Packed(codes=codes, scales=scales, shape=x.shape, dtype=x.dtype)
         xb, counts = self._buckets(xf)
         scales = self._scales(xb, counts)
         scales = torch.where(self._finite_mask(xb), scales, torch.full_like(scales, float("nan")))
-        enc_params = self._encode_params(scales)
+        enc_params = self._encode_params(scales, out_max)
         if dispatch.use_triton(xf):
             codes = dispatch.triton_encode(self, xf, enc_params, seed)
         else:

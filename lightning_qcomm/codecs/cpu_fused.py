@@ -5,7 +5,10 @@ This module redoes the same arithmetic in C on CPU tensors, in two passes for en
 
     encode: per-bucket stats (min, max, max |x|, finiteness) -> wire scales and per-bucket params (torch,
             on nb-element tensors) -> counter hash, uniform u, quantize, finiteness mask, pack b-bit codes
-    decode: unpack -> LUT[code] -> lo + LUT[code] * unit (uniform), LUT[code] * scale (the others)
+    decode: unpack -> LUT[code] -> (lo + LUT[code] * unit) * m (uniform), LUT[code] * scale * m (the others)
+
+(m, and the sigma x is multiplied by before quantizing, are 1 except in the pre-scaled buckets at the ends
+of fp32's range, ``codecs.scaling``.)
 
 and is bit-identical to the reference (tests/test_cpu_fused.py). Every fp32 operation is the
 reference's, in the reference's order, compiled with ``-ffp-contract=off`` and without fast-math, so
@@ -53,6 +56,7 @@ from lightning_qcomm.codecs.sign import SignCodec
 from lightning_qcomm.codecs.uniform import UniformCodec
 
 log = logging.getLogger(__name__)
+FLT_MAX = torch.finfo(torch.float32).max
 
 # Smallest tensor (elements) that goes to the fused path. Below it the eager reference's fixed costs are
 # small anyway, and keeping small tensors on the reference keeps the spec path exercised by the tests.
@@ -80,6 +84,8 @@ NATIVE_FLAGS = ("-march=native",)
 
 # Exact codec classes with a fused kernel (a subclass may override the math, so it keeps the reference).
 _KINDS = {UniformCodec: 0, QSGDCodec: 1, QSGDInfCodec: 1, NUQSGDCodec: 2, SignCodec: 3, FP8Codec: 4}
+_ENC_P = (3, 3, 3, 1, 2)  # per kind: per-bucket encode parameters (the codec's _encode_params)
+_DEC_P = (3, 2, 2, 1, 2)  # per kind: per-bucket decode parameters (the codec's _decode_params)
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -115,14 +121,15 @@ typedef struct {
 static inline __attribute__((always_inline)) void quantize_body(
         const cfg_t* c, const float* x, int64_t i0, int64_t i1, const float* p,
         uint32_t k1, uint32_t k2, uint8_t* out, const int stoch) {
-    const float p0 = p[0], p1 = p[c->P - 1];
+    /* p: (sigma, lo, 1/unit) uniform; (sigma, k/n, level cap) qsgd, nuqsgd; (scale) sign1; (sigma, 1/s) fp8 */
+    const float p0 = p[0], p1 = c->P > 1 ? p[1] : p0, p2 = c->P > 2 ? p[2] : p1;
     const int levels = c->levels, sign_bit = c->sign_bit; /* locals: the uint8 stores may alias *c */
     switch (c->kind) {
     case 0: { /* uniform */
         const float L = (float)levels;
         for (int64_t j = i0; j < i1; j++) {
             float xv = x[j];
-            float t = (xv - p0) * p1;
+            float t = (xv * p0 - p1) * p2;
             t = stoch ? t + uniform_u(j, k1, k2) : t + 0.5f;
             int code = !(t >= 0.0f) ? 0 : (t >= L ? levels : (int)t);
             out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
@@ -133,24 +140,25 @@ static inline __attribute__((always_inline)) void quantize_body(
            changes no code and keeps the int conversion in range. cap comes from the config at run time:
            with a literal 256 gcc does not if-convert the clamp and the loop stays scalar (~4x slower). */
         const float cap = c->fmax;
+        const int top = (int)p2; /* the bucket's level cap, <= S */
         for (int64_t j = i0; j < i1; j++) {
             float xv = x[j];
-            float r = nan0(__builtin_fabsf(xv) * p0);
+            float r = nan0(__builtin_fabsf(xv) * p0 * p1);
             r = r > cap ? cap : r;
             int li = (int32_t)r;
             float d = r - (float)li;
             int up = stoch ? (uniform_u(j, k1, k2) < d) : (d >= 0.5f);
-            int level = li + up; /* small exact integers: the reference's min(lower + up, S) */
-            level = level > levels ? levels : level;
+            int level = li + up; /* small exact integers: the reference's min(lower + up, S, cap) */
+            level = level > top ? top : level;
             int code = xv < 0.0f ? (level | sign_bit) : level;
             out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
         }
     } break;
     case 2: { /* nuqsgd */
-        const int emin = c->emin;
+        const int emin = c->emin, top = (int)p2; /* top: the bucket's level cap, <= L - 1 */
         for (int64_t j = i0; j < i1; j++) {
             float xv = x[j];
-            float r = nan0(__builtin_fabsf(xv) * p0);
+            float r = nan0(__builtin_fabsf(xv) * p0 * p1);
             r = r > 1.0f ? 1.0f : r;
             int e = fexp(r);
             int below = e < emin;
@@ -161,7 +169,7 @@ static inline __attribute__((always_inline)) void quantize_body(
             int idx = below ? 0 : ef - emin + 1;
             int up = stoch ? (uniform_u(j, k1, k2) < pr) : (pr >= 0.5f);
             int level = idx + up;
-            level = level < 0 ? 0 : (level > levels ? levels : level);
+            level = level < 0 ? 0 : (level > top ? top : level);
             int code = xv < 0.0f ? (level | sign_bit) : level;
             out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
         }
@@ -177,7 +185,7 @@ static inline __attribute__((always_inline)) void quantize_body(
         const float fmax = c->fmax;
         for (int64_t j = i0; j < i1; j++) {
             float xv = x[j];
-            float a = nan0(__builtin_fabsf(xv) * p0);
+            float a = nan0(__builtin_fabsf(xv) * p0 * p1);
             a = a > fmax ? fmax : a;
             int e = fexp(a);
             e = e < emin ? emin : e;
@@ -293,9 +301,10 @@ void qc_stats(const float* x, int64_t n, int64_t blen, float* lo, float* hi, flo
 
 /* Uniform codec, the whole of Codec.encode in one call: per-bucket lo/hi over the real elements (as in
    qc_stats), wire scales (lo, unit = (hi - lo) / L), NaN for a bucket with a non-finite element, encode
-   params (lo, inv = unit > 0 ? 1/unit : 0, or unit itself when unit is not finite), then the codes.
-   Returns 1 before writing any code if a bucket holds both +0 and -0 and its min or max is a zero: torch's
-   sign of that zero depends on its reduction order, so the caller takes the general path. */
+   params (1, lo, inv = unit > 0 ? 1/unit : 0), then the codes.
+   Returns 1 before writing any code if a bucket holds both +0 and -0 and its min or max is a zero (torch's
+   sign of that zero depends on its reduction order), or if a bucket is pre-scaled (UniformCodec._wire_scales:
+   the same fp32 tests): the caller then takes the general path. */
 int qc_uniform_encode(const cfg_t* c, const float* x, int64_t n, int64_t blen, uint32_t k1, uint32_t k2,
                       float* scales, float* params, uint8_t* out) {
     const uint32_t* xu = (const uint32_t*)x;
@@ -308,22 +317,24 @@ int qc_uniform_encode(const cfg_t* c, const float* x, int64_t n, int64_t blen, u
         float lo = unkey(st.mn), hi = unkey(st.mx);
         if (st.nonfin) {
             scales[2 * b] = scales[2 * b + 1] = qnan;
-            params[2 * b] = params[2 * b + 1] = qnan;
+            params[3 * b] = 1.0f;
+            params[3 * b + 1] = params[3 * b + 2] = qnan;
             continue;
         }
         if ((st.pz & st.nz) && (lo == 0.0f || hi == 0.0f)) return 1;
         float unit = (hi - lo) / L;
+        float top = lo + L * unit;
+        if (!isfin(top) || unit > 0x1p126f || (hi > lo && unit < 0x1p-126f)) return 1;
         float inv = unit > 0.0f ? 1.0f / unit : 0.0f;
-        if (!isfin(unit)) inv = unit;
         scales[2 * b] = lo; scales[2 * b + 1] = unit;
-        params[2 * b] = lo; params[2 * b + 1] = inv;
+        params[3 * b] = 1.0f; params[3 * b + 1] = lo; params[3 * b + 2] = inv;
     }
     qc_encode(c, x, n, params, blen, k1, k2, out);
     return 0;
 }
 
-/* fp32 values of the first n packed codes: affine: p0 + c * p1 (P = 2: uniform, whose lut[c] is c), else
-   lut[c] * p0 (P = 1). */
+/* fp32 values of the first n packed codes: (p0 + c * p1) * p2 (P = 3: uniform, whose lut[c] is c), else
+   lut[c] * p0 * p1 (P = 2) or lut[c] * p0 (P = 1). */
 void qc_decode(const uint8_t* codes, int64_t n, int bits, const float* params, int P, int64_t blen,
                const float* lut, float* out) {
     uint8_t buf[CHUNK];
@@ -351,9 +362,12 @@ void qc_decode(const uint8_t* codes, int64_t n, int bits, const float* params, i
             int64_t be = (b + 1) * blen;
             if (be > e) be = e;
             const float* p = params + b * P;
-            if (P == 2) { /* uniform: lut[c] == (float)c exactly, so no gather is needed */
+            if (P == 3) { /* uniform: lut[c] == (float)c exactly, so no gather is needed */
+                const float p0 = p[0], p1 = p[1], p2 = p[2];
+                for (int64_t j = i; j < be; j++) out[j] = (p0 + (float)cb[j - s] * p1) * p2;
+            } else if (P == 2) {
                 const float p0 = p[0], p1 = p[1];
-                for (int64_t j = i; j < be; j++) out[j] = p0 + (float)cb[j - s] * p1;
+                for (int64_t j = i; j < be; j++) out[j] = lut[cb[j - s]] * p0 * p1;
             } else {
                 const float p0 = p[0];
                 for (int64_t j = i; j < be; j++) out[j] = lut[cb[j - s]] * p0;
@@ -633,7 +647,7 @@ def supports(codec) -> bool:
 
 def _cfg(codec) -> _Cfg:
     kind = _KINDS[type(codec)]
-    c = _Cfg(kind=kind, bits=codec.bits, stoch=int(bool(codec.stochastic)), P=codec.scales_per_bucket)
+    c = _Cfg(kind=kind, bits=codec.bits, stoch=int(bool(codec.stochastic)), P=_ENC_P[kind])
     if kind == 0:
         c.levels = codec.levels
     elif kind == 1:
@@ -656,6 +670,8 @@ def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torc
     out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
     k1, k2 = rng.seed_to_key(seed)
     cfg = _cfg(codec)
+    if params.shape != (codec.num_buckets(n), cfg.P):
+        raise ValueError(f"enc_params of shape {tuple(params.shape)} do not match codec {codec!r} on {n} elements")
     lib.qc_encode(ctypes.byref(cfg), x.data_ptr(), n, params.data_ptr(), codec.bucket_len(n), k1, k2, out.data_ptr())
     return out
 
@@ -669,8 +685,8 @@ def _cfg_key(cfg: _Cfg) -> tuple:
 
 def decode_lut(codec) -> torch.Tensor:
     """fp32 value of every code with unit params, from the codec's own ``_dequantize``: uniform
-    ``0 + c * 1``; the others ``v(c) * 1``. The fused decode computes ``p0 + LUT[c] * p1`` or
-    ``LUT[c] * p0``, which is the reference's expression term by term. Cached per codec configuration
+    ``(0 + c * 1) * 1``; the others ``v(c) * 1 * 1``. The fused decode computes ``(p0 + LUT[c] * p1) * p2``
+    or ``LUT[c] * p0 * p1``, which is the reference's expression term by term. Cached per codec configuration
     (every field ``_dequantize`` reads is in the kernel config)."""
     key = (type(codec), _cfg_key(_cfg(codec)))
     lut = _LUTS.get(key)
@@ -682,9 +698,9 @@ def decode_lut(codec) -> torch.Tensor:
 def _decode_lut(codec) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.int64).remainder_(1 << codec.bits).view(1, 256)
     if type(codec) is UniformCodec:
-        unit = torch.tensor([[[0.0], [1.0]]])
+        unit = torch.tensor([[[0.0], [1.0], [1.0]]])
     else:
-        unit = torch.ones(1, 1, 1)
+        unit = torch.ones(1, _DEC_P[_KINDS[type(codec)]], 1)
     return codec._dequantize(codes, unit).reshape(256).to(torch.float32).contiguous()
 
 
@@ -702,7 +718,7 @@ def decode(
         raise ValueError(f"codes has {c.numel()} bytes, {numel} codes of {codec.bits} bits need {need}")
     c = c.contiguous()
     params = dec_params.to(torch.float32).contiguous()
-    if params.shape[1] != (2 if type(codec) is UniformCodec else 1):
+    if params.shape[1] != _DEC_P[_KINDS[type(codec)]]:
         raise ValueError(f"dec_params of shape {tuple(params.shape)} do not match codec {codec!r}")
     lut = decode_lut(codec)
     if out is None:
@@ -770,9 +786,9 @@ def _scales(codec, x: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, scales, torch.full_like(scales, float("nan")))
 
 
-def encode_packed(codec, xf: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_packed(codec, xf: torch.Tensor, seed: int, out_max: float = FLT_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``Codec.encode`` body: (packed codes, wire scales) of flat fp32 ``xf``, bit-identical to
-    the reference's."""
+    the reference's (``out_max``: see ``Codec._encode_params``)."""
     if load() is None:
         raise RuntimeError(f"lightning_qcomm fused CPU codecs unavailable: {_load_error}")
     x = xf.reshape(-1).to(torch.float32).contiguous()
@@ -781,16 +797,16 @@ def encode_packed(codec, xf: torch.Tensor, seed: int) -> tuple[torch.Tensor, tor
         blen = codec.bucket_len(n)
         nb = -(-n // blen)
         scales = torch.empty(nb, 2, dtype=torch.float32)
-        params = torch.empty(nb, 2, dtype=torch.float32)
+        params = torch.empty(nb, 3, dtype=torch.float32)
         out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
         k1, k2 = rng.seed_to_key(seed)
         cfg = _cfg(codec)
         args = (x.data_ptr(), n, blen, k1, k2, scales.data_ptr(), params.data_ptr(), out.data_ptr())
         if _lib.qc_uniform_encode(ctypes.byref(cfg), *args) == 0:
             return out, scales
-        # a bucket's min or max is a signed zero whose sign torch's reduction order decides: general path
+        # a signed zero whose sign torch's reduction order decides, or a pre-scaled bucket: general path
     scales = _scales(codec, x)
-    return encode(codec, x, codec._encode_params(scales), seed), scales.contiguous()
+    return encode(codec, x, codec._encode_params(scales, out_max), seed), scales.contiguous()
 
 
 # ------------------------------------------------------------------ 1-bit sign path (comm.onebit_all_reduce)

@@ -73,11 +73,13 @@ def use_cpu_fused(codec, t: torch.Tensor, numel: int) -> bool:
     return True
 
 
-def cpu_fused_encode(codec, xf: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cpu_fused_encode(
+    codec, xf: torch.Tensor, seed: int, out_max: float = torch.finfo(torch.float32).max
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, wire scales) of flat fp32 ``xf``, as ``Codec.encode`` computes them."""
     from lightning_qcomm.codecs import cpu_fused
 
-    return cpu_fused.encode_packed(codec, xf, seed)
+    return cpu_fused.encode_packed(codec, xf, seed, out_max)
 
 
 def cpu_fused_decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:

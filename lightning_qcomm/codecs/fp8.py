@@ -10,12 +10,17 @@ two, read from the exponent bits): ``t = |v| / q``, f = floor(t), d = t - f, the
     stochastic:  f + [u < d]                              (unbiased: E = t)
 
 The bit pattern is assembled with integer arithmetic, identically in the Triton kernel.
+
+Extreme blocks (``codecs.scaling``): a subnormal s (amax < fmax * 2^-126) travels flagged as -(s * 2^64), from
+fp64; then v = (x 2^64) / s_s and decode = fp8(code) * s_s * 2^-64. An s whose largest decode fmax * s
+rounds past FLT_MAX (amax at FLT_MAX) is lowered by one ulp, which keeps fmax * s <= amax.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.qsgd import exp2_int, float_exponent
 
@@ -48,17 +53,24 @@ class FP8Codec(Codec):
         self.emin = 1 - self.bias
 
     def _scales(self, xb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return (xb.abs().amax(dim=1) / self.fmax)[:, None]
+        amax = xb.abs().amax(dim=1)
+        s = amax / self.fmax
+        s = torch.where(torch.isfinite(self.fmax * s) | ~torch.isfinite(s), s, torch.nextafter(s, torch.zeros_like(s)))
+        a64 = amax.double()
+        tiny = (a64 > 0) & (a64 < self.fmax * scaling.FLT_MIN)
+        return scaling.flagged(s, a64 / self.fmax, torch.zeros_like(tiny), tiny)[:, None]
 
-    def _encode_params(self, scales: torch.Tensor) -> torch.Tensor:
-        s = scales[:, :1]
-        return torch.where(s > 0, 1.0 / s, torch.where(torch.isfinite(s), torch.zeros_like(s), s))
+    def _encode_params(self, scales: torch.Tensor, out_max: float = scaling.FLT_MAX) -> torch.Tensor:
+        s, sigma, _ = scaling.unflag(scales[:, 0])
+        inv = torch.where(s > 0, 1.0 / s, torch.where(torch.isfinite(s), torch.zeros_like(s), s))
+        return torch.stack([sigma, inv], dim=1)
 
     def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
-        return scales[:, :1]
+        s, _, m = scaling.unflag(scales[:, 0])
+        return torch.stack([s, m], dim=1)
 
     def _quantize(self, x: torch.Tensor, params: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-        a = torch.nan_to_num(x.abs() * params[:, 0], nan=0.0).clamp_(0.0, self.fmax)
+        a = torch.nan_to_num(x.abs() * params[:, 0] * params[:, 1], nan=0.0).clamp_(0.0, self.fmax)
         # Integer work in int32 (exponents, significands < 2^5): the same values as int64, half the bytes.
         e = float_exponent(a, torch.int32).clamp_(min=self.emin)
         t = a * exp2_int(self.mbits - e)  # |v| / spacing, exact
@@ -83,7 +95,7 @@ class FP8Codec(Codec):
 
     def _dequantize(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         v = codes.to(torch.uint8).view(self.torch_dtype).to(torch.float32)
-        return v * params[:, 0]
+        return v * params[:, 0] * params[:, 1]
 
     def kernel_config(self) -> dict:
         return {"MBITS": self.mbits, "BIAS": self.bias, "FMAX": self.fmax, "STOCHASTIC": self.stochastic}

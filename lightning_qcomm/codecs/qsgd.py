@@ -14,6 +14,13 @@ NUQSGD (Ramezani-Kebrya et al. 2019), ``n = ||x||_2``, L = 2^(b-1) levels {0} U 
 
 The bracketing level comes from r's binary exponent (exact bit arithmetic), and every division is by a
 power of two, so the torch reference and the Triton kernel agree bit for bit.
+
+Extreme buckets (``codecs.scaling``): a norm whose encode factor k/n or decode factor n/k (k = s, or 1 for
+NUQSGD) leaves fp32's normal range (norms above 2^126, where 1/n is subnormal, or below 2^-126 k) travels
+flagged and scaled, n_s = n sigma (from the fp64 norm, rounded once); then r = (|x| sigma) (k / n_s) and
+decode = level n_s / k * m. Unbiased decoding can exceed the output's largest finite value where n > FLT_MAX
+(or the fp16 / bf16 maximum): the encoder caps the level per bucket at the largest one whose decode is at
+most that value, which only moves elements within one level gap of it to the level below (|error| < one gap).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import math
 
 import torch
 
+from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
 
 
@@ -36,7 +44,13 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
 
 
 def l2_norm_rows(xb: torch.Tensor) -> torch.Tensor:
-    """``||row||_2`` of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares.
+    """``||row||_2`` of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares (fp32; inf
+    where the norm itself exceeds FLT_MAX). See ``l2_norm_rows64``."""
+    return l2_norm_rows64(xb)[0]
+
+
+def l2_norm_rows64(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32, fp64) ``||row||_2`` of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares.
 
     One pass of ``torch.linalg.vector_norm`` per row. Rows where that pass may be inaccurate are redone
     as ``amax * ||row / amax||_2``:
@@ -46,18 +60,23 @@ def l2_norm_rows(xb: torch.Tensor) -> torch.Tensor:
       or flush to zero, at most 2^-126 each, n * 2^-126 in all. That is under 2^-24 of the sum of
       squares exactly when the sum is at least n * 2^-102, i.e. the norm at least sqrt(n) * 2^-51.
 
-    Accepted rows are therefore within fp32 rounding of the exact norm, like the rescaled ones.
+    Accepted rows are therefore within fp32 rounding of the exact norm, like the rescaled ones. The fp64
+    norm is the fp32 one, except on rescaled rows, where the last product is exact in fp64: finite where
+    the fp32 norm overflows, and with all its bits where the fp32 norm is subnormal.
     """
     norm = torch.linalg.vector_norm(xb, ord=2, dim=1)
     floor = math.sqrt(xb.shape[1]) * 2.0**-51
     redo = ~(torch.isfinite(norm) & (norm >= floor))
+    norm64 = norm.double()
     if bool(redo.any()):
         rows = redo.nonzero().reshape(-1)
         sub = xb[rows]
         amax = sub.abs().amax(dim=1, keepdim=True)
         amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-        norm[rows] = torch.linalg.vector_norm(sub / amax, ord=2, dim=1) * amax[:, 0]
-    return norm
+        unit_norm = torch.linalg.vector_norm(sub / amax, ord=2, dim=1)
+        norm[rows] = unit_norm * amax[:, 0]
+        norm64[rows] = unit_norm.double() * amax[:, 0].double()
+    return norm, norm64
 
 
 class _NormCodec(Codec):
@@ -71,11 +90,38 @@ class _NormCodec(Codec):
         super().__init__(bits, bucket_size)
         self.sign_bit = 1 << (bits - 1)
 
-    def _norm(self, xb: torch.Tensor) -> torch.Tensor:
-        return l2_norm_rows(xb)
+    def _norm64(self, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32, fp64) norm of each row."""
+        return l2_norm_rows64(xb)
 
     def _scales(self, xb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return self._norm(xb)[:, None]
+        n, n64 = self._norm64(xb)
+        k = self._divisor
+        live = (n64 > 0) & torch.isfinite(n64)
+        # torch's k / n is k * (1 / n): subnormal (0 under flush-denormal) once n > 2^126, or n overflows
+        wide = live & ((n64 > 2.0**126) | ~torch.isfinite(n))
+        tiny = live & (n64 < k * scaling.FLT_MIN)  # n / k subnormal
+        return scaling.flagged(n, n64, wide, tiny)[:, None]
+
+    @property
+    def _divisor(self) -> int:
+        """k of the encode factor k / n and the decode factor n / k."""
+        return 1
+
+    def _encode_params(self, scales: torch.Tensor, out_max: float = scaling.FLT_MAX) -> torch.Tensor:
+        """(sigma, k / n_s, level cap) per bucket; the cap is the largest level whose decode is <= out_max."""
+        n, sigma, m = scaling.unflag(scales[:, 0])
+        k = self._divisor
+        p = torch.where(n > 0, k / n, torch.where(torch.isfinite(n), torch.zeros_like(n), n))
+        return torch.stack([sigma, p, self._level_cap(n / k, m, out_max)], dim=1)
+
+    def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
+        n, _, m = scaling.unflag(scales[:, 0])
+        return torch.stack([n / self._divisor, m], dim=1)
+
+    def _level_cap(self, p0: torch.Tensor, m: torch.Tensor, out_max: float) -> torch.Tensor:
+        """Largest magnitude index whose decode (with decode factor p0 and multiplier m) is <= out_max."""
+        raise NotImplementedError
 
     def _signed(self, x: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
         return torch.where(x < 0, magnitude | self.sign_bit, magnitude)
@@ -91,23 +137,31 @@ class QSGDCodec(_NormCodec):
     def s(self) -> int:
         return (1 << (self.bits - 1)) - 1
 
-    def _encode_params(self, scales: torch.Tensor) -> torch.Tensor:
-        n = scales[:, :1]
-        return torch.where(n > 0, self.s / n, torch.where(torch.isfinite(n), torch.zeros_like(n), n))
+    @property
+    def _divisor(self) -> int:
+        return self.s
 
-    def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
-        return scales[:, :1] / self.s
+    def _level_cap(self, p0: torch.Tensor, m: torch.Tensor, out_max: float) -> torch.Tensor:
+        """Largest level l <= s with l * p0 * m <= out_max (exact in fp64: then the fp32 decode fl(l p0) m is
+        <= out_max too, out_max / m being an fp32 number); s for every bucket of norm below ~out_max."""
+        if scaling.none_needed(p0 * m > out_max / (2 * self.s)):  # then s * p0 * m < out_max: cap s
+            return torch.full_like(p0, self.s)
+        pm = p0.double() * m.double()
+        q = torch.floor(out_max / pm).clamp(0, self.s)  # pm == 0: inf -> s; NaN stays NaN
+        q = torch.where((q < self.s) & ((q + 1) * pm <= out_max), q + 1, q)  # the fp64 quotient may be one off
+        q = torch.where(q * pm > out_max, q - 1, q)
+        return q.to(torch.float32)
 
     def _quantize(self, x: torch.Tensor, params: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-        r = torch.nan_to_num(x.abs() * params[:, 0], nan=0.0)
+        r = torch.nan_to_num(x.abs() * params[:, 0] * params[:, 1], nan=0.0)
         lower = torch.floor(r)
         up = (u < (r - lower)) if u is not None else (r - lower) >= 0.5
-        level = (lower + up.to(torch.float32)).clamp_(0, self.s).to(torch.int64)
+        level = torch.minimum((lower + up.to(torch.float32)).clamp_(0, self.s), params[:, 2]).to(torch.int64)
         return self._signed(x, level)
 
     def _dequantize(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         level = (codes & (self.sign_bit - 1)).to(torch.float32)
-        return self._sign_of(codes) * level * params[:, 0]
+        return self._sign_of(codes) * level * params[:, 0] * params[:, 1]
 
     def variance_bound(self, bucket_len: int) -> float:
         """QSGD's bound on E||Q(x)-x||^2 / ||x||^2 for one bucket of length B (L2 norm only)."""
@@ -118,8 +172,9 @@ class QSGDCodec(_NormCodec):
 class QSGDInfCodec(QSGDCodec):
     name = "qsgdinf"
 
-    def _norm(self, xb: torch.Tensor) -> torch.Tensor:
-        return xb.abs().amax(dim=1)
+    def _norm64(self, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        amax = xb.abs().amax(dim=1)
+        return amax, amax.double()
 
 
 class NUQSGDCodec(_NormCodec):
@@ -134,15 +189,19 @@ class NUQSGDCodec(_NormCodec):
         """Exponent of the smallest nonzero level, 2^-(L-2)."""
         return -(self.num_levels - 2)
 
-    def _encode_params(self, scales: torch.Tensor) -> torch.Tensor:
-        n = scales[:, :1]
-        return torch.where(n > 0, 1.0 / n, torch.where(torch.isfinite(n), torch.zeros_like(n), n))
-
-    def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
-        return scales[:, :1]
+    def _level_cap(self, p0: torch.Tensor, m: torch.Tensor, out_max: float) -> torch.Tensor:
+        """Largest index i <= L - 1 with 2^(i - (L - 1)) * n * m <= out_max (exact in fp64), or 0."""
+        top = self.num_levels - 1
+        if scaling.none_needed(p0 * m > out_max / 2):  # then the top level 1 decodes below out_max
+            return torch.full_like(p0, top)
+        pm = p0.double() * m.double()
+        j = torch.floor(torch.log2(out_max / pm)).clamp(-top, 0)  # exponent of the largest level that fits
+        j = torch.where(torch.exp2(j) * pm > out_max, j - 1, j)  # log2 rounded across a power of two
+        j = torch.where((j < 0) & (torch.exp2(j + 1) * pm <= out_max), j + 1, j)
+        return (j + top).clamp(min=0).to(torch.float32)
 
     def _quantize(self, x: torch.Tensor, params: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-        r = torch.nan_to_num(x.abs() * params[:, 0], nan=0.0).clamp_(0.0, 1.0)
+        r = torch.nan_to_num(x.abs() * params[:, 0] * params[:, 1], nan=0.0).clamp_(0.0, 1.0)
         emin = self.min_exponent
         e = float_exponent(r)
         below = e < emin  # r in [0, 2^emin): between level 0 and the smallest level
@@ -152,6 +211,7 @@ class NUQSGDCodec(_NormCodec):
         idx_lower = torch.where(below, torch.zeros_like(e), e_floor - emin + 1)
         up = (u < p) if u is not None else p >= 0.5
         level = (idx_lower + up.to(torch.int64)).clamp_(0, self.num_levels - 1)
+        level = torch.minimum(level, params[:, 2].to(torch.int64))
         return self._signed(x, level)
 
     def _dequantize(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -159,7 +219,7 @@ class NUQSGDCodec(_NormCodec):
         value = torch.where(
             idx > 0, exp2_int((idx - (self.num_levels - 1)).clamp(min=-126)), torch.zeros_like(idx, dtype=torch.float32)
         )
-        return self._sign_of(codes) * value * params[:, 0]
+        return self._sign_of(codes) * value * params[:, 0] * params[:, 1]
 
     def kernel_config(self) -> dict:
         return {"NUM_LEVELS": self.num_levels, "EMIN": self.min_exponent}

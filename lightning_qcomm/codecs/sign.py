@@ -4,15 +4,17 @@
 
 per bucket of d real elements (one bucket = the whole tensor when ``bucket_size`` is None). Codes are
 1 for x < 0, packed 8 per byte; the scale is one fp32 per bucket. Deterministic and biased: use it
-with error feedback (``comm.onebit_all_reduce``).
+with error feedback (``comm.onebit_all_reduce``). The scale is never flagged (``codecs.scaling``): it is at
+most max |x|, and computed from the fp64 norm where the fp32 one overflows or is subnormal.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
-from lightning_qcomm.codecs.qsgd import l2_norm_rows
+from lightning_qcomm.codecs.qsgd import l2_norm_rows64
 
 
 class SignCodec(Codec):
@@ -26,9 +28,15 @@ class SignCodec(Codec):
         super().__init__(bits, bucket_size)
 
     def _scales(self, xb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return (l2_norm_rows(xb) / counts.sqrt())[:, None]
+        n, n64 = l2_norm_rows64(xb)
+        scale = n / counts.sqrt()
+        # Where that fp32 quotient leaves the normal range (n overflows, or a subnormal scale rounded twice), the
+        # fp64 norm gives it rounded once; the rms is at most max |x|, so it is finite (clamped to FLT_MAX).
+        extreme = (n64 > 0) & torch.isfinite(n64) & ~((scale >= scaling.FLT_MIN) & (scale <= scaling.FLT_MAX))
+        rms = (n64 / counts.double().sqrt()).clamp(max=scaling.FLT_MAX).to(torch.float32)
+        return torch.where(extreme, rms, scale)[:, None]
 
-    def _encode_params(self, scales: torch.Tensor) -> torch.Tensor:
+    def _encode_params(self, scales: torch.Tensor, out_max: float = scaling.FLT_MAX) -> torch.Tensor:
         return scales
 
     def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
