@@ -1216,3 +1216,30 @@ def test_ddp_gradient_accumulation_with_fp8_gradient_storage(two_ranks):
     assert all(math.isfinite(v) for v in l8) and max(abs(x - y) for x, y in zip(l8, l32)) < 0.05
     m = a["ddp_acc2_fp8"]["metrics"]
     assert 0 < m["actq/grad_stored_bytes"] < 0.27 * m["actq/grad_baseline_bytes"]
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-40, 1e38], ids=["ordinary", "subnormal", "near_flt_max"])
+def test_rounding_variance_sum_reads_the_blocks_own_range(scale):
+    """The budget policy's V_l = sum over blocks of count * range^2 / 6 from the uniform codec's wire scales;
+    blocks at the ends of fp32's range travel pre-scaled (a flagged unit), and must be read back in their own
+    units. Reference: the fp64 range of each block, to fp32 rounding of the unit (relative 2^-20 with margin)."""
+    from lightning_qcomm.memory import bit_allocation
+
+    torch.set_flush_denormal(False)  # keep the subnormal case subnormal (the suite flushes them)
+    try:
+        # uniform in (-3, 3) * scale: at 1e38 every block's hi - lo overflows fp32, at 1e-40 every unit is subnormal
+        x = (
+            (torch.rand(1024, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 6 - 3) * scale
+        ).float()
+        packed = get_codec("uniform", 4, 256).encode(x, seed=0)
+        assert scale == 1.0 or bool((packed.scales[:, 1] < 0).all()), "the extreme blocks were not pre-scaled"
+    finally:
+        torch.set_flush_denormal(True)
+    torch.set_flush_denormal(False)
+    try:
+        blocks = x.double().view(-1, 256)
+        expect = float(((blocks.amax(1) - blocks.amin(1)) ** 2 * 256 / 6).sum())
+        got = bit_allocation.rounding_variance_sum(packed.scales, 4, x.numel(), 256)
+    finally:
+        torch.set_flush_denormal(True)
+    assert expect > 0 and got == pytest.approx(expect, rel=2**-20, abs=0)

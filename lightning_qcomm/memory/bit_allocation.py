@@ -43,6 +43,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_qcomm.codecs import scaling
+
 POLICIES = ("uniform", "layer_aware", "budget")
 BUDGET_WIDTHS = (4, 5, 6, 8)
 
@@ -50,9 +52,12 @@ BUDGET_WIDTHS = (4, 5, 6, 8)
 def rounding_variance_sum(scales: torch.Tensor, bits: int, numel: int, block_size: int) -> float:
     """Σ_blocks count · range² / 6 from uniform-codec scales (lo, unit) at ``bits``: V_l of the module doc.
 
-    range = unit · (2^bits - 1); non-finite blocks contribute nothing (their gradient is non-finite anyway).
+    range = unit · (2^bits - 1), with the unit of a pre-scaled block (the codec's flag for blocks at the ends of
+    fp32's range, ``codecs.scaling``) taken back to the block's own units; non-finite blocks contribute nothing
+    (their gradient is non-finite anyway).
     """
-    rng = scales[:, 1].double() * ((1 << bits) - 1)
+    magnitude, _sigma, m = scaling.unflag(scales[:, 1])
+    rng = magnitude.double() * m.double() * ((1 << bits) - 1)
     counts = torch.full_like(rng, float(block_size))
     counts[-1] = numel - (rng.numel() - 1) * block_size
     terms = counts * rng.square() / 6.0
