@@ -17,10 +17,11 @@ power of two, so the torch reference and the Triton kernel agree bit for bit.
 
 Extreme buckets (``codecs.scaling``): a norm whose encode factor k/n or decode factor n/k (k = s, or 1 for
 NUQSGD) leaves fp32's normal range (norms above 2^126, where 1/n is subnormal, or below 2^-126 k) travels
-flagged and scaled, n_s = n sigma (from the fp64 norm, rounded once); then r = (|x| sigma) (k / n_s) and
+flagged and scaled, ``n_s = n sigma`` (from the fp64 norm, rounded once); then ``r = (|x| sigma) (k / n_s)`` and
 decode = level n_s / k * m. Unbiased decoding can exceed the output's largest finite value where n > FLT_MAX
 (or the fp16 / bf16 maximum): the encoder caps the level per bucket at the largest one whose decode is at
-most that value, which only moves elements within one level gap of it to the level below (|error| < one gap).
+most that value, which only moves elements within one level gap of it to the level below (the error stays
+below one gap).
 """
 
 from __future__ import annotations
