@@ -285,7 +285,7 @@ class LossVsBytesPlot(pl.Callback):
         name = type(trainer.strategy).__name__
         ax.plot(sent, loss, marker=".", label=f"{name}: what this run sent ({sent[-1]:.1f} MB)")
         if ddp[-1] > 0:
-            ax.plot(ddp, loss, ls="--", label=f"DDP fp32 for the same steps ({ddp[-1]:.1f} MB)")
+            ax.plot(ddp, loss, ls="--", label=f"the same steps at DDP fp32's bytes ({ddp[-1]:.1f} MB)")
             ax.set_title(f"{sent[-1] / ddp[-1]:.2f}x of DDP fp32's bytes over {steps[-1]} optimizer steps")
         else:
             ax.set_title(f"{steps[-1]} optimizer steps (one process: no DDP baseline)")
