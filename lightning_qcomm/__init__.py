@@ -1,7 +1,9 @@
 """lightning_qcomm: communication- and memory-compressed distributed training for PyTorch Lightning.
 
 Public API (re-exported here): codecs (``get_codec``), compressed collectives and the ``CommLedger``
-(``lightning_qcomm.comm``), the strategies ``QSDPStrategy``, ``QuantDDPStrategy`` and
+(``lightning_qcomm.comm``), the plain-torch entry points ``apply_qsdp``, ``quant_ddp_hook``, ``LocalSGD`` and
+``onebit_adam_ddp`` with their configs ``QSDPConfig``, ``QuantDDPConfig``, ``LocalSGDConfig``
+(``lightning_qcomm.parallel``), the Trainer strategies ``QSDPStrategy``, ``QuantDDPStrategy`` and
 ``LocalSGDStrategy`` (registered lowercase in Lightning's ``StrategyRegistry`` at import, so
 ``Trainer(strategy="qsdp")`` works), the callbacks ``CommVolumeLogger``, ``OneBitAdamCallback`` and
 ``ActivationQuantization``, the optimizer ``OneBitAdam`` (1-bit Adam), the activation quantizer
@@ -26,6 +28,15 @@ from lightning_qcomm.comm import (
 from lightning_qcomm.consolidate import consolidate_checkpoint
 from lightning_qcomm.memory import ActivationQuantConfig, ActivationQuantizer, count_saved_tensors
 from lightning_qcomm.optim import OneBitAdam
+from lightning_qcomm.parallel import (
+    LocalSGD,
+    LocalSGDConfig,
+    QSDPConfig,
+    QuantDDPConfig,
+    apply_qsdp,
+    onebit_adam_ddp,
+    quant_ddp_hook,
+)
 from lightning_qcomm.strategies import LocalSGDStrategy, QSDPStrategy, QuantDDPStrategy, register_all_strategies
 
 __version__ = "0.1.0"
@@ -41,20 +52,27 @@ __all__ = [
     "Codec",
     "CommLedger",
     "CommVolumeLogger",
+    "LocalSGD",
+    "LocalSGDConfig",
     "LocalSGDStrategy",
     "OneBitAdam",
     "OneBitAdamCallback",
     "Packed",
+    "QSDPConfig",
     "QSDPStrategy",
+    "QuantDDPConfig",
     "QuantDDPStrategy",
     "__version__",
+    "apply_qsdp",
     "consolidate_checkpoint",
     "count_saved_tensors",
     "derive_seed",
     "ensure_ledger",
     "get_codec",
     "get_ledger",
+    "onebit_adam_ddp",
     "onebit_all_reduce",
+    "quant_ddp_hook",
     "quantized_all_gather",
     "quantized_all_reduce",
     "quantized_reduce_scatter",
