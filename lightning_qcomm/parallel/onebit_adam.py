@@ -14,7 +14,9 @@ things around it, which this file owns (docs/design.md, "1-bit Adam"):
 
 ``OneBitAdamDDP.switch_if_frozen()`` does step 3; ``onebit_adam_ddp`` runs it from the optimizer's step
 post-hook, right after the step that froze the variance. ``OneBitAdamCallback`` (Trainer) calls the same
-object; under Fabric, pass the model and optimizer ``fabric.setup`` returned.
+object; under Fabric, pass the model and optimizer ``fabric.setup`` returned. Checkpoints: the optimizer's
+``state_dict`` is the same on every rank, its 1-bit error buffers are not: save ``rank_state_dict()`` on
+every rank and give it back with ``load_rank_state_dict`` (the Trainer callback does this for you).
 
 Example::
 
