@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_qcomm.strategies.sync_rules import ConstantRule, PostLocalRule, QSRRule, simulate  # noqa: E402
+from lightning_qcomm.parallel.sync_rules import ConstantRule, PostLocalRule, QSRRule, simulate  # noqa: E402
 
 
 def cosine_with_warmup(total: int, warmup: int, peak: float, final: float = 0.0):

@@ -1,14 +1,18 @@
 """lightning_qcomm: communication- and memory-compressed distributed training for PyTorch Lightning.
 
 Public API (re-exported here): codecs (``get_codec``), compressed collectives and the ``CommLedger``
-(``lightning_qcomm.comm``), the strategies ``QSDPStrategy``, ``QuantDDPStrategy`` and
-``LocalSGDStrategy`` (registered lowercase in Lightning's ``StrategyRegistry`` at import, so
-``Trainer(strategy="qsdp")`` works), the callbacks ``CommVolumeLogger``, ``OneBitAdamCallback`` and
+(``lightning_qcomm.comm``), the plain-torch entry points ``apply_qsdp``, ``quant_ddp_hook``, ``LocalSGD`` and
+``onebit_adam_ddp`` with their configs ``QSDPConfig``, ``QuantDDPConfig``, ``LocalSGDConfig``
+(``lightning_qcomm.parallel``), the Trainer strategies ``QSDPStrategy``, ``QuantDDPStrategy`` and
+``LocalSGDStrategy`` and the Fabric strategies ``QSDPFabricStrategy``, ``QuantDDPFabricStrategy`` and
+``LocalSGDFabricStrategy`` (their names registered lowercase in Lightning's and Fabric's registries at
+import, so ``Trainer(strategy="qsdp")`` and ``Fabric(strategy="qsdp")`` work), the callbacks ``CommVolumeLogger``, ``OneBitAdamCallback`` and
 ``ActivationQuantization``, the optimizer ``OneBitAdam`` (1-bit Adam), the activation quantizer
 underneath the callback (``lightning_qcomm.memory``), and ``consolidate_checkpoint`` (a sharded QSDP
 checkpoint folder -> one file; also ``python -m lightning_qcomm.consolidate IN OUT``).
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_qcomm.callbacks import ActivationQuantization, CommVolumeLogger, OneBitAdamCallback
@@ -24,14 +28,30 @@ from lightning_qcomm.comm import (
     set_ledger,
 )
 from lightning_qcomm.consolidate import consolidate_checkpoint
+from lightning_qcomm.fabric import (
+    LocalSGDFabricStrategy,
+    QSDPFabricStrategy,
+    QuantDDPFabricStrategy,
+    register_fabric_strategies,
+)
 from lightning_qcomm.memory import ActivationQuantConfig, ActivationQuantizer, count_saved_tensors
 from lightning_qcomm.optim import OneBitAdam
+from lightning_qcomm.parallel import (
+    LocalSGD,
+    LocalSGDConfig,
+    QSDPConfig,
+    QuantDDPConfig,
+    apply_qsdp,
+    onebit_adam_ddp,
+    quant_ddp_hook,
+)
 from lightning_qcomm.strategies import LocalSGDStrategy, QSDPStrategy, QuantDDPStrategy, register_all_strategies
 
 __version__ = "0.1.0"
 
 # Idempotent: names already present (a second import, a user's own registration) are left alone.
 register_all_strategies(StrategyRegistry)
+register_fabric_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "ActivationQuantConfig",
@@ -41,20 +61,30 @@ __all__ = [
     "Codec",
     "CommLedger",
     "CommVolumeLogger",
+    "LocalSGD",
+    "LocalSGDConfig",
+    "LocalSGDFabricStrategy",
     "LocalSGDStrategy",
     "OneBitAdam",
     "OneBitAdamCallback",
     "Packed",
+    "QSDPConfig",
+    "QSDPFabricStrategy",
     "QSDPStrategy",
+    "QuantDDPConfig",
+    "QuantDDPFabricStrategy",
     "QuantDDPStrategy",
     "__version__",
+    "apply_qsdp",
     "consolidate_checkpoint",
     "count_saved_tensors",
     "derive_seed",
     "ensure_ledger",
     "get_codec",
     "get_ledger",
+    "onebit_adam_ddp",
     "onebit_all_reduce",
+    "quant_ddp_hook",
     "quantized_all_gather",
     "quantized_all_reduce",
     "quantized_reduce_scatter",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -127,10 +127,22 @@ def check_writable_file(owner: str, name: str, value: Any) -> str | None:
     return path
 
 
+def build_as(owner: str, cls: Any, values: Mapping[str, Any]) -> Any:
+    """``cls`` (a config dataclass that checks itself) from the entries of ``values`` that are its fields (a
+    constructor's ``locals()``), its argument errors naming ``owner``, the class the user called
+    (``QSDPStrategy(seed=-1)``, not ``QSDPConfig(seed=-1)``)."""
+    kwargs = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise type(err)(str(err).replace(f"{cls.__name__}(", f"{owner}(")) from None
+
+
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 __all__ = [
     "START_METHODS",
+    "build_as",
     "check_bool",
     "check_choice",
     "check_float",

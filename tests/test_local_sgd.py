@@ -27,8 +27,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_qcomm.comm.ledger import CommLedger, set_ledger
+from lightning_qcomm.parallel.sync_rules import QSRRule, simulate
 from lightning_qcomm.strategies.local_sgd import LocalSGDStrategy, register_local_sgd_strategies
-from lightning_qcomm.strategies.sync_rules import QSRRule, simulate
 
 STEPS_PER_EPOCH = 8  # 64 samples / 2 ranks / batch 4
 EPOCHS = 4

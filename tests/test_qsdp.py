@@ -553,7 +553,7 @@ def test_bad_argument_types(kwargs):
 
 
 def test_auto_shard_targets():
-    from lightning_qcomm.strategies.qsdp_sharding import plan_fsdp_groups
+    from lightning_qcomm.parallel.sharding import plan_fsdp_groups
 
     model = TinyGPT()
     # default: ModuleList elements with params, then the root's children with params left (here: all of

@@ -431,7 +431,7 @@ def test_size_based_wrap_of_a_cnn(runs):
 
 # --------------------------------------------------------------------------- the grouping plan (no processes)
 def test_plan_groups_modulelist_size_and_ties():
-    from lightning_qcomm.strategies.qsdp_sharding import plan_fsdp_groups
+    from lightning_qcomm.parallel.sharding import plan_fsdp_groups
 
     model = TiedGPT()
     names = {m: n for n, m in model.named_modules()}

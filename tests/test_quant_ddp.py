@@ -19,7 +19,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_qcomm.comm.ddp_hooks import QuantDDPHookConfig, QuantDDPHookState, quant_ddp_comm_hook
+from lightning_qcomm.comm.ddp_config import QuantDDPConfig
+from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
 from lightning_qcomm.strategies.quant_ddp import CHECKPOINT_KEY, QuantDDPStrategy, register_quant_ddp_strategies
 
 # ---------------------------------------------------------------------------------------------- tiny problem
@@ -461,7 +462,7 @@ def _params(*numels):
 
 def test_hook_small_tensors_travel_uncompressed_world1():
     ps = _params(2000, 10, 3000)
-    state = QuantDDPHookState(QuantDDPHookConfig("uniform", 2, 512, False, 100), {p: f"p{i}" for i, p in enumerate(ps)})
+    state = QuantDDPHookState(QuantDDPConfig("uniform", 2, 512, False, 100), {p: f"p{i}" for i, p in enumerate(ps)})
     bucket = _FakeBucket(0, ps)
     before = bucket.buffer().clone()
     out = quant_ddp_comm_hook(state, bucket).value()
@@ -473,7 +474,7 @@ def test_hook_small_tensors_travel_uncompressed_world1():
 def test_hook_error_feedback_survives_bucket_relayout():
     ps = _params(700, 300, 1200)
     names = {p: f"p{i}" for i, p in enumerate(ps)}
-    state = QuantDDPHookState(QuantDDPHookConfig("qsgd", 2, 128, True, 0), names)
+    state = QuantDDPHookState(QuantDDPConfig("qsgd", 2, 128, True, 0), names)
     quant_ddp_comm_hook(state, _FakeBucket(0, ps))
     saved = state.ef_state_dict()
     assert set(saved) == {"p0", "p1", "p2"} and all(v.abs().sum() > 0 for v in saved.values())
@@ -484,7 +485,7 @@ def test_hook_error_feedback_survives_bucket_relayout():
     after = state.ef_state_dict()
     assert all(torch.equal(saved[k], after[k]) for k in saved)
     # round trip through state_dict
-    other = QuantDDPHookState(QuantDDPHookConfig("qsgd", 2, 128, True, 0), names)
+    other = QuantDDPHookState(QuantDDPConfig("qsgd", 2, 128, True, 0), names)
     other.load_state_dict(state.state_dict())
     assert all(torch.equal(other.ef_state_dict()[k], saved[k]) for k in saved)
 
@@ -499,7 +500,7 @@ def test_hook_error_feedback_is_kept_in_unscaled_fp32_units():
     p = torch.nn.Parameter(torch.zeros(3000))
     scales = [2.0**10, 2.0**10, 2.0**4, 2.0**4, 2.0**12, 2.0**12]
     current = {"s": None}
-    state = QuantDDPHookState(QuantDDPHookConfig("uniform", 2, 128, True, 0), {p: "p"}, loss_scale=lambda: current["s"])
+    state = QuantDDPHookState(QuantDDPConfig("uniform", 2, 128, True, 0), {p: "p"}, loss_scale=lambda: current["s"])
     sum_g = torch.zeros(3000, dtype=torch.float64)
     sum_out = torch.zeros(3000, dtype=torch.float64)
     peak = 0.0
@@ -522,7 +523,7 @@ def test_hook_error_feedback_residual_is_fp32_for_bf16_gradients():
     sum_t out_t = sum_t g_t - e_T holds to fp32 rounding (a bf16 residual is off by ~2^-9 of itself)."""
     g = torch.Generator().manual_seed(4)
     p = torch.nn.Parameter(torch.zeros(3000, dtype=torch.bfloat16))
-    state = QuantDDPHookState(QuantDDPHookConfig("uniform", 2, 128, True, 0), {p: "p"})
+    state = QuantDDPHookState(QuantDDPConfig("uniform", 2, 128, True, 0), {p: "p"})
     sum_g = torch.zeros(3000, dtype=torch.float64)
     sum_out = torch.zeros(3000, dtype=torch.float64)
     peak = 0.0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_qcomm.strategies.sync_rules import (
+from lightning_qcomm.parallel.sync_rules import (
     ConstantRule,
     PostLocalRule,
     QSRRule,

@@ -14,8 +14,9 @@ What it does (the math is ``optim.OneBitAdam``, the compressed momentum average 
   honour (``fused``, ``foreach``, ``capturable``, ``differentiable``: its step is a plain per-tensor loop). A
   ``OneBitAdam`` returned by the user is kept; any callback argument that is set (not None) must then
   agree with it (ValueError otherwise). Unset callback arguments mean OneBitAdam's defaults.
-* **Gradient all-reduce.** On a DDP-wrapped model without a comm hook (``strategy="ddp"``, CPU or CUDA)
-  it registers ``comm.onebit.onebit_adam_grad_hook``: an fp32 average recorded in the ``CommLedger``
+* **Gradient all-reduce** (``parallel.onebit_adam.OneBitAdamDDP``, the plain-torch recipe, also for Fabric).
+  On a DDP-wrapped model without a comm hook (``strategy="ddp"``, CPU or CUDA) it registers
+  ``comm.onebit.onebit_adam_grad_hook``: an fp32 average recorded in the ``CommLedger``
   (tag "grads"). If the model already has a hook (``strategy="quant_ddp"``), that hook keeps
   carrying the warm-up gradients (compressed by QuantDDP's codec and recorded by it). Once the
   variance is frozen, before the next forward, DDP's gradient synchronisation is switched off
@@ -56,8 +57,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
-from lightning_qcomm.comm.onebit import OneBitGradHookState, gather_to_rank0, onebit_adam_grad_hook
+from lightning_qcomm.comm.onebit import OneBitGradHookState, gather_to_rank0
 from lightning_qcomm.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
+from lightning_qcomm.parallel.onebit_adam import OneBitAdamDDP
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +109,7 @@ class OneBitAdamCallback(pl.Callback):
             raise ValueError(str(err).replace("OneBitAdam(", "OneBitAdamCallback(", 1)) from None
         self.optimizer: OneBitAdam | None = None
         self.hook_state: OneBitGradHookState | None = None
-        self._ddp: DistributedDataParallel | None = None
-        self._switched = False
+        self._ddp: OneBitAdamDDP | None = None
         self._loaded: dict | None = None
 
     # ------------------------------------------------------------------ setup
@@ -148,21 +149,15 @@ class OneBitAdamCallback(pl.Callback):
         else:
             opt = self._replace(trainer, opt)
         self.optimizer = opt
-        self._switched = False
         model = strategy.model
         if isinstance(model, DistributedDataParallel):
-            opt.set_process_group(model.process_group)
-            self._ddp = model
-            existing = model._get_ddp_logging_data().get("comm_hook")
-            if existing:
-                self.hook_state = None
+            self._ddp = OneBitAdamDDP(model, opt, register_hooks=False)  # switched from on_train_batch_start
+            self.hook_state = self._ddp.hook_state
+            if self._ddp.existing_hook:
                 rank_zero_info(
-                    f"OneBitAdamCallback: warm-up gradients travel through the existing DDP comm hook {existing!r}; "
-                    "after the freeze DDP's gradient sync is switched off"
+                    "OneBitAdamCallback: warm-up gradients travel through the existing DDP comm hook "
+                    f"{self._ddp.existing_hook!r}; after the freeze DDP's gradient sync is switched off"
                 )
-            else:
-                self.hook_state = OneBitGradHookState(model.process_group)
-                model.register_comm_hook(self.hook_state, onebit_adam_grad_hook)
         elif trainer.world_size > 1:
             raise ValueError(
                 f"OneBitAdamCallback: {type(strategy).__name__} does not wrap the model in DistributedDataParallel; "
@@ -234,17 +229,8 @@ class OneBitAdamCallback(pl.Callback):
 
     # ------------------------------------------------------------------ the switch
     def _switch_if_frozen(self) -> None:
-        if self._switched or self.optimizer is None or not self.optimizer.frozen:
-            return
-        self._switched = True
-        if self.hook_state is not None:
-            self.hook_state.compressing = True
         if self._ddp is not None:
-            self._ddp.require_backward_grad_sync = False
-        rank_zero_info(
-            f"OneBitAdamCallback: variance frozen after {self.optimizer.frozen_at} optimizer steps; gradient "
-            "all-reduce off, momentum all-reduced in 1 bit"
-        )
+            self._ddp.switch_if_frozen()  # the plain-torch recipe's switch (parallel.onebit_adam)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after Lightning restored the optimizer state: apply this rank's error buffers

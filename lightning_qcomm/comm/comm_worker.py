@@ -140,4 +140,33 @@ def dedicated_group(
     return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
 
 
-__all__ = ["CommWorker", "FutureWork", "dedicated_group", "group_timeout"]
+class BackgroundComm:
+    """A ``CommWorker`` and the process group dedicated to it, made on first use and then reused, so a strategy
+    that sets up again (a later Trainer stage, a second ``fit``) does not create another group each time.
+
+    Example::
+
+        background = BackgroundComm("lightning_qcomm-qsdp", timeout=timedelta(minutes=30))
+        worker, group = background.acquire(mesh.get_group())   # collective the first time
+        background.close()                                      # stops the thread; ``acquire`` restarts it
+    """
+
+    def __init__(self, name: str = "lightning_qcomm-comm", timeout: timedelta | None = None) -> None:
+        self.name = name
+        self.timeout = timeout
+        self.worker: CommWorker | None = None
+        self.group: dist.ProcessGroup | None = None
+
+    def acquire(self, group: dist.ProcessGroup | None = None) -> tuple[CommWorker, dist.ProcessGroup | None]:
+        """The worker and its group over ``group``'s ranks. Collective on the first call (``dedicated_group``)."""
+        if self.worker is None:
+            self.group = dedicated_group(group, timeout=self.timeout)
+            self.worker = CommWorker(self.name)
+        return self.worker, self.group
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+__all__ = ["BackgroundComm", "CommWorker", "FutureWork", "dedicated_group", "group_timeout"]

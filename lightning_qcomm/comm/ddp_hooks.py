@@ -56,58 +56,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec, derive_seed, get_codec
+from lightning_qcomm.codecs import derive_seed
 from lightning_qcomm.comm.collectives import quantized_all_reduce
 from lightning_qcomm.comm.comm_worker import CommWorker
+from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket
 
 log = logging.getLogger(__name__)
-
-DDP_CODECS = ("qsgd", "qsgdinf", "nuqsgd", "uniform", "fp8_e4m3", "fp8_e5m2", "none")
-"""Codec names the DDP hook accepts; ``"none"`` is the uncompressed fp32 path (through our ledger)."""
-
-
-@dataclass(frozen=True)
-class QuantDDPHookConfig:
-    """What the hook compresses and when.
-
-    Attributes:
-        codec: one of ``DDP_CODECS``.
-        bits: code width (ignored for ``"none"``, which is fp32).
-        bucket_size: elements per codec scale block (not DDP's ``bucket_cap_mb``).
-        error_feedback: keep a per-rank residual buffer per bucket.
-        min_quant_numel: parameters with fewer elements travel uncompressed (biases, norms).
-        start_step: optimizer steps of uncompressed warmup before compression starts.
-        seed: user seed folded with (step, bucket index, round) into the codec's random bits.
-    """
-
-    codec: str = "qsgd"
-    bits: int = 8
-    bucket_size: int = 512
-    error_feedback: bool = False
-    min_quant_numel: int = 0
-    start_step: int = 0
-    seed: int = 0
-
-    def build_codec(self) -> Codec | None:
-        """The codec object (None for ``"none"``); raises ValueError/TypeError on bad combinations."""
-        if self.codec == "none":
-            return None
-        return get_codec(self.codec, bits=self.bits, bucket_size=self.bucket_size)
-
-
-def relative_compression_error(codec: Codec, numel: int = 4096, seed: int = 0) -> float:
-    """rho = ||D(Q(x)) - x||^2 / ||x||^2 for a fixed standard-normal x of ``numel`` elements.
-
-    Error feedback converges for contractive compressors, E||C(x) - x||^2 <= (1 - delta)||x||^2, i.e.
-    rho < 1 (Stich et al. 2018; Karimireddy et al. 2019). Unbiased QSGD-type codecs at few bits are
-    not: QSGD's bound is min(B/s^2, sqrt(B)/s) with s = 2^(b-1) - 1 levels, e.g. ~ 22 at 2 bits and
-    B = 512, and measured here rho ~ 16 (qsgd/nuqsgd 2-bit), 1.6 (qsgd 4-bit), 0.75 (uniform 2-bit).
-    The residual then grows every step and training diverges.
-    """
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
-    err = codec.roundtrip(x, seed=seed) - x
-    return float(err.pow(2).sum() / x.pow(2).sum())
 
 
 @dataclass
@@ -127,7 +82,7 @@ class QuantDDPHookState:
     """State of ``quant_ddp_comm_hook`` for one DDP instance on one rank.
 
     Args:
-        config: ``QuantDDPHookConfig``.
+        config: ``QuantDDPConfig`` (``comm.ddp_config``).
         param_names: maps each trainable parameter to a stable name (checkpoint keys), in the
             module's definition order (``named_parameters``).
         process_group: the group the hook's collectives use (None: default group). With a ``worker``,
@@ -139,7 +94,7 @@ class QuantDDPHookState:
 
     def __init__(
         self,
-        config: QuantDDPHookConfig,
+        config: QuantDDPConfig,
         param_names: dict[torch.nn.Parameter, str],
         process_group: dist.ProcessGroup | None = None,
         worker: CommWorker | None = None,
@@ -372,10 +327,4 @@ def quant_ddp_comm_hook(state: QuantDDPHookState, bucket: dist.GradBucket) -> to
     return fut
 
 
-__all__ = [
-    "DDP_CODECS",
-    "QuantDDPHookConfig",
-    "QuantDDPHookState",
-    "quant_ddp_comm_hook",
-    "relative_compression_error",
-]
+__all__ = ["QuantDDPHookState", "quant_ddp_comm_hook"]  # their config: comm.ddp_config.QuantDDPConfig

@@ -116,13 +116,23 @@ class NonFiniteGuard:
 
         def guarded() -> Any:
             out = closure()
-            params = _params_with_grad(optimizer)
-            if not self.should_step(params, step):
-                for p in params:
-                    p.grad = None
+            self.apply(optimizer, step)
             return out
 
         return guarded
+
+    def apply(self, optimizer: Optimizer, step: int) -> bool:
+        """Check ``optimizer``'s gradients now (after backward, before its step): False after a skip, which set
+        every gradient to None so the step that follows changes nothing. For callers without a closure (Fabric,
+        an optimizer step pre-hook)."""
+        if self.policy == "propagate":
+            return True
+        params = _params_with_grad(optimizer)
+        if self.should_step(params, step):
+            return True
+        for p in params:
+            p.grad = None
+        return False
 
     def state_dict(self) -> dict[str, int]:
         return {"skipped": self.skipped}

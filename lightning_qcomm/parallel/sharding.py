@@ -1,4 +1,5 @@
-"""How QSDPStrategy splits a model into FSDP2 groups when the LightningModule does not call ``fully_shard``.
+"""How QSDP splits a model into FSDP2 groups when nobody called ``fully_shard`` on it (``apply_qsdp``; under the
+Trainer, a LightningModule without ``configure_model``).
 
 ``plan_fsdp_groups(root, layer_classes, min_wrap_numel)`` returns the modules to ``fully_shard``, inner
 before outer, the root last:
@@ -8,11 +9,11 @@ before outer, the root last:
    size policy like FSDP1's ``size_based_auto_wrap_policy``: visiting modules children first, a module
    becomes a group when the parameters in it that no inner group took number at least ``min_wrap_numel``
    elements.
-2. **Children of the root.** Each direct child of the LightningModule that still holds parameters outside
+2. **Children of the root.** Each direct child of the root module that still holds parameters outside
    every group (embeddings, final norms and heads, a CNN's ``self.net``).
-3. **The root.** The LightningModule itself when parameters remain: those it holds directly (a ViT's
+3. **The root.** The root module itself when parameters remain: those it holds directly (a ViT's
    ``cls_token`` / ``pos_embed``) and tied parameters shared across its children. FSDP2 then treats it as
-   the root group, and the strategy runs every ``*_step`` through its forward so it is gathered.
+   the root group, gathered in the root's forward (the Trainer strategy runs every ``*_step`` through it).
 
 Tied parameters (``head.weight = tok_emb.weight``) and modules registered twice: a module is never a group
 when a parameter under it is also held by a module outside it. The tied parameter thereby lands in the
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
 

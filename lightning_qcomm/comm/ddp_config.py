@@ -1,0 +1,125 @@
+"""QuantDDPConfig: what the quantized DDP gradient all-reduce compresses and when, checked when it is made.
+
+One class for every way in: ``QuantDDPStrategy`` (Trainer), ``QuantDDPFabricStrategy`` (Fabric) and
+``quant_ddp_hook`` (plain ``DistributedDataParallel``) build it from the same typed primitives, and
+``comm.ddp_hooks.QuantDDPHookState`` reads it. Error feedback with a codec that is not contractive is
+warned about by ``warn_if_not_contractive`` where it is put to use (it typically diverges, see
+``relative_compression_error``).
+
+Example::
+
+    config = QuantDDPConfig(codec="nuqsgd", bits=4)
+    config.build_codec()        # NUQSGDCodec(bits=4, bucket_size=512)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
+from lightning_qcomm._checks import check_bool, check_int
+from lightning_qcomm.codecs import Codec, get_codec
+from lightning_qcomm.comm.nonfinite import check_policy
+
+DDP_CODECS = ("qsgd", "qsgdinf", "nuqsgd", "uniform", "fp8_e4m3", "fp8_e5m2", "none")
+"""Codec names the DDP hook accepts; ``"none"`` is the uncompressed fp32 path (through our ledger)."""
+
+UNCOMPRESSED_BITS = 32
+
+
+@dataclass(frozen=True)
+class QuantDDPConfig:
+    """Settings of the quantized DDP gradient all-reduce.
+
+    Attributes:
+        codec: one of ``DDP_CODECS`` (case-insensitive); ``"none"`` all-reduces in fp32 through lightning_qcomm
+            (ledger-counted, numerically plain DDP).
+        bits: code width; None means 8 (32 for ``"none"``, the only width it has). Allowed: uniform 1..8,
+            qsgd/qsgdinf/nuqsgd 2..8, fp8_* 8. Resolved at construction.
+        bucket_size: elements per codec scale block (not DDP's ``bucket_cap_mb``).
+        error_feedback: keep a per-rank residual buffer per bucket (checkpointed per rank).
+        min_quant_numel: parameters with fewer elements travel uncompressed (biases, norms).
+        start_step: optimizer steps of uncompressed warm-up before compression starts.
+        seed: user seed folded with (step, bucket index, round) into the codec's random bits.
+        overlap_comm: on CPU/gloo, run each bucket's collective on a background thread over a process group of
+            its own, so it overlaps the rest of the backward pass; bit-identical to inline. CUDA runs inline.
+        nonfinite: a step with a NaN/Inf gradient is ``"skip"``-ped (the averaged gradients are the same on every
+            rank, so every rank decides alike), ``"raise"``-s FloatingPointError, or ``"propagate"``-s.
+    """
+
+    codec: str = "qsgd"
+    bits: int | None = None
+    bucket_size: int = 512
+    error_feedback: bool = False
+    min_quant_numel: int = 1024
+    start_step: int = 0
+    seed: int = 0
+    overlap_comm: bool = True
+    nonfinite: str = "skip"
+
+    def __post_init__(self) -> None:
+        own = type(self).__name__
+        if not isinstance(self.codec, str) or self.codec.lower() not in DDP_CODECS:
+            raise ValueError(f"{own}(codec={self.codec!r}) is not supported; allowed: {', '.join(DDP_CODECS)}")
+        object.__setattr__(self, "codec", self.codec.lower())
+        if self.bits is None:
+            object.__setattr__(self, "bits", UNCOMPRESSED_BITS if self.codec == "none" else 8)
+        check_int(own, "bits", self.bits, minimum=1)
+        if self.codec == "none" and self.bits != UNCOMPRESSED_BITS:
+            raise ValueError(f"{own}(codec='none', bits={self.bits}): the uncompressed path is fp32; use bits=32")
+        check_int(own, "bucket_size", self.bucket_size, minimum=1)
+        check_bool(own, "error_feedback", self.error_feedback)
+        check_int(own, "min_quant_numel", self.min_quant_numel, minimum=0)
+        check_int(own, "start_step", self.start_step, minimum=0)
+        check_int(own, "seed", self.seed, minimum=0)
+        check_bool(own, "overlap_comm", self.overlap_comm)
+        check_policy(own, self.nonfinite)
+        try:
+            self.build_codec()
+        except (ValueError, TypeError) as err:
+            raise type(err)(
+                f"{own}(codec={self.codec!r}, bits={self.bits}, bucket_size={self.bucket_size}): {err}"
+            ) from err
+
+    def build_codec(self) -> Codec | None:
+        """The codec object (None for ``"none"``); raises ValueError/TypeError on bad combinations."""
+        if self.codec == "none":
+            return None
+        return get_codec(self.codec, bits=self.bits, bucket_size=self.bucket_size)
+
+
+def warn_if_not_contractive(config: QuantDDPConfig, owner: str) -> None:
+    """Warn (once per call, rank 0) when ``config`` asks for error feedback with a codec that is not contractive."""
+    codec = config.build_codec()
+    if not config.error_feedback or codec is None:
+        return
+    rho = relative_compression_error(codec)
+    if rho >= 1.0:
+        rank_zero_warn(
+            f"{owner}(codec={config.codec!r}, bits={config.bits}, bucket_size={config.bucket_size}, "
+            f"error_feedback=True): this codec is not contractive (relative error ||Q(x)-x||^2/||x||^2 = "
+            f"{rho:.2f} >= 1 on Gaussian data), and error feedback then typically diverges. Use more bits, "
+            "codec='uniform' or 'qsgdinf', or error_feedback=False."
+        )
+
+
+def relative_compression_error(codec: Codec, numel: int = 4096, seed: int = 0) -> float:
+    """rho = ||D(Q(x)) - x||^2 / ||x||^2 for a fixed standard-normal x of ``numel`` elements.
+
+    Error feedback converges for contractive compressors, E||C(x) - x||^2 <= (1 - delta)||x||^2, i.e.
+    rho < 1 (Stich et al. 2018; Karimireddy et al. 2019). Unbiased QSGD-type codecs at few bits are
+    not: QSGD's bound is min(B/s^2, sqrt(B)/s) with s = 2^(b-1) - 1 levels (about 22 at 2 bits and
+    B = 512). The residual then grows every step and training diverges.
+
+    Example::
+
+        relative_compression_error(get_codec("uniform", bits=2))   # < 1: error feedback is safe
+    """
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    err = codec.roundtrip(x, seed=seed) - x
+    return float(err.pow(2).sum() / x.pow(2).sum())
+
+
+__all__ = ["DDP_CODECS", "QuantDDPConfig", "relative_compression_error", "warn_if_not_contractive"]

@@ -1,0 +1,112 @@
+"""What the Fabric strategies of lightning_qcomm share (Lightning layer): settings from a config dataclass, the
+cross-rank settings check at setup, one checkpoint entry of their own, the background comm thread, the
+registry names.
+
+``fabric.save`` hands the strategy a ``state`` dict; ``checkpoint_entry(state)`` (collective) returns what
+the method must keep (per-rank state gathered to rank 0), stored under ``checkpoint_key``. ``fabric.load``
+returns the items it did not restore; the strategy takes its entry out of them and gives it to
+``restore_entry``.
+
+Example::
+
+    class MyFabricStrategy(QCommFabricStrategy, DDPStrategy):
+        checkpoint_key = "mine"
+        presets = {"mine": ("what it does", {})}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+from lightning_qcomm._checks import START_METHODS, build_as, check_choice, check_timeout
+from lightning_qcomm.comm.comm_worker import BackgroundComm
+from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
+from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
+from lightning_qcomm.strategies.presets import Presets, register_presets
+
+
+def config_from(owner: str, config_cls: type, config: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The strategy's config: ``config`` itself, or built from the config fields among ``kwargs`` (checked,
+    errors naming ``owner``), not both. Returns it and the other kwargs (the Fabric base class's)."""
+    fields = {k: kwargs.pop(k) for k in list(kwargs) if k in config_cls.__dataclass_fields__}
+    if config is None:
+        return build_as(owner, config_cls, fields), kwargs
+    if not isinstance(config, config_cls):
+        raise TypeError(f"{owner}(config={config!r}) must be a {config_cls.__name__}")
+    if fields:
+        raise ValueError(f"{owner}: pass config= or its fields ({', '.join(sorted(fields))}), not both")
+    return config, kwargs
+
+
+def check_fabric_ddp_kwargs(owner: str, kwargs: dict[str, Any]) -> None:
+    """The arguments of Fabric's ``DDPStrategy`` that it does not check itself."""
+    check_choice(owner, "start_method", kwargs.get("start_method", "popen"), START_METHODS)
+    check_timeout(owner, kwargs.get("timeout"))
+
+
+class QCommFabricStrategy(ParallelStrategy):
+    """Put before Fabric's strategy class in the bases (``class X(QCommFabricStrategy, DDPStrategy)``): its
+    methods run first and hand on to that class's."""
+
+    checkpoint_key: str
+    presets: Presets
+    _background: BackgroundComm | None = None
+
+    def config_fingerprint(self) -> dict[str, Any]:
+        """Everything that decides what the collectives send (compared across ranks at setup)."""
+        raise NotImplementedError
+
+    def checkpoint_entry(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """Collective, at ``fabric.save``: what to store under ``checkpoint_key`` (None: nothing)."""
+        return None
+
+    def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any]) -> None:
+        """At ``fabric.load``, after Fabric restored ``state``: the stored entry (None if the file has none)."""
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_gloo_group_at_exit()  # a finished rank must not abort in interpreter teardown
+        check_same_config(type(self).__name__, self.config_fingerprint(), timeout=presence_timeout(self._timeout))
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        entry = self.checkpoint_entry(state)  # every rank saves: collectives are fine here
+        if entry is not None:
+            state = {**state, self.checkpoint_key: entry}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        if isinstance(state, dict) and state:  # else the raw checkpoint was asked for: leave it whole
+            self.restore_entry(remainder.pop(self.checkpoint_key, None), state)
+        return remainder
+
+    @override
+    def teardown(self) -> None:
+        if self._background is not None:
+            self._background.close()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the family's names (``strategies.presets``, the Trainer's table) in Fabric's registry."""
+        register_presets(strategy_registry, cls, cls.presets)
+
+
+__all__ = ["QCommFabricStrategy", "check_fabric_ddp_kwargs", "config_from"]

@@ -1,0 +1,117 @@
+"""QuantDDPFabricStrategy: DDP with the quantized gradient all-reduce under Lightning Fabric (Lightning layer).
+
+Fabric's ``DDPStrategy`` whose ``setup_module`` registers ``parallel.quant_ddp_hook`` on the
+``DistributedDataParallel`` it makes, on every device type (CPU/gloo too); every ``optimizer.step()``
+through Fabric applies the non-finite policy, then advances the hook's step counter. ``fabric.save`` gathers
+every rank's hook state (step counter, error-feedback residuals, DDP's bucket layout) into
+``state["quant_ddp"] = {"world_size": N, "per_rank": [...]}`` of rank 0's file, and ``fabric.load`` gives each
+rank its own entry back (``parallel.quant_ddp.select_rank_state``), so a resumed run continues bit for bit.
+
+Example::
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=QuantDDPFabricStrategy(codec="nuqsgd", bits=4))
+    fabric.launch()                                     # or strategy="quant_ddp_nuqsgd4"
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_qcomm.comm.comm_worker import BackgroundComm
+from lightning_qcomm.comm.ddp_config import QuantDDPConfig, warn_if_not_contractive
+from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard
+from lightning_qcomm.comm.onebit import gather_to_rank0
+from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, config_from
+from lightning_qcomm.parallel.quant_ddp import config_fingerprint, quant_ddp_hook, select_rank_state
+from lightning_qcomm.strategies.presets import QUANT_DDP_PRESETS
+from lightning_qcomm.strategies.quant_ddp import check_no_comm_hook_kwargs
+
+
+class QuantDDPFabricStrategy(QCommFabricStrategy, DDPStrategy):
+    """Fabric strategy: DDP whose gradient all-reduce is quantized (QSGD, QSGDinf, NUQSGD, uniform int-b, FP8).
+
+    Args:
+        config: a ``comm.ddp_config.QuantDDPConfig``; or, instead, its fields as keyword arguments
+            (``codec="nuqsgd", bits=4``, the arguments of ``QuantDDPStrategy``, the Trainer's class).
+        kwargs: the other keyword arguments go to Fabric's ``DDPStrategy`` (``start_method``, ``timeout``, ...)
+            and from there to ``DistributedDataParallel`` (``find_unused_parameters``, ``bucket_cap_mb``, ...).
+    """
+
+    checkpoint_key = "quant_ddp"
+    presets = QUANT_DDP_PRESETS
+
+    def __init__(self, config: QuantDDPConfig | None = None, **kwargs: Any) -> None:
+        owner = type(self).__name__
+        self.config, kwargs = config_from(owner, QuantDDPConfig, config, kwargs)
+        check_no_comm_hook_kwargs(owner, kwargs)
+        check_fabric_ddp_kwargs(owner, kwargs)
+        warn_if_not_contractive(self.config, owner)
+        super().__init__(**kwargs)
+        self.nonfinite = NonFiniteGuard(self.config.nonfinite, owner)  # averaged gradients: the same everywhere
+        self.hook_state: QuantDDPHookState | None = None  # set by setup_module
+        self._pending_state: dict | None = None
+        self._background = BackgroundComm("lightning_qcomm-quant_ddp", timeout=self._timeout)
+
+    @override
+    def config_fingerprint(self) -> dict[str, Any]:
+        return config_fingerprint(self.config, self._ddp_kwargs)
+
+    @override
+    def setup_module(self, module: nn.Module) -> DistributedDataParallel:
+        ddp = super().setup_module(module)
+        state, hook = quant_ddp_hook(
+            self.config,
+            module,
+            process_group=ddp.process_group,
+            background=self._background,
+            loss_scale=self._gradient_loss_scale,
+            owner=type(self).__name__,
+        )
+        if self._pending_state is not None:
+            state.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self.hook_state = state
+        ddp.register_comm_hook(state, hook)
+        return ddp
+
+    def _gradient_loss_scale(self) -> torch.Tensor | None:
+        """The scale of the gradients in DDP's buckets: the fp16 GradScaler's, or None without one."""
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return getattr(scaler, "_scale", None)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        step = 0 if self.hook_state is None else self.hook_state.step
+        if getattr(self.precision, "scaler", None) is None:  # a GradScaler skips non-finite steps itself
+            self.nonfinite.apply(optimizer, step)
+        out = super().optimizer_step(optimizer, **kwargs)
+        if self.hook_state is not None:
+            self.hook_state.next_step()
+        return out
+
+    @override
+    def checkpoint_entry(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        local = self.hook_state.state_dict() if self.hook_state is not None else self._pending_state
+        per_rank = gather_to_rank0(local) if local is not None else None  # every rank's: they differ
+        return None if per_rank is None else {"world_size": len(per_rank), "per_rank": per_rank}
+
+    @override
+    def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any]) -> None:
+        mine = select_rank_state(entry, self.world_size, self.global_rank, global_step=0, owner=type(self).__name__)
+        if self.hook_state is not None:
+            self.hook_state.load_state_dict(mine)
+        else:
+            self._pending_state = mine
+
+
+__all__ = ["QuantDDPFabricStrategy"]

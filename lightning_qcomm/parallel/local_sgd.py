@@ -1,0 +1,333 @@
+"""``LocalSGD``: Local SGD / Local AdamW on a plain torch model, no Lightning needed (entry-point layer).
+
+Each rank trains its own replica (no ``DistributedDataParallel``, no per-step gradient all-reduce) and the
+replicas are averaged every H optimizer steps, H from a rule of ``parallel.sync_rules`` (constant, post-local,
+or the Quadratic Synchronization Rule); the averaging is ``comm.averaging.TensorAverager`` (docs/design.md,
+"Local SGD and QSR"). Per optimizer step, in this order:
+
+* ``begin_step()``, before the step: a round starts if none is open; H is evaluated then from the lr this step
+  uses (the maximum over all param groups of all optimizers: the fastest-moving group sets the period),
+  capped by ``total_steps - step`` so training ends on a sync.
+* ``prepare_gradients(optimizer)``, after backward: in a data-parallel step (post_local before
+  ``switch_step``) the gradients are averaged, as DDP would; then the non-finite policy.
+* the optimizer step.
+* ``end_step()``: counts the step; when H steps are done the parameters (and floating buffers, and optionally
+  optimizer state) are averaged.
+
+Given an optimizer, ``LocalSGD`` runs these from its step pre- and post-hooks (as torchft's ``LocalSGD``
+does), so the loop calls ``optimizer.step()`` only; call it before ``lr_scheduler.step()``. ``sync()``
+averages replicas that moved since the last average (before evaluating or saving the model). At
+construction the parameters and buffers are broadcast from rank 0 (every replica starts equal).
+
+``LocalSGDStrategy`` (Trainer) and ``LocalSGDFabricStrategy`` (Fabric) drive the same object.
+
+Example::
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    local_sgd = LocalSGD(model, optimizer, LocalSGDConfig(sync="constant", period=8), total_steps=1000)
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        optimizer.step()           # every 8th step also averages the replicas
+        optimizer.zero_grad()
+    local_sgd.sync()               # average before evaluating / saving
+    torch.save({"model": model.state_dict(), "local_sgd": local_sgd.state_dict()}, path)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_qcomm.comm.averaging import TensorAverager
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard
+from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig
+from lightning_qcomm.parallel.step_hooks import attach_step_hooks
+from lightning_qcomm.parallel.sync_rules import QSRRule, SyncSchedule
+
+log = logging.getLogger(__name__)
+
+
+def broadcast_module_states(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Parameters and buffers of ``module`` from rank 0 to every rank (a no-op without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed.utils import _sync_module_states
+
+    group = dist.distributed_c10d._get_default_group() if group is None else group
+    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))  # what DDP would not broadcast either
+    _sync_module_states(module, group, 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=ignore)
+
+
+def check_optimizers_have_lr(optimizers: Sequence[Optimizer], sync: str) -> None:
+    """A rule that reads the lr needs a numeric ``lr`` in every param group (ValueError naming the group)."""
+    if not optimizers:
+        raise ValueError(f"sync={sync!r} reads the learning rate of the optimizer, but there is no optimizer")
+    for i, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            lr = group.get("lr")
+            try:
+                float(lr)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"sync={sync!r} sets H from the learning rate, but optimizer {i} ({type(opt).__name__}) "
+                    f"param_groups[{j}] has lr={lr!r}; it needs a numeric 'lr' (or use sync='constant')"
+                ) from None
+
+
+class LocalSGD:
+    """Local SGD averager of one model (see the module docstring).
+
+    Args:
+        model: the replica of this rank.
+        optimizer: one optimizer or several (each ``step()`` counts as an optimizer step); None when the caller
+            drives ``begin_step`` / ``prepare_gradients`` / ``end_step`` itself (the strategies do).
+        config: ``LocalSGDConfig``.
+        total_steps: training length in optimizer steps (the last round is cut to end on it); None: no cap.
+        process_group: the ranks that average (None: the world).
+        register_hooks: run the per-step work from the optimizers' step hooks.
+        broadcast: broadcast parameters and buffers from rank 0 now.
+        nonfinite: the non-finite policy's guard (a strategy keeps one, and its count, across fits); default a
+            new one for ``config.nonfinite``.
+        owner: the name warnings and logs use.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | Sequence[Optimizer] | None,
+        config: LocalSGDConfig | None = None,
+        *,
+        total_steps: int | float | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        register_hooks: bool = True,
+        broadcast: bool = True,
+        nonfinite: NonFiniteGuard | None = None,
+        owner: str = "LocalSGD",
+    ) -> None:
+        config = LocalSGDConfig() if config is None else config
+        if not isinstance(config, LocalSGDConfig):
+            raise TypeError(f"{owner}(config={config!r}) must be a LocalSGDConfig")
+        self.config = config
+        self.owner = owner
+        self.rule = config.build_rule()
+        optimizers = [] if optimizer is None else [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+        self.optimizers = [getattr(opt, "optimizer", opt) for opt in optimizers]
+        if self.rule.needs_lr and optimizer is not None:
+            check_optimizers_have_lr(self.optimizers, config.sync)
+        if broadcast:
+            broadcast_module_states(model, process_group)
+        self.group = process_group
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.param_averager = TensorAverager(
+            params,
+            codec=config.build_codec(),
+            group=process_group,
+            bucket_numel=config.bucket_numel,
+            seed=config.seed,
+            tag="param_average",
+            delta=config.quantize_delta,
+        )
+        buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.buffer_averager = (
+            TensorAverager(buffers, None, group=process_group, bucket_numel=config.bucket_numel, tag="buffers")
+            if config.average_buffers and buffers
+            else None
+        )
+        self.schedule = SyncSchedule(self.rule, total_steps=total_steps)
+        self.nonfinite = NonFiniteGuard(config.nonfinite, owner) if nonfinite is None else nonfinite
+        self.num_averages = 0  # every average (scheduled or forced): seeds of quantized rounds
+        self.num_forced_syncs = 0
+        self.dirty = False  # replicas moved since the last average
+        self._checked_layouts: set[str] = set()  # averagers rebuilt per use: check their layout once
+        self._hooks = []
+        if register_hooks:
+            for opt in self.optimizers:
+                self._hooks += attach_step_hooks(opt, before=self._before_hook, after=lambda o: self.end_step())
+
+    # ------------------------------------------------------------------ read-only state
+    @property
+    def sync_period(self) -> int | None:
+        """H of the current round (None between a sync and the next optimizer step)."""
+        return self.schedule.h
+
+    @property
+    def num_syncs(self) -> int:
+        """Scheduled synchronizations so far (data-parallel steps of post_local included)."""
+        return self.schedule.num_syncs
+
+    @property
+    def last_sync_step(self) -> int:
+        return self.schedule.last_sync_step
+
+    # ------------------------------------------------------------------ the step
+    def _current_lr(self) -> float:
+        return max(float(g["lr"]) for opt in self.optimizers for g in opt.param_groups)
+
+    def begin_step(self) -> bool:
+        """Before an optimizer step: open a round if none is (H from the lr this step uses). Returns whether this
+        step is data-parallel (its gradients must be averaged before the update)."""
+        sched = self.schedule
+        if sched.h is None and self.rule.needs_lr:
+            lr = self._current_lr()
+            h = sched.begin_step(lr)
+            if sched.step == 0 and isinstance(self.rule, QSRRule) and h > self.rule.h_base:
+                rank_zero_warn(
+                    f"{self.owner}(sync='qsr') starts with H={h} from lr={lr:g} at step 0 (warmup_steps="
+                    f"{self.rule.warmup_steps}); if the lr schedule warms up from a small lr, set warmup_steps to "
+                    f"its length so H stays at h_base={self.rule.h_base} meanwhile"
+                )
+        else:
+            sched.begin_step(None)
+        return sched.round_data_parallel
+
+    def prepare_gradients(self, optimizer: Optimizer, check_finite: bool = True) -> bool:
+        """After backward, before ``optimizer``'s step: average its gradients in a data-parallel step, then apply
+        the non-finite policy (``check_finite=False``: not, e.g. under a GradScaler, which skips such steps
+        itself). False when the step was skipped (its gradients set to None)."""
+        data_parallel = self.schedule.round_data_parallel
+        if data_parallel:
+            opt = getattr(optimizer, "optimizer", optimizer)
+            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                averager = TensorAverager(
+                    grads, None, group=self.group, bucket_numel=self.config.bucket_numel, tag="grads"
+                )
+                averager.average(self.num_averages, check=self._first_use("grads"))
+        # a local step's gradient is this rank's own: a bad one skips this rank's step only (the schedule still
+        # counts it, so every rank syncs on the same steps); a data-parallel step's is the same everywhere
+        self.nonfinite.scope = "on every rank" if data_parallel else "on this rank (a local step)"
+        return self.nonfinite.apply(optimizer, self.schedule.step) if check_finite else True
+
+    def end_step(self) -> bool:
+        """After an optimizer step: count it; average when the round is complete. Returns whether it averaged."""
+        data_parallel = self.schedule.round_data_parallel
+        if not self.schedule.end_step():
+            self.dirty = True
+            return False
+        if data_parallel:
+            # the parameters are already identical (same averaged gradients): only buffers need averaging, and
+            # the quantization anchor moves to the common parameters
+            self._average(params=False)
+            self.param_averager.reset_anchor()
+        else:
+            self._average(params=True)
+        return True
+
+    def _before_hook(self, optimizer: Optimizer) -> None:
+        self.begin_step()
+        self.prepare_gradients(optimizer)
+
+    # ------------------------------------------------------------------ averaging
+    def _optimizer_state_tensors(self) -> list[torch.Tensor]:
+        out = []
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    for key in sorted(state):
+                        v = state[key]
+                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 1:
+                            out.append(v)
+        return out
+
+    def _average(self, params: bool = True) -> None:
+        """Average parameters (``params``), floating buffers and optionally optimizer state over ranks."""
+        if params:
+            self.param_averager.average(self.num_averages)
+        if self.buffer_averager is not None:
+            self.buffer_averager.average(self.num_averages)
+        if params and self.config.average_optimizer_state:
+            states = self._optimizer_state_tensors()  # rebuilt every time: load_state_dict replaces the tensors
+            if states:
+                averager = TensorAverager(
+                    states, None, group=self.group, bucket_numel=self.config.bucket_numel, tag="param_average"
+                )
+                averager.average(self.num_averages, check=self._first_use("optimizer_state"))
+        self.num_averages += 1
+        self.dirty = False
+
+    def _first_use(self, kind: str) -> bool:
+        first = kind not in self._checked_layouts
+        self._checked_layouts.add(kind)
+        return first
+
+    def sync(self) -> bool:
+        """Average the replicas now if they moved since the last average (outside the schedule, which it does
+        not change; counted in ``num_forced_syncs``). Collective. Returns whether it averaged."""
+        if not self.dirty:
+            return False
+        self._average(params=True)
+        self.num_forced_syncs += 1
+        return True
+
+    # ------------------------------------------------------------------ state
+    def optimizer_states_differ(self, world_size: int) -> bool:
+        """Whether each rank's optimizer state is its own, and checkpoints should keep every rank's
+        (``save_rank_optimizer_states``, unless optimizer states are averaged)."""
+        return (
+            self.config.save_rank_optimizer_states
+            and not self.config.average_optimizer_state
+            and world_size > 1
+            and dist.is_available()
+            and dist.is_initialized()
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule and counters (the same on every rank); optimizer states are the optimizers' own."""
+        return {
+            "sync": self.config.sync,
+            "schedule": self.schedule.state_dict(),
+            "num_averages": self.num_averages,
+            "num_forced_syncs": self.num_forced_syncs,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``; call after the model's weights are loaded (they become the common anchor of
+        quantized averaging)."""
+        self.schedule.load_state_dict(state["schedule"])
+        self.num_averages = int(state.get("num_averages", 0))
+        self.num_forced_syncs = int(state.get("num_forced_syncs", 0))
+        self.dirty = False
+        self.param_averager.reset_anchor()
+
+    def close(self) -> None:
+        """Remove the optimizer step hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def config_fingerprint(config: LocalSGDConfig) -> dict[str, Any]:
+    """The settings compared across ranks (a period or alpha that differs would make ranks sync on different
+    steps and wait in each other's averages)."""
+    return asdict(config)
+
+
+def this_rank_entries(per_rank: Sequence[Sequence[Any]], saved_world: Any, world_size: int, rank: int) -> list | None:
+    """From lists holding one entry per rank (optimizer states gathered at save), this rank's entry of each; None
+    (logged: every rank then keeps rank 0's) when the checkpoint was written by another number of ranks."""
+    if saved_world != world_size:
+        log.warning(
+            "checkpoint holds optimizer states of %s ranks, this run has %s: every rank loads rank 0's",
+            saved_world,
+            world_size,
+        )
+        return None
+    return [ranks[rank] for ranks in per_rank]
+
+
+__all__ = [
+    "LocalSGD",
+    "broadcast_module_states",
+    "check_optimizers_have_lr",
+    "config_fingerprint",
+    "this_rank_entries",
+]

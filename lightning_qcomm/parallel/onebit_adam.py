@@ -1,0 +1,106 @@
+"""``onebit_adam_ddp``: 1-bit Adam on a ``DistributedDataParallel`` model, no Lightning needed (entry-point layer).
+
+``OneBitAdam`` (``optim.onebit_adam``) is a plain torch optimizer; in data-parallel training it needs three
+things around it, which this file owns (docs/design.md, "1-bit Adam"):
+
+1. the momentum all-reduce on DDP's process group (``OneBitAdam.set_process_group``);
+2. during the warm-up, the averaged gradient: a DDP model without a comm hook gets
+   ``comm.onebit.onebit_adam_grad_hook`` (an fp32 average counted in the ``CommLedger``); a model that has
+   one (``QuantDDP``'s) keeps it;
+3. once the variance is frozen, no gradient all-reduce at all: DDP's gradient synchronisation is switched
+   off (``require_backward_grad_sync = False``, what ``no_sync()`` does) before the next forward, and the
+   momentum travels 1-bit. DDP then also stops broadcasting buffers, and gradient clipping clips each rank's
+   local gradient.
+
+``OneBitAdamDDP.switch_if_frozen()`` does step 3; ``onebit_adam_ddp`` runs it from the optimizer's step
+post-hook, right after the step that froze the variance. ``OneBitAdamCallback`` (Trainer) calls the same
+object; under Fabric, pass the model and optimizer ``fabric.setup`` returned. Checkpoints: the optimizer's
+``state_dict`` is the same on every rank, its 1-bit error buffers are not: save ``rank_state_dict()`` on
+every rank and give it back with ``load_rank_state_dict`` (the Trainer callback does this for you).
+
+Example::
+
+    ddp = DistributedDataParallel(model)
+    optimizer = OneBitAdam(ddp.parameters(), lr=1e-3, freeze_step=100)
+    onebit_adam_ddp(ddp, optimizer)
+    for x, y in batches:                     # AdamW for 100 steps, then 1-bit momentum only
+        loss_fn(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lightning_utilities.core.rank_zero import rank_zero_info
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_qcomm.comm.onebit import OneBitGradHookState, onebit_adam_grad_hook
+from lightning_qcomm.optim.onebit_adam import OneBitAdam
+from lightning_qcomm.parallel.step_hooks import attach_step_hooks
+
+log = logging.getLogger(__name__)
+
+
+def _unwrap_ddp(model: nn.Module) -> nn.Module:
+    """The DDP module behind Fabric's wrapper (``_forward_module``), or ``model`` itself."""
+    return getattr(model, "_forward_module", model)
+
+
+class OneBitAdamDDP:
+    """Ties a ``OneBitAdam`` to a DDP model (see the module docstring).
+
+    Args:
+        ddp: the ``DistributedDataParallel`` model (a Fabric-wrapped one is unwrapped).
+        optimizer: the ``OneBitAdam`` training it (a Lightning / Fabric wrapper is unwrapped).
+        register_hooks: switch from the optimizer's step post-hook (the callback calls ``switch_if_frozen``).
+    """
+
+    def __init__(self, ddp: nn.Module, optimizer: OneBitAdam, register_hooks: bool = True) -> None:
+        ddp = _unwrap_ddp(ddp)
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"onebit_adam_ddp(ddp={type(ddp).__name__}) must be a DistributedDataParallel model")
+        if not isinstance(optimizer, OneBitAdam):
+            raise TypeError(f"onebit_adam_ddp(optimizer={type(optimizer).__name__}) must be a OneBitAdam")
+        self.ddp = ddp
+        self.optimizer = optimizer
+        self.switched = False
+        optimizer.set_process_group(ddp.process_group)
+        self.existing_hook = ddp._get_ddp_logging_data().get("comm_hook") or None
+        if self.existing_hook:
+            self.hook_state = None  # warm-up gradients go through the model's own hook
+        else:
+            self.hook_state = OneBitGradHookState(ddp.process_group)
+            ddp.register_comm_hook(self.hook_state, onebit_adam_grad_hook)
+        self._hooks = attach_step_hooks(optimizer, after=lambda o: self.switch_if_frozen()) if register_hooks else []
+
+    def switch_if_frozen(self) -> bool:
+        """Once the variance is frozen: stop the gradient all-reduce (before the next forward). Returns whether
+        it switched now."""
+        if self.switched or not self.optimizer.frozen:
+            return False
+        self.switched = True
+        if self.hook_state is not None:
+            self.hook_state.compressing = True
+        self.ddp.require_backward_grad_sync = False
+        rank_zero_info(
+            f"1-bit Adam: variance frozen after {self.optimizer.frozen_at} optimizer steps; gradient all-reduce "
+            "off, momentum all-reduced in 1 bit"
+        )
+        return True
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def onebit_adam_ddp(ddp: nn.Module, optimizer: OneBitAdam) -> OneBitAdamDDP:
+    """Prepare ``ddp`` for ``optimizer`` and switch its gradient all-reduce off once the variance freezes."""
+    return OneBitAdamDDP(ddp, optimizer)
+
+
+__all__ = ["OneBitAdamDDP", "onebit_adam_ddp"]

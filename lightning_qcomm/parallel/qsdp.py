@@ -1,0 +1,241 @@
+"""``apply_qsdp``: QSDP on a plain torch module, no Lightning needed (entry-point layer; docs/design.md, "QSDP").
+
+What it does, in order (torchtitan's ``apply_fsdp`` shape): refuse what QSDP cannot shard (FSDP1 modules, a
+module without parameters); ``fully_shard`` the groups of ``parallel.sharding.plan_fsdp_groups`` on the 1-D
+data-parallel ``mesh`` unless the module is sharded already (then its grouping is kept); check that every
+trainable parameter is in a group; install the quantized all-gather / reduce-scatter of ``comm.fsdp`` on
+every ``FSDPModule`` (on CPU with ``overlap_comm``, the weight all-gathers run on a background thread over a
+process group of their own, and each group prefetches the next one's weights in forward). It returns a
+``QSDPHandle``: the groups and the one piece of state training must advance, the RNG step (once per
+optimizer step; ``attach(optimizer)`` does it from an optimizer step post-hook).
+
+``QSDPStrategy`` (Trainer) and ``QSDPFabricStrategy`` (Fabric) call this function; it is the whole QSDP
+setup, theirs is only the Lightning glue around it.
+
+Example::
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
+    qsdp = apply_qsdp(model, mesh, QSDPConfig(bits=8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)   # after apply_qsdp: the parameters are DTensors
+    qsdp.attach(optimizer)                                       # advances the RNG step after every optimizer.step()
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save(qsdp.state_dict(), "qsdp_rank0.pt")               # the RNG step, with the model and optimizer
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_qcomm.comm.comm_worker import BackgroundComm
+from lightning_qcomm.comm.consistency import check_same_config
+from lightning_qcomm.comm.fsdp import (
+    QSDPCommConfig,
+    QSDPCommState,
+    check_torch_fsdp_api,
+    fsdp_param_shards,
+    install_qsdp_comms,
+    is_quantized_param,
+    project_master_weights,
+)
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard
+from lightning_qcomm.comm.onebit import max_over_ranks
+from lightning_qcomm.parallel.qsdp_config import QSDPConfig
+from lightning_qcomm.parallel.sharding import plan_fsdp_groups
+from lightning_qcomm.parallel.step_hooks import attach_step_hooks
+
+
+class QSDPHandle:
+    """What ``apply_qsdp`` leaves behind: the FSDP groups with quantized comms and the state shared by them.
+
+    Attributes:
+        modules: the FSDP groups (``FSDPModule``) that own parameters, in group-id order (the seeds' order).
+        comm_state: seed and RNG step read by every quantized collective (identical on all ranks).
+        config: the ``QSDPConfig`` it was applied with.
+        nonfinite: the non-finite gradient policy (the ranks agree through one 8-byte all-reduce).
+    """
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        mesh: Any,
+        config: QSDPConfig,
+        comm_state: QSDPCommState,
+        background: BackgroundComm | None,
+        owner: str,
+    ) -> None:
+        self.modules = modules
+        self.mesh = mesh
+        self.config = config
+        self.comm_state = comm_state
+        self.background = background
+        self.weight_codec = config.build_weight_codec()
+        self.nonfinite = NonFiniteGuard(config.nonfinite, owner, agree=self._all_ranks_finite)
+
+    @property
+    def rng_step(self) -> int:
+        """Optimizer steps counted so far (part of every codec seed)."""
+        return self.comm_state.step
+
+    def quantizes_any_param(self) -> bool:
+        """Whether any parameter shard travels quantized (else the settings change nothing)."""
+        shards = [p for m in self.modules for p in fsdp_param_shards(m)]
+        return any(is_quantized_param(p, self.config.min_quant_numel) for p in shards)
+
+    def after_step(self) -> None:
+        """Call once after every optimizer step: project the master weights (``quantize_master``), then count
+        the step, so the next step's codes use fresh random bits."""
+        if self.config.quantize_master:
+            project_master_weights(self.modules, self.weight_codec, self.comm_state, self.config.min_quant_numel)
+        self.comm_state.step += 1
+
+    def before_step(self, optimizer: Optimizer) -> bool:
+        """Apply the non-finite policy to ``optimizer``'s gradient shards (after backward, before its step)."""
+        return self.nonfinite.apply(optimizer, self.comm_state.step)
+
+    def attach(self, optimizer: Optimizer) -> QSDPHandle:
+        """Run ``before_step`` / ``after_step`` from ``optimizer``'s step pre- and post-hooks (torch's
+        ``register_step_pre_hook`` / ``register_step_post_hook``), so the training loop calls nothing itself.
+        Returns ``self``; ``detach()`` removes the hooks."""
+        self.detach()
+        self._hooks = attach_step_hooks(optimizer, before=self.before_step, after=lambda opt: self.after_step())
+        return self
+
+    def detach(self) -> None:
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self._hooks = []
+
+    def state_dict(self) -> dict[str, int]:
+        """What continuing training needs besides weights and optimizer: the RNG step (same on all ranks)."""
+        return {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.comm_state.step = int(state["rng_step"])
+
+    def close(self) -> None:
+        """Stop the background all-gather thread (if any); a later all-gather restarts it."""
+        if self.background is not None:
+            self.background.close()
+
+    def _all_ranks_finite(self, finite: bool) -> bool:
+        group = self.mesh.get_group()
+        device = next((p.device for m in self.modules for p in m.parameters()), None)
+        return max_over_ranks(0.0 if finite else 1.0, group, device=device) == 0.0
+
+
+def config_fingerprint(config: QSDPConfig) -> dict[str, Any]:
+    """Everything that decides the FSDP groups and what their collectives send (compared across ranks: codecs
+    with equal payload sizes would otherwise decode each other's bytes as garbage)."""
+    weight, grad = config.build_weight_codec(), config.build_grad_codec()
+    layer_classes = config.layer_class_set
+    return {
+        "weight_codec": None if weight is None else weight.config(),
+        "grad_codec": None if grad is None else grad.config(),
+        "min_quant_numel": config.min_quant_numel,
+        "quantize_master": config.quantize_master,
+        "seed": config.seed,
+        "layer_classes": None if layer_classes is None else sorted(layer_classes),
+        "min_wrap_numel": config.min_wrap_numel,
+        "reshard_after_forward": config.reshard_after_forward,
+        "overlap_comm": config.overlap_comm,
+        "nonfinite": config.nonfinite,
+    }
+
+
+def apply_qsdp(
+    module: nn.Module,
+    mesh: Any,
+    config: QSDPConfig | None = None,
+    *,
+    comm_state: QSDPCommState | None = None,
+    background: BackgroundComm | None = None,
+    owner: str = "apply_qsdp",
+    check_ranks: bool = True,
+) -> QSDPHandle:
+    """Shard ``module`` with FSDP2 over the 1-D ``mesh`` and quantize its weight all-gathers and gradient
+    reduce-scatters (see the module docstring). Collective: every rank calls it with the same settings.
+
+    Args:
+        module: the model; sharded in place (a module already sharded with ``fully_shard`` keeps its groups).
+        mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks.
+        config: ``QSDPConfig`` (default: 8-bit weights and gradients).
+        comm_state: the seed / RNG-step state to use (a strategy keeps one across stages); default a new one at
+            step 0 with ``config.seed``.
+        background: the background thread and process group of overlapped CPU all-gathers, reused across calls
+            (default: made here when ``overlap_comm`` and the mesh is on CPU).
+        owner: the name error messages and logs use.
+        check_ranks: compare ``config`` across ranks first (``comm.consistency``; a mismatch raises on every rank).
+
+    Returns:
+        a ``QSDPHandle``: ``attach(optimizer)`` after the optimizer is made (it must see the sharded parameters).
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
+
+    config = QSDPConfig() if config is None else config
+    if not isinstance(config, QSDPConfig):
+        raise TypeError(f"{owner}(config={config!r}) must be a QSDPConfig")
+    if getattr(mesh, "ndim", None) != 1:
+        raise ValueError(f"{owner}: mesh must be a 1-D data-parallel DeviceMesh, got {mesh!r}")
+    check_torch_fsdp_api()
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise TypeError(f"{owner} supports FSDP2 (fully_shard) only; found FSDP1-wrapped modules")
+    if not any(p.numel() > 0 for p in module.parameters()):
+        raise ValueError(f"{owner}: the module {type(module).__name__} has no parameters to shard")
+    if check_ranks:
+        check_same_config(owner, config_fingerprint(config))
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        for m in plan_fsdp_groups(module, config.layer_class_set, config.min_wrap_numel):
+            fully_shard(m, mesh=mesh, reshard_after_forward=config.reshard_after_forward)
+    else:
+        # sharded before (by the user, or an earlier stage): keep it; a group left gathered by its last forward
+        # (FSDP2 keeps the root's) goes back to its shards first
+        for m in sharded:
+            m.reshard()
+    _check_all_sharded(module, owner)
+    worker = worker_group = None
+    if config.overlap_comm and mesh.device_type == "cpu":
+        background = BackgroundComm("lightning_qcomm-qsdp") if background is None else background
+        worker, worker_group = background.acquire(mesh.get_group())
+    else:
+        background = None
+    comm_state = QSDPCommState(seed=config.seed, step=0) if comm_state is None else comm_state
+    comm_config = QSDPCommConfig(config.build_weight_codec(), config.build_grad_codec(), config.min_quant_numel)
+    modules = install_qsdp_comms(module, comm_config, comm_state, worker=worker, worker_group=worker_group)
+    if worker is not None:
+        chain_forward_prefetch(modules)
+    return QSDPHandle(modules, mesh, config, comm_state, background, owner)
+
+
+def _check_all_sharded(root: nn.Module, owner: str) -> None:
+    """Trainable parameters outside every FSDP group would never have their gradients synchronized."""
+    from torch.distributed.tensor import DTensor
+
+    loose = [n for n, p in root.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if loose:
+        raise ValueError(
+            f"{owner}: trainable parameters {loose[:8]}{' ...' if len(loose) > 8 else ''} are not sharded by "
+            "fully_shard (shard also the module that holds them, e.g. the root)"
+        )
+
+
+def chain_forward_prefetch(fsdp_modules: list[nn.Module]) -> None:
+    """Within each FSDP root's tree, in registration order (the root's group, then its layers), group i issues
+    group i+1's all-gather before its own compute. Trees are not linked to each other: every FSDP root has its
+    own communication context, set up in its own first forward. A wrong order would only prefetch early."""
+    roots = [m for m in fsdp_modules if not any(o is not m and m in set(o.modules()) for o in fsdp_modules)]
+    for root in roots:
+        members = set(root.modules())
+        tree = [m for m in fsdp_modules if m in members]
+        for cur, nxt in zip(tree, tree[1:]):
+            cur.set_modules_to_forward_prefetch([nxt])
+
+
+__all__ = ["QSDPHandle", "apply_qsdp", "chain_forward_prefetch", "config_fingerprint"]

@@ -1,0 +1,135 @@
+"""``quant_ddp_hook``: the quantized gradient all-reduce as a DDP comm hook, no Lightning needed (entry-point layer).
+
+It returns the ``(state, hook)`` pair DDP's ``register_comm_hook`` takes, so the same pair serves a plain
+``DistributedDataParallel`` and Lightning's ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``. Lightning's
+``DDPStrategy`` registers a comm hook only on CUDA: on CPU it silently trains with plain DDP, which is one
+reason ``QuantDDPStrategy`` exists (it registers on every device, counts the optimizer steps and saves each
+rank's error feedback in checkpoints).
+
+The hook's seeds and its uncompressed warm-up (``start_step``) read an optimizer-step counter,
+``state.step``. Passing ``optimizer=`` advances it from that optimizer's step post-hook (and applies the
+``nonfinite`` policy from its pre-hook); without it, call ``state.next_step()`` after every optimizer step.
+
+Per-rank checkpoints (``select_rank_state``): each rank's state (step counter, error-feedback residuals, DDP's
+bucket layout) is gathered to rank 0 (``comm.onebit.gather_to_rank0``) and stored as ``{"world_size": N,
+"per_rank": [...]}``; on load each rank takes its entry, and with another world size keeps the step and
+resets the residuals (a residual belongs to one rank's data stream). Used by the Trainer and Fabric strategies.
+
+Example::
+
+    config = QuantDDPConfig(codec="uniform", bits=8)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    state, hook = quant_ddp_hook(config, ddp, optimizer=optimizer)   # optimizer: counts the steps itself
+    ddp.register_comm_hook(state, hook)
+    # Lightning (CUDA only, see above): DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_qcomm.comm.comm_worker import BackgroundComm
+from lightning_qcomm.comm.ddp_config import QuantDDPConfig, warn_if_not_contractive
+from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard
+from lightning_qcomm.parallel.step_hooks import attach_step_hooks
+
+log = logging.getLogger(__name__)
+
+
+def trainable_names(module: nn.Module) -> dict[nn.Parameter, str]:
+    """Each trainable parameter of ``module`` (a DDP wrapper is looked through) and its name, in definition
+    order: the hook's checkpoint keys and canonical order."""
+    module = module.module if isinstance(module, DistributedDataParallel) else module
+    return {p: n for n, p in module.named_parameters() if p.requires_grad}
+
+
+def quant_ddp_hook(
+    config: QuantDDPConfig,
+    module: nn.Module,
+    *,
+    optimizer: Optimizer | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    background: BackgroundComm | None = None,
+    loss_scale: Callable[[], torch.Tensor | None] | None = None,
+    owner: str = "quant_ddp_hook",
+) -> tuple[QuantDDPHookState, Callable]:
+    """The ``(state, hook)`` pair for ``DistributedDataParallel.register_comm_hook`` (see the module docstring).
+
+    Args:
+        config: ``QuantDDPConfig``.
+        module: the model DDP wraps, or the DDP module itself (its parameter names key the checkpointed state).
+        optimizer: if given, its step hooks advance ``state.step`` and apply ``config.nonfinite``.
+        process_group: DDP's process group (None: the default group).
+        background: the background thread and group of overlapped CPU buckets, reused across calls (default:
+            made here when ``config.overlap_comm``, the parameters are on CPU and there are several ranks).
+            Making it is collective: every rank calls this function in the same order.
+        loss_scale: returns the loss scale the gradients in DDP's buckets carry (a GradScaler's ``_scale``), or
+            None; error-feedback residuals are kept unscaled.
+        owner: the name warnings and logs use.
+    """
+    if not isinstance(config, QuantDDPConfig):
+        raise TypeError(f"{owner}(config={config!r}) must be a QuantDDPConfig")
+    warn_if_not_contractive(config, owner)
+    names = trainable_names(module)
+    on_cpu = all(p.device.type == "cpu" for p in names)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+    group, worker = process_group, None
+    if config.overlap_comm and on_cpu and distributed:
+        background = BackgroundComm("lightning_qcomm-quant_ddp") if background is None else background
+        worker, group = background.acquire(process_group)
+    state = QuantDDPHookState(config, names, process_group=group, worker=worker, loss_scale=loss_scale)
+    if optimizer is not None:
+        guard = NonFiniteGuard(config.nonfinite, owner)
+        attach_step_hooks(
+            optimizer, before=lambda opt: guard.apply(opt, state.step), after=lambda opt: state.next_step()
+        )
+    log.debug("%s: quant_ddp_comm_hook state for %d parameters with %s", owner, len(names), config)
+    return state, quant_ddp_comm_hook
+
+
+def select_rank_state(saved: dict | None, world_size: int, rank: int, global_step: int, owner: str) -> dict:
+    """This rank's hook state from a checkpoint entry ``{"world_size", "per_rank"}`` (see the module docstring).
+
+    No entry (a checkpoint written without the hook): the step counter resumes from ``global_step`` and the
+    residuals start at zero (warned). Another world size: the step is kept, the residuals reset (warned).
+    """
+    if saved is None:
+        rank_zero_warn(
+            f"{owner}: the checkpoint has no 'quant_ddp' entry (not written by QuantDDPStrategy); the step counter "
+            f"resumes from global_step={global_step} and error-feedback residuals start at zero"
+        )
+        return {"step": int(global_step), "error_feedback": {}}
+    per_rank = saved["per_rank"]
+    if saved["world_size"] == world_size:
+        return per_rank[rank]
+    rank_zero_warn(
+        f"{owner}: the checkpoint was written by {saved['world_size']} ranks, now {world_size}; the step counter is "
+        "restored, error-feedback residuals reset to 0"
+    )
+    return {"step": int(per_rank[0]["step"]), "error_feedback": {}}
+
+
+def config_fingerprint(config: QuantDDPConfig, ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Everything that decides what the hook's collectives send (compared across ranks at setup)."""
+    ddp = {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for k, v in ddp_kwargs.items()}
+    return {**asdict(config), "ddp_kwargs": ddp}
+
+
+__all__ = [
+    "config_fingerprint",
+    "quant_ddp_hook",
+    "select_rank_state",
+    "trainable_names",
+]
