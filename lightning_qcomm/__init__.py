@@ -1,6 +1,7 @@
 """lightning_qcomm: communication- and memory-compressed distributed training for PyTorch Lightning.
 
-Public API (re-exported here): codecs (``get_codec``), compressed collectives and the ``CommLedger``
+Public API (re-exported here): codecs (``get_codec``; the registry: ``register_codec``, ``codec_names``,
+``codec_spec``, ``resolve_codec``), compressed collectives and the ``CommLedger``
 (``lightning_qcomm.comm``), the strategies ``QSDPStrategy``, ``QuantDDPStrategy`` and
 ``LocalSGDStrategy`` (registered lowercase in Lightning's ``StrategyRegistry`` at import, so
 ``Trainer(strategy="qsdp")`` works), the callbacks ``CommVolumeLogger``, ``OneBitAdamCallback`` and
@@ -12,7 +13,17 @@ checkpoint folder -> one file; also ``python -m lightning_qcomm.consolidate IN O
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_qcomm.callbacks import ActivationQuantization, CommVolumeLogger, OneBitAdamCallback
-from lightning_qcomm.codecs import CODEC_NAMES, Codec, Packed, derive_seed, get_codec
+from lightning_qcomm.codecs import (
+    CODEC_NAMES,
+    Codec,
+    Packed,
+    codec_names,
+    codec_spec,
+    derive_seed,
+    get_codec,
+    register_codec,
+    resolve_codec,
+)
 from lightning_qcomm.comm import (
     CommLedger,
     ensure_ledger,
@@ -48,6 +59,8 @@ __all__ = [
     "QSDPStrategy",
     "QuantDDPStrategy",
     "__version__",
+    "codec_names",
+    "codec_spec",
     "consolidate_checkpoint",
     "count_saved_tensors",
     "derive_seed",
@@ -58,5 +71,7 @@ __all__ = [
     "quantized_all_gather",
     "quantized_all_reduce",
     "quantized_reduce_scatter",
+    "register_codec",
+    "resolve_codec",
     "set_ledger",
 ]
