@@ -109,6 +109,35 @@ def test_fake_kernels_give_the_real_shapes():
             assert fout.shape == (n,) and fout.dtype == torch.float32
 
 
+def test_opcheck_schemas_fakes_and_aot():
+    """torch.library.opcheck: the schemas' mutation annotations, the fake kernels (static and dynamic shapes)
+    and AOT dispatch agree with what the kernels do, on the reference and the C paths."""
+    from lightning_qcomm.codecs import cpu_fused, native
+
+    assert native.load() is not None, native.load_error()
+    for name, bits, opts in (("uniform", 3, {}), ("nuqsgd", 4, {}), ("fp8_e4m3", 8, {}), ("sign1", 1, {})):
+        codec = get_codec(name, bits, 37 if name != "sign1" else None, **opts)
+        for n in (1000, cpu_fused.FUSED_MIN_NUMEL + 5):
+            x, args = torch.randn(n), codec.op_args()
+            codes, scales = torch.ops.qcomm.encode(x, *args, 5)
+            for op, op_args in (
+                (torch.ops.qcomm.encode.default, (x, *args, 5)),
+                (torch.ops.qcomm.decode.default, (codes, scales, n, *args)),
+                (torch.ops.qcomm.decode_into.default, (codes, scales, *args, torch.bfloat16, torch.empty(n))),
+            ):
+                result = torch.library.opcheck(op, op_args)
+                assert set(result.values()) == {"SUCCESS"}, (name, n, op, result)
+    y = torch.randn(100)
+    payload = torch.zeros(17, dtype=torch.uint8)
+    for op, op_args in (
+        (torch.ops.qcomm.sign_encode_err.default, (y, cpu_fused.sign_scale(y), payload, torch.zeros(100), 60, 100)),
+        (torch.ops.qcomm.sign_server_sum.default, (torch.cat([payload, payload]), 2, 100, y, 60, torch.zeros(100))),
+        (torch.ops.qcomm.sign_decode.default, (payload, 100, torch.zeros(50))),
+    ):
+        result = torch.library.opcheck(op, op_args)
+        assert set(result.values()) == {"SUCCESS"}, (op, result)
+
+
 def test_dispatcher_picks_the_c_kernel_on_cpu(monkeypatch):
     """The C kernel of an element-wise op runs for CPU tensors once loaded, not the default (reference) one."""
     from lightning_qcomm.codecs import cpu_fused, native
