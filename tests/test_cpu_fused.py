@@ -216,6 +216,25 @@ def test_build_failure_warns_once_and_uses_reference(monkeypatch, tmp_path, capl
     assert torch.equal(p1.codes, p2.codes)
 
 
+def test_no_compiler_warns_once_and_uses_reference(monkeypatch, tmp_path, caplog):
+    """No C++ compiler on the machine at all: one warning naming that, the reference's codes, no error."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing to find there
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_load_error", None)
+    monkeypatch.setattr(cpu_fused, "_warned", set())
+    codec = get_codec("qsgd", 4, 512)
+    x = _nasty(N_LARGE, 4)
+    with caplog.at_level(logging.WARNING, logger=cpu_fused.log.name):
+        got = [codec.encode(x, seed=3) for _ in range(2)]
+        codec.decode(got[0])
+    warnings = [r.getMessage() for r in caplog.records if "fused CPU codecs unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0], warnings
+    monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
+    assert torch.equal(got[0].codes, codec.encode(x, seed=3).codes) and torch.equal(got[0].codes, got[1].codes)
+
+
 # ---------------------------------------------------------------------------------------------- cache safety
 _PLANT = r"""
 #include <stdio.h>
