@@ -99,16 +99,16 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run_cpu(numel: int, repeats: int, only: list[str] | None, clock: str = "wall") -> list[str]:
-    from lightning_qcomm.codecs import cpu_fused, dispatch
+    from lightning_qcomm.codecs import cpu_fused, native
 
     torch.set_flush_denormal(True)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     time_it = _timer(False, clock)
     t0 = time.perf_counter()
-    lib = cpu_fused.load()  # first use: builds the C library unless a cached copy exists
+    lib = native.load()  # first use: builds the C++ library unless a cached copy exists
     build_s = time.perf_counter() - t0
     if lib is None:
-        raise SystemExit(f"fused CPU codecs unavailable: {cpu_fused.load_error()}")
+        raise SystemExit(f"fused CPU codecs unavailable: {native.load_error()}")
     t_clone = _median(time_it, lambda: x.clone(), repeats)
     clone_gbps = _gbps(numel, t_clone)
     rows = [
@@ -132,7 +132,7 @@ def run_cpu(numel: int, repeats: int, only: list[str] | None, clock: str = "wall
                     os.environ[env] = "0"
                 else:
                     os.environ.pop(env, None)
-                assert dispatch.use_cpu_fused(codec, x, numel) == (mode == "fused")
+                assert cpu_fused.use_fused(codec, x, numel) == (mode == "fused")
                 packed = codec.encode(x, 0)
                 results[mode] = (packed, codec.decode(packed))
                 t_enc = _median(time_it, lambda c=codec: c.encode(x, 0), repeats)
@@ -173,7 +173,7 @@ def _check_against_reference(codec, xs: torch.Tensor, xs_cpu: torch.Tensor) -> b
 
 def run_cuda(numel: int, repeats: int, only: list[str] | None, clock: str = "wall") -> list[str]:
     from lightning_qcomm import kernels
-    from lightning_qcomm.codecs import dispatch
+    from lightning_qcomm.codecs import ops
 
     if not torch.cuda.is_available():
         raise SystemExit("--cuda needs a CUDA device")
@@ -195,7 +195,7 @@ def run_cuda(numel: int, repeats: int, only: list[str] | None, clock: str = "wal
         if only and label not in only:
             continue
         codec = get_codec(name, bits, **opts)
-        assert dispatch.use_triton(x), "CUDA tensors should dispatch to the Triton kernels"
+        assert ops._triton_for(codec), "CUDA tensors should dispatch to the Triton kernels"
         same = _check_against_reference(codec, x[:CHECK_NUMEL], x_check)
         enc_p, dec_p = _params(codec, x)
         codes = kernels.encode(codec, x, enc_p, 7)

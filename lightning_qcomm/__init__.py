@@ -1,6 +1,7 @@
 """lightning_qcomm: communication- and memory-compressed distributed training for PyTorch Lightning.
 
-Public API (re-exported here): codecs (``get_codec``), compressed collectives and the ``CommLedger``
+Public API (re-exported here): codecs (``get_codec``; the registry: ``register_codec``, ``codec_names``,
+``codec_spec``, ``resolve_codec``), compressed collectives and the ``CommLedger``
 (``lightning_qcomm.comm``), the plain-torch entry points ``apply_qsdp``, ``quant_ddp_hook``, ``LocalSGD`` and
 ``onebit_adam_ddp`` with their configs ``QSDPConfig``, ``QuantDDPConfig``, ``LocalSGDConfig``
 (``lightning_qcomm.parallel``), the Trainer strategies ``QSDPStrategy``, ``QuantDDPStrategy`` and
@@ -16,7 +17,17 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_qcomm.callbacks import ActivationQuantization, CommVolumeLogger, OneBitAdamCallback
-from lightning_qcomm.codecs import CODEC_NAMES, Codec, Packed, derive_seed, get_codec
+from lightning_qcomm.codecs import (
+    CODEC_NAMES,
+    Codec,
+    Packed,
+    codec_names,
+    codec_spec,
+    derive_seed,
+    get_codec,
+    register_codec,
+    resolve_codec,
+)
 from lightning_qcomm.comm import (
     CommLedger,
     ensure_ledger,
@@ -76,6 +87,8 @@ __all__ = [
     "QuantDDPStrategy",
     "__version__",
     "apply_qsdp",
+    "codec_names",
+    "codec_spec",
     "consolidate_checkpoint",
     "count_saved_tensors",
     "derive_seed",
@@ -88,5 +101,7 @@ __all__ = [
     "quantized_all_gather",
     "quantized_all_reduce",
     "quantized_reduce_scatter",
+    "register_codec",
+    "resolve_codec",
     "set_ledger",
 ]

@@ -300,7 +300,7 @@ def test_wheel_ships_configs_and_types_and_no_hard_triton(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for name in ("lightning_qcomm", "kernels", "configs"):
+    for name in ("lightning_qcomm", "configs"):  # lightning_qcomm/ holds kernels/ and csrc/
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     proc = subprocess.run(
         [
@@ -345,6 +345,17 @@ def test_wheel_ships_configs_and_types_and_no_hard_triton(tmp_path):
     found_dir, found = out.stdout.split()
     assert Path(found_dir) == tmp_path / "site" / "lightning_qcomm" / "configs"
     assert Path(found) == Path(found_dir) / "quickstart.yaml"
+    # the C++ sources ship too, and the installed package builds and loads its CPU kernels from them
+    assert {"lightning_qcomm/csrc/qcomm_ops.cpp", "lightning_qcomm/csrc/qcomm_kernels.h"} <= names
+    probe = "from lightning_qcomm.codecs import native; print(native.CSRC); print(native.load() or native.load_error())"
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    csrc, lib = out.stdout.split("\n")[:2]
+    assert Path(csrc) == tmp_path / "site" / "lightning_qcomm" / "csrc"
+    assert Path(lib).parent.parent == tmp_path / "ext", out.stdout
 
 
 # ------------------------------------------------------------------------------------- training, 2 ranks

@@ -1,4 +1,5 @@
-"""The fused CPU codec path (codecs/cpu_fused.py) against the torch reference, bit for bit.
+"""The fused CPU codec path (codecs/cpu_fused.py, the C kernels of lightning_qcomm/csrc) against the torch
+reference, bit for bit.
 
 The reference (``LIGHTNING_QCOMM_CPU_FUSED=0``) is the spec: for every codec, on lengths above the
 dispatch threshold that are not multiples of the bucket, with NaN/Inf, signed zeros, subnormals and huge
@@ -15,7 +16,7 @@ import pytest
 import torch
 from test_codecs import extreme_values, flush_denormal
 
-from lightning_qcomm.codecs import cpu_fused, dispatch, get_codec
+from lightning_qcomm.codecs import cpu_fused, get_codec, native
 
 CONFIGS = (
     [("uniform", b, {}) for b in (1, 2, 3, 4, 8)]
@@ -62,7 +63,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_library_builds():
-    assert cpu_fused.load() is not None, cpu_fused.load_error()
+    assert native.load() is not None, native.load_error()
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
@@ -73,11 +74,11 @@ def test_codec_api_bit_identical(cfg, monkeypatch):
         codec = get_codec(name, bits, bucket, **opts)
         for n, seed in ((N_LARGE, 11), (cpu_fused.FUSED_MIN_NUMEL, 12)):
             x = _nasty(n, seed)
-            assert dispatch.use_cpu_fused(codec, x, n)
+            assert cpu_fused.use_fused(codec, x, n)
             fused = codec.encode(x, seed=seed)
             fused_dec = codec.decode(fused)
             monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
-            assert not dispatch.use_cpu_fused(codec, x, n)
+            assert not cpu_fused.use_fused(codec, x, n)
             ref = codec.encode(x, seed=seed)
             ref_dec = codec.decode(ref)
             monkeypatch.delenv(cpu_fused.ENV_SWITCH)
@@ -173,24 +174,24 @@ def test_env_switch_disables(monkeypatch):
 
 def test_small_and_unsupported_use_reference():
     x = torch.randn(cpu_fused.FUSED_MIN_NUMEL - 1)
-    assert not dispatch.use_cpu_fused(get_codec("uniform", 8), x, x.numel())
+    assert not cpu_fused.use_fused(get_codec("uniform", 8), x, x.numel())
     from lightning_qcomm.codecs.uniform import UniformCodec
 
     class Custom(UniformCodec):
         pass
 
     big = torch.randn(cpu_fused.FUSED_MIN_NUMEL)
-    assert not dispatch.use_cpu_fused(Custom(8, 512), big, big.numel())
-    assert dispatch.use_cpu_fused(UniformCodec(8, 512), big, big.numel())
+    assert not cpu_fused.use_fused(Custom(8, 512), big, big.numel())
+    assert cpu_fused.use_fused(UniformCodec(8, 512), big, big.numel())
 
 
 def test_native_flag_rejected_falls_back_to_baseline_build(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_fused, "NATIVE_FLAGS", ("-fno-such-flag-for-this-test",))
-    monkeypatch.setattr(cpu_fused, "_lib", None)
-    monkeypatch.setattr(cpu_fused, "_load_error", None)
-    lib = cpu_fused.load()
-    assert lib is not None, cpu_fused.load_error()
+    monkeypatch.setattr(native, "NATIVE_FLAGS", ("-fno-such-flag-for-this-test",))
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_load_error", None)
+    lib = native.load()
+    assert lib is not None, native.load_error()
     codec = get_codec("qsgd", 4, 37)
     x = _nasty(N_LARGE, 9)
     fused = codec.encode(x, seed=2)
@@ -200,19 +201,38 @@ def test_native_flag_rejected_falls_back_to_baseline_build(monkeypatch, tmp_path
 
 def test_build_failure_warns_once_and_uses_reference(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setattr(cpu_fused, "_lib", None)
-    monkeypatch.setattr(cpu_fused, "_load_error", None)
-    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_load_error", None)
+    monkeypatch.setattr(cpu_fused, "_warned", set())
     codec = get_codec("fp8_e4m3", 8, 512)
     x = torch.randn(N_LARGE)
-    with caplog.at_level(logging.WARNING, logger=dispatch.log.name):
+    with caplog.at_level(logging.WARNING, logger=cpu_fused.log.name):
         p1 = codec.encode(x, seed=1)
         p2 = codec.encode(x, seed=1)
         codec.decode(p1)
     warnings = [r for r in caplog.records if "fused CPU codecs unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "failed" in warnings[0].getMessage()
     assert torch.equal(p1.codes, p2.codes)
+
+
+def test_no_compiler_warns_once_and_uses_reference(monkeypatch, tmp_path, caplog):
+    """No C++ compiler on the machine at all: one warning naming that, the reference's codes, no error."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing to find there
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_load_error", None)
+    monkeypatch.setattr(cpu_fused, "_warned", set())
+    codec = get_codec("qsgd", 4, 512)
+    x = _nasty(N_LARGE, 4)
+    with caplog.at_level(logging.WARNING, logger=cpu_fused.log.name):
+        got = [codec.encode(x, seed=3) for _ in range(2)]
+        codec.decode(got[0])
+    warnings = [r.getMessage() for r in caplog.records if "fused CPU codecs unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0], warnings
+    monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
+    assert torch.equal(got[0].codes, codec.encode(x, seed=3).codes) and torch.equal(got[0].codes, got[1].codes)
 
 
 # ---------------------------------------------------------------------------------------------- cache safety
@@ -227,9 +247,9 @@ __attribute__((constructor)) static void planted(void) {
 _PROBE = r"""
 import logging, os, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-from lightning_qcomm.codecs import cpu_fused
-lib = cpu_fused.load()
-print("LOADED", lib is not None, lib._name if lib is not None else cpu_fused.load_error())
+from lightning_qcomm.codecs import native
+lib = native.load()
+print("LOADED", lib is not None, lib if lib is not None else native.load_error())
 """
 
 
@@ -240,21 +260,21 @@ def _plant_and_probe(tmp_path, dir_mode: int, file_mode: int, owner: int | None 
     import subprocess
     import sys
 
-    cc = cpu_fused._compiler()
+    cc = native._compiler()
     if cc is None:
         pytest.skip("no C compiler")
     root = tmp_path / "ext"
-    d = root / "lightning_qcomm_cpu_fused"
+    d = root / native.CACHE_SUBDIR
     d.mkdir(parents=True)
     marker = tmp_path / "planted.txt"
     src = tmp_path / "planted.c"
     src.write_text(_PLANT % marker)
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root))
     for flags, machine in (
-        ((*cpu_fused.CFLAGS, *cpu_fused.NATIVE_FLAGS), cpu_fused._cpu_fingerprint()),
-        (cpu_fused.CFLAGS, ""),
+        ((*native.CXXFLAGS, *native.NATIVE_FLAGS), native._cpu_fingerprint()),
+        (native.CXXFLAGS, ""),
     ):
-        so = cpu_fused.library_path(str(root), cc, flags, machine)
+        so = native.library_path(str(root), cc, flags, machine)
         subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", so], check=True)
         os.chmod(so, file_mode)
         if owner is not None:

@@ -5,8 +5,9 @@ Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a kernel, i.e. when
 this process. So one subprocess (this file run as a script, with the variable set) goes through every
 case on CPU tensors and reports per codec; the tests below assert on that report:
 
-- encode: packed codes bit-identical to ``Codec.encode_reference`` (dispatch forced to the kernels, so
-  the kernels get exactly the per-bucket parameters the reference gets), for every codec and bit width,
+- encode: packed codes bit-identical to ``Codec.encode_reference`` (the ops' CPU kernel replaced by their CUDA
+  kernel, so ``codec.encode`` runs what the dispatcher runs for CUDA tensors and the kernels get exactly the
+  per-bucket parameters the reference gets), for every codec and bit width,
   default and odd bucket sizes (buckets straddling the 8-element packing groups), lengths that are not
   multiples of 8 or of the bucket, several seeds (64-bit ones too), NaN/+-Inf inputs, constant and zero
   buckets, a bucket of +-2e37 (extreme scales), and once more with int64 element indexing forced;
@@ -75,13 +76,25 @@ def _worker() -> dict:
     import torch
 
     from lightning_qcomm import kernels
-    from lightning_qcomm.codecs import Packed, derive_seed, dispatch, get_codec
+    from lightning_qcomm.codecs import Packed, derive_seed, get_codec, ops
 
     codec_kernels = kernels.codec_kernels
 
     assert kernels.HAS_TRITON and codec_kernels._is_interpreted(), "worker must run with TRITON_INTERPRET=1"
     seeds = (1, derive_seed(7, 3, 1))  # key words (k1, k2): both >= 2**31, both < 2**31
-    to_kernels = mock.patch.object(dispatch, "use_triton", lambda t: True)
+
+    class ToKernels:
+        """CPU tensors take the ops' CUDA kernels (Triton) while active; the C / reference kernels after."""
+
+        def __enter__(self):
+            self.lib = torch.library.Library("qcomm", "IMPL")
+            self.lib.impl("encode", ops.encode_cuda, "CPU")
+            self.lib.impl("decode", ops.decode_cuda, "CPU")
+
+        def __exit__(self, *exc):
+            self.lib._destroy()  # the earlier CPU kernels are back
+
+    to_kernels = ToKernels()
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())

@@ -3,62 +3,67 @@
 >>> codec = get_codec("qsgd", bits=4, bucket_size=512)
 >>> packed = codec.encode(x, seed=derive_seed(0, step, rank))
 >>> y = codec.decode(packed)          # same shape and dtype as x; packed.nbytes on the wire
+
+The names, bit ranges and options come from the registry (``codecs.registry``: ``register_codec`` on each
+class, ``codec_names`` / ``codec_spec`` for the lists); ``encode`` / ``decode`` run as the torch ops
+``torch.ops.qcomm.*`` (``codecs.ops``).
 """
 
 from __future__ import annotations
 
-from lightning_qcomm.codecs.base import Codec, Packed
-from lightning_qcomm.codecs.fp8 import FP8Codec
-from lightning_qcomm.codecs.qsgd import NUQSGDCodec, QSGDCodec, QSGDInfCodec
-from lightning_qcomm.codecs.rng import derive_seed
-from lightning_qcomm.codecs.sign import SignCodec
+# The codec modules register their classes on import, in this order: the order of CODEC_NAMES.
 from lightning_qcomm.codecs.uniform import UniformCodec
 
-CODEC_NAMES = ("uniform", "qsgd", "qsgdinf", "nuqsgd", "sign1", "fp8_e4m3", "fp8_e5m2")
+# isort: split
+from lightning_qcomm.codecs.qsgd import NUQSGDCodec, QSGDCodec, QSGDInfCodec
 
-_DEFAULT_BUCKET = 512
+# isort: split
+from lightning_qcomm.codecs.sign import SignCodec
+
+# isort: split
+from lightning_qcomm.codecs.fp8 import FP8Codec
+
+# isort: split
+from lightning_qcomm.codecs import ops as _ops  # noqa: F401  (defines torch.ops.qcomm.*)
+from lightning_qcomm.codecs.base import Codec, Packed
+from lightning_qcomm.codecs.registry import (
+    NO_COMPRESSION,
+    CodecSpec,
+    codec_names,
+    codec_spec,
+    register_codec,
+    resolve_codec,
+)
+from lightning_qcomm.codecs.rng import derive_seed
+
+CODEC_NAMES = codec_names()
 
 
 def get_codec(name: str, bits: int | None = None, bucket_size: int | None = None, **opts) -> Codec:
     """Build a codec by name.
 
     Args:
-        name: one of ``CODEC_NAMES``.
-        bits: code width; uniform 1..8, qsgd/qsgdinf/nuqsgd 2..8, sign1 1, fp8_* 8. None picks the
-            codec's default (1 for sign1, else 8).
+        name: one of ``CODEC_NAMES`` (``codec_names()``).
+        bits: code width, within ``codec_spec(name).bits`` (uniform 1..8, qsgd/qsgdinf/nuqsgd 2..8, sign1 1,
+            fp8_* 8). None picks the codec's default (1 for sign1, else 8).
         bucket_size: elements per scale block; None picks the codec default (512, or the whole
             tensor for sign1).
-        opts: ``stochastic`` (uniform: False rounds to nearest), ``rounding`` (fp8: "nearest" |
-            "stochastic").
+        opts: the options of ``codec_spec(name).options``: ``stochastic`` (uniform: False rounds to nearest),
+            ``rounding`` (fp8: "nearest" | "stochastic").
+
+    Example::
+
+        >>> get_codec("fp8_e4m3", rounding="stochastic").stochastic
+        True
     """
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
-    key = name.lower()
-    if key not in CODEC_NAMES:
-        raise ValueError(f"unknown codec name {name!r}; allowed: {', '.join(CODEC_NAMES)}")
-    allowed = {"uniform": {"stochastic"}, "fp8_e4m3": {"rounding"}, "fp8_e5m2": {"rounding"}}.get(key, set())
-    extra = set(opts) - allowed
-    if extra:
-        raise TypeError(f"codec {key!r} got unexpected option(s) {sorted(extra)}; allowed: {sorted(allowed)}")
-    if bits is None:
-        bits = 1 if key == "sign1" else 8
-    if key == "sign1":
-        return SignCodec(bits, bucket_size)
-    bucket = _DEFAULT_BUCKET if bucket_size is None else bucket_size
-    if key == "uniform":
-        return UniformCodec(bits, bucket, **opts)
-    if key == "qsgd":
-        return QSGDCodec(bits, bucket)
-    if key == "qsgdinf":
-        return QSGDInfCodec(bits, bucket)
-    if key == "nuqsgd":
-        return NUQSGDCodec(bits, bucket)
-    return FP8Codec(bits, bucket, fmt=key.split("_")[1], **opts)
+    return codec_spec(name).build(bits, bucket_size, **opts)
 
 
 __all__ = [
     "CODEC_NAMES",
+    "NO_COMPRESSION",
     "Codec",
+    "CodecSpec",
     "FP8Codec",
     "NUQSGDCodec",
     "Packed",
@@ -66,6 +71,10 @@ __all__ = [
     "QSGDInfCodec",
     "SignCodec",
     "UniformCodec",
+    "codec_names",
+    "codec_spec",
     "derive_seed",
     "get_codec",
+    "register_codec",
+    "resolve_codec",
 ]

@@ -11,12 +11,17 @@ never turns non-finite gradients into finite numbers. A finite bucket decodes fi
 dtype's largest value), also at the ends of fp32's range: buckets whose parameters would overflow or be
 subnormal are pre-scaled by a power of two, flagged in the sign of one scale (``codecs.scaling``).
 
-The per-element work (random bits, quantize, pack / unpack, dequantize) has a torch reference here
-and a Triton kernel in ``lightning_qcomm.kernels``; both take the per-bucket parameters computed
-below by torch, so the two paths produce bit-identical codes for the same seed. Those parameters (P per
-bucket, 1 to 3) are not the wire scales (``scales_per_bucket``): they add the pre-scaling factor, its
-inverse, and the norm codecs' level cap.
-Large CPU tensors use the compiled C path of ``codecs.cpu_fused`` (bit-identical to this reference).
+The per-element work (random bits, quantize, pack / unpack, dequantize) has a torch reference here,
+a C kernel (``lightning_qcomm/csrc``, CPU) and a Triton kernel (``lightning_qcomm.kernels``, CUDA); all take
+the per-bucket parameters computed below by torch, so they produce bit-identical codes for the same seed.
+Those parameters (P per bucket, 1 to 3) are not the wire scales (``scales_per_bucket``): they add the
+pre-scaling factor, its inverse, and the norm codecs' level cap.
+
+``encode`` / ``decode`` call the torch ops ``qcomm::encode`` / ``qcomm::decode`` (``codecs.ops``), whose
+kernel torch's dispatcher picks by device: CPU (``codecs.cpu_fused``: the C passes for large tensors, else
+this reference), CUDA (Triton), any other device (this reference). The ops carry the codec as
+``op_args()``, so ``torch.compile`` traces through them. A codec class that is not the one registered under
+its name (``codecs.registry``) may override the math: it runs this reference directly.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_qcomm.codecs import packing, rng, scaling
+from lightning_qcomm.codecs import packing, registry, rng, scaling
+from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +70,13 @@ class Packed:
 
 
 class Codec(ABC):
-    """Base class: bucketing, validation, padding, packing and kernel dispatch.
+    """Base class: bucketing, validation, padding, packing, and the calls into the ``qcomm`` ops.
 
     Subclasses define the math through four hooks, all on fp32:
     ``_scales`` (per-bucket wire scales), ``_encode_params`` / ``_decode_params`` (per-bucket
-    parameters derived from the scales) and ``_quantize`` / ``_dequantize`` (element-wise).
+    parameters derived from the scales) and ``_quantize`` / ``_dequantize`` (element-wise); a class with
+    native kernels also gives their constants (``kernel_spec``). ``min_bits`` / ``max_bits`` are set by
+    ``register_codec`` (these defaults hold for an unregistered subclass).
     """
 
     name: str = ""
@@ -76,6 +84,9 @@ class Codec(ABC):
     stochastic: bool = True
     min_bits: int = 1
     max_bits: int = 8
+    # Which exact per-bucket statistic the wire scales are a function of, for the fused CPU path (which
+    # computes it in C): "minmax" (lo, hi), "amax" (max |x|), or None (an L2 norm: torch's summation order).
+    scale_statistic: str | None = None
 
     def __init__(self, bits: int, bucket_size: int | None = 512) -> None:
         if not isinstance(bits, int) or isinstance(bits, bool):
@@ -150,9 +161,24 @@ class Codec(ABC):
     def _dequantize(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         """fp32 values of int64 codes (n,) given per-element params (n, P)."""
 
-    def kernel_config(self) -> dict:
-        """Compile-time constants the Triton kernel needs besides bits (overridden where used)."""
+    # ------------------------------------------------------------------ what the ops and kernels carry
+    def op_args(self) -> tuple[str, int, int | None, bool]:
+        """``(codec, bits, bucket_size, stochastic)``: how the ``qcomm`` ops name this codec;
+        ``registry.codec_for_op`` rebuilds it (with ``op_options``)."""
+        return (self.name, self.bits, self.bucket_size, bool(self.stochastic))
+
+    @classmethod
+    def op_options(cls, stochastic: bool) -> dict[str, object]:
+        """Constructor options that give ``stochastic`` (none by default: the class fixes it)."""
         return {}
+
+    def kernel_spec(self) -> KernelSpec:
+        """Kind and constants of the native kernels (classes registered with ``kernels=True``)."""
+        raise NotImplementedError(f"codec {self.name!r} has no native kernel")
+
+    def _spec(self, kind: KernelKind, enc_params: int, dec_params: int, **consts) -> KernelSpec:
+        bucket = 0 if self.bucket_size is None else self.bucket_size
+        return KernelSpec(kind, self.bits, bucket, bool(self.stochastic), enc_params, dec_params, **consts)
 
     # ------------------------------------------------------------------ public API
     def _check_input(self, x: torch.Tensor) -> None:
@@ -183,22 +209,27 @@ class Codec(ABC):
         """Compress ``x`` (any shape, fp32/fp16/bf16/fp64). ``seed`` keys the random bits (see
         ``rng.derive_seed`` to fold in step, rank and tensor id)."""
         self._check_input(x)
-        xf = x.detach().reshape(-1).to(torch.float32)
-        from lightning_qcomm.codecs import dispatch
+        if registry.is_registered(self):  # the op: the dispatcher picks C / Triton / the reference
+            codes, scales = torch.ops.qcomm.encode(x.detach(), *self.op_args(), rng.signed_seed(seed))
+        else:
+            xf = x.detach().reshape(-1).to(torch.float32)
+            codes, scales = self.encode_torch(xf, seed, scaling.output_max(x.dtype))
+        return Packed(codes=codes, scales=scales, shape=x.shape, dtype=x.dtype)
 
-        out_max = scaling.output_max(x.dtype)
-        if dispatch.use_cpu_fused(self, xf, xf.numel()):  # same codes and scales, in compiled passes
-            codes, scales = dispatch.cpu_fused_encode(self, xf, seed, out_max)
-            return Packed(codes=codes, scales=scales, shape=x.shape, dtype=x.dtype)
+    def bucket_scales(self, xf: torch.Tensor) -> torch.Tensor:
+        """Wire scales (num_buckets, scales_per_bucket) of flat fp32 ``xf``, NaN for a bucket holding a
+        non-finite element."""
         xb, counts = self._buckets(xf)
         scales = self._scales(xb, counts)
-        scales = torch.where(self._finite_mask(xb), scales, torch.full_like(scales, float("nan")))
+        return torch.where(self._finite_mask(xb), scales, torch.full_like(scales, float("nan")))
+
+    def encode_torch(self, xf: torch.Tensor, seed: int, out_max: float, elementwise=None):
+        """(codes, wire scales) of flat fp32 ``xf``: scales and parameters in torch, then ``elementwise(xf,
+        enc_params, seed)`` (default: ``encode_reference``; the CUDA kernel passes the Triton one)."""
+        scales = self.bucket_scales(xf)
         enc_params = self._encode_params(scales, out_max)
-        if dispatch.use_triton(xf):
-            codes = dispatch.triton_encode(self, xf, enc_params, seed)
-        else:
-            codes = self.encode_reference(xf, enc_params, seed)
-        return Packed(codes=codes, scales=scales.contiguous(), shape=x.shape, dtype=x.dtype)
+        codes = (elementwise or self.encode_reference)(xf, enc_params, seed)
+        return codes, scales.contiguous()
 
     def _pieces(self, numel: int):
         """Split 0..numel into pieces ``(start, rows, length, first_bucket)`` of whole buckets, or of parts
@@ -240,30 +271,21 @@ class Codec(ABC):
         """Rebuild a tensor of ``p.shape`` and ``p.dtype``."""
         if not isinstance(p, Packed):
             raise TypeError(f"p must be a Packed, got {type(p).__name__}")
-        n = p.numel
-        dec_params = self._decode_params(p.scales)
-        from lightning_qcomm.codecs import dispatch
-
-        if dispatch.use_triton(p.codes):
-            out = dispatch.triton_decode(self, p.codes, dec_params, n)
-        elif dispatch.use_cpu_fused(self, p.codes, n):
-            out = dispatch.cpu_fused_decode(self, p.codes, dec_params, n)
+        if registry.is_registered(self):
+            out = torch.ops.qcomm.decode(p.codes, p.scales, p.numel, *self.op_args())
         else:
-            out = self.decode_reference(p.codes, dec_params, n)
+            out = self.decode_reference(p.codes, self._decode_params(p.scales), p.numel)
         return out.to(p.dtype).reshape(p.shape)
 
     def decode_into(self, p: Packed, out: torch.Tensor) -> torch.Tensor:
-        """``out.copy_(decode(p))`` for an ``out`` of ``p.numel`` elements; the fused CPU path writes the
+        """``out.copy_(decode(p))`` for an ``out`` of ``p.numel`` elements; the fused CPU kernel writes the
         values straight into a contiguous fp32 ``out`` (no temporary)."""
         if not isinstance(p, Packed):
             raise TypeError(f"p must be a Packed, got {type(p).__name__}")
         if out.numel() != p.numel:
             raise ValueError(f"out has {out.numel()} elements, the payload {p.numel}")
-        from lightning_qcomm.codecs import cpu_fused, dispatch
-
-        direct = out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
-        if direct and not dispatch.use_triton(p.codes) and dispatch.use_cpu_fused(self, p.codes, p.numel):
-            cpu_fused.decode(self, p.codes, self._decode_params(p.scales), p.numel, out=out.view(-1))
+        if registry.is_registered(self):
+            torch.ops.qcomm.decode_into(p.codes, p.scales, *self.op_args(), p.dtype, out)
             return out
         return out.copy_(self.decode(p).view(out.shape))
 

@@ -22,7 +22,9 @@ import torch
 
 from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
+from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec
 from lightning_qcomm.codecs.qsgd import exp2_int, float_exponent
+from lightning_qcomm.codecs.registry import register_codec
 
 FP8_FORMATS = {
     # name: (torch dtype, mantissa bits, exponent bias, max finite)
@@ -32,10 +34,12 @@ FP8_FORMATS = {
 ROUNDINGS = ("nearest", "stochastic")
 
 
+# Decorators apply bottom-up: e4m3 is registered first (the order of CODEC_NAMES).
+@register_codec("fp8_e5m2", bits=range(8, 9), options={"rounding": ROUNDINGS}, kernels=True, fmt="e5m2")
+@register_codec("fp8_e4m3", bits=range(8, 9), options={"rounding": ROUNDINGS}, kernels=True, fmt="e4m3")
 class FP8Codec(Codec):
     scales_per_bucket = 1
-    min_bits = 8
-    max_bits = 8
+    scale_statistic = "amax"
 
     def __init__(
         self, bits: int = 8, bucket_size: int | None = 512, fmt: str = "e4m3", rounding: str = "nearest"
@@ -97,5 +101,10 @@ class FP8Codec(Codec):
         v = codes.to(torch.uint8).view(self.torch_dtype).to(torch.float32)
         return v * params[:, 0] * params[:, 1]
 
-    def kernel_config(self) -> dict:
-        return {"MBITS": self.mbits, "BIAS": self.bias, "FMAX": self.fmax, "STOCHASTIC": self.stochastic}
+    @classmethod
+    def op_options(cls, stochastic: bool) -> dict[str, object]:
+        return {"rounding": "stochastic" if stochastic else "nearest"}
+
+    def kernel_spec(self) -> KernelSpec:
+        consts = {"mbits": self.mbits, "bias": self.bias, "emin": self.emin, "fmax": self.fmax}
+        return self._spec(KernelKind.FP8, 2, 2, fp8_e4m3fn=self.fmt == "e4m3", **consts)

@@ -32,6 +32,11 @@ import torch
 
 from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
+from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec
+from lightning_qcomm.codecs.registry import register_codec
+
+# The C kernel's clamp of qsgd's scaled magnitude |x| s / n: above s + 1 (s <= 127), so it changes no level.
+_QSGD_CLAMP = 256.0
 
 
 def float_exponent(r: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -84,8 +89,6 @@ class _NormCodec(Codec):
     """Shared layout: sign bit + magnitude index, one norm per bucket."""
 
     scales_per_bucket = 1
-    min_bits = 2
-    max_bits = 8
 
     def __init__(self, bits: int = 4, bucket_size: int | None = 512) -> None:
         super().__init__(bits, bucket_size)
@@ -131,6 +134,7 @@ class _NormCodec(Codec):
         return 1.0 - 2.0 * ((codes & self.sign_bit) != 0).to(torch.float32)
 
 
+@register_codec("qsgd", bits=range(2, 9), kernels=True)
 class QSGDCodec(_NormCodec):
     name = "qsgd"
 
@@ -164,20 +168,26 @@ class QSGDCodec(_NormCodec):
         level = (codes & (self.sign_bit - 1)).to(torch.float32)
         return self._sign_of(codes) * level * params[:, 0] * params[:, 1]
 
+    def kernel_spec(self) -> KernelSpec:
+        return self._spec(KernelKind.QSGD, 3, 2, levels=self.s, sign_bit=self.sign_bit, fmax=_QSGD_CLAMP)
+
     def variance_bound(self, bucket_len: int) -> float:
         """QSGD's bound on E||Q(x)-x||^2 / ||x||^2 for one bucket of length B (L2 norm only)."""
         s = self.s
         return min(bucket_len / s**2, bucket_len**0.5 / s)
 
 
+@register_codec("qsgdinf", bits=range(2, 9), kernels=True)
 class QSGDInfCodec(QSGDCodec):
     name = "qsgdinf"
+    scale_statistic = "amax"
 
     def _norm64(self, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         amax = xb.abs().amax(dim=1)
         return amax, amax.double()
 
 
+@register_codec("nuqsgd", bits=range(2, 9), kernels=True)
 class NUQSGDCodec(_NormCodec):
     name = "nuqsgd"
 
@@ -222,5 +232,6 @@ class NUQSGDCodec(_NormCodec):
         )
         return self._sign_of(codes) * value * params[:, 0] * params[:, 1]
 
-    def kernel_config(self) -> dict:
-        return {"NUM_LEVELS": self.num_levels, "EMIN": self.min_exponent}
+    def kernel_spec(self) -> KernelSpec:
+        consts = {"levels": self.num_levels - 1, "sign_bit": self.sign_bit, "emin": self.min_exponent}
+        return self._spec(KernelKind.NUQSGD, 3, 2, **consts)

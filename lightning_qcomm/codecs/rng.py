@@ -52,6 +52,13 @@ def derive_seed(seed: int, *counters: int) -> int:
     return h
 
 
+def signed_seed(seed: int) -> int:
+    """``seed`` mod 2^64 as the int64 with the same bits: how the ops (an ``int`` argument) carry it;
+    ``seed_to_key`` gives both forms the same key."""
+    s = int(seed) & MASK64
+    return s - (1 << 64) if s >= (1 << 63) else s
+
+
 def seed_to_key(seed: int) -> tuple[int, int]:
     """The two 32-bit words (k1, k2) the per-element hash is keyed with."""
     seed = int(seed) & MASK64

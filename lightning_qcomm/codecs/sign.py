@@ -14,15 +14,16 @@ import torch
 
 from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
+from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec
 from lightning_qcomm.codecs.qsgd import l2_norm_rows64
+from lightning_qcomm.codecs.registry import register_codec
 
 
+@register_codec("sign1", bits=range(1, 2), bucket_size=None, family="sign", kernels=True)
 class SignCodec(Codec):
     name = "sign1"
     scales_per_bucket = 1
     stochastic = False
-    min_bits = 1
-    max_bits = 1
 
     def __init__(self, bits: int = 1, bucket_size: int | None = None) -> None:
         super().__init__(bits, bucket_size)
@@ -47,3 +48,6 @@ class SignCodec(Codec):
 
     def _dequantize(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         return (1.0 - 2.0 * codes.to(torch.float32)) * params[:, 0]
+
+    def kernel_spec(self) -> KernelSpec:
+        return self._spec(KernelKind.SIGN, 1, 1)

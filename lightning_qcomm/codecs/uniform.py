@@ -26,13 +26,15 @@ import torch
 from lightning_qcomm._checks import check_bool
 from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
+from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec
+from lightning_qcomm.codecs.registry import register_codec
 
 
+@register_codec("uniform", bits=range(1, 9), options={"stochastic": (True, False)}, kernels=True)
 class UniformCodec(Codec):
     name = "uniform"
     scales_per_bucket = 2
-    min_bits = 1
-    max_bits = 8
+    scale_statistic = "minmax"
 
     def __init__(self, bits: int = 8, bucket_size: int | None = 512, stochastic: bool = True) -> None:
         super().__init__(bits, bucket_size)
@@ -90,5 +92,9 @@ class UniformCodec(Codec):
     def _dequantize(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         return (params[:, 0] + codes.to(torch.float32) * params[:, 1]) * params[:, 2]
 
-    def kernel_config(self) -> dict:
-        return {"LEVELS": self.levels, "STOCHASTIC": self.stochastic}
+    @classmethod
+    def op_options(cls, stochastic: bool) -> dict[str, object]:
+        return {"stochastic": stochastic}
+
+    def kernel_spec(self) -> KernelSpec:
+        return self._spec(KernelKind.UNIFORM, 3, 3, levels=self.levels)

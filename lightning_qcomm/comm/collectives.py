@@ -47,7 +47,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec, cpu_fused, derive_seed, dispatch, get_codec
+from lightning_qcomm.codecs import Codec, cpu_fused, derive_seed, get_codec
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
 from lightning_qcomm.comm.ledger import get_ledger
 
@@ -808,7 +808,7 @@ def onebit_all_reduce(
         and server_error.is_contiguous()
         and worker_error.device.type == "cpu"
         and server_error.device.type == "cpu"
-        and dispatch.use_cpu_fused(_sign_codec(), x, _chunk_len(pieces[0][1], world))
+        and cpu_fused.use_fused(_sign_codec(), x, _chunk_len(pieces[0][1], world))
     )
     run = _onebit_pieces_fused if fused else _onebit_pieces_reference
     total_p = run(x, worker_error, server_error, group, rank, world, pieces)

@@ -23,21 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_qcomm.codecs import packing, rng
+from lightning_qcomm.codecs import packing, registry, rng
+from lightning_qcomm.codecs.kernel_spec import KernelSpec
 
 from .elementwise import dequantize, is_finite, quantize, uniform
-
-# Element-wise maps (constexpr KIND of the kernels).
-UNIFORM, QSGD, NUQSGD, SIGN, FP8 = 0, 1, 2, 3, 4
-_KIND_OF_NAME = {
-    "uniform": UNIFORM,
-    "qsgd": QSGD,
-    "qsgdinf": QSGD,  # same element-wise map; only the bucket norm (computed in torch) differs
-    "nuqsgd": NUQSGD,
-    "sign1": SIGN,
-    "fp8_e4m3": FP8,
-    "fp8_e5m2": FP8,
-}
 
 GROUPS_PER_PROGRAM = 128  # 1024 elements per program
 NUM_WARPS = 4
@@ -178,34 +167,30 @@ def _to_i32(word: int) -> int:
     return word - (1 << 32) if word >= (1 << 31) else word
 
 
-def _spec(codec) -> dict:
-    """Compile-time constants of ``codec`` (kind, widths, levels, exponents)."""
+def _kernel_spec(codec) -> KernelSpec:
+    """The codec's ``KernelSpec`` (the one the C kernels read too); a ValueError for a codec without one."""
     name = getattr(codec, "name", None)
-    kind = _KIND_OF_NAME.get(name)
-    if kind is None:
-        raise ValueError(f"codec name {name!r} has no Triton kernel; supported: {sorted(_KIND_OF_NAME)}")
-    cfg = codec.kernel_config()
-    bits = codec.bits
-    spec = {
-        "KIND": kind,
-        "BITS": bits,
-        "BITS_P2": triton.next_power_of_2(bits),
-        "BUCKET": 0 if codec.bucket_size is None else codec.bucket_size,
-        "LEVELS": 0,
-        "SIGN_BIT": 0,
-        "EMIN": 0,
-        "MBITS": 0,
-        "FP8_BIAS": 0,
+    supported = [n for n in registry.codec_names() if registry.codec_spec(n).kernels]
+    if name not in supported or not callable(getattr(codec, "kernel_spec", None)):
+        raise ValueError(f"codec name {name!r} has no Triton kernel; supported: {supported}")
+    return codec.kernel_spec()
+
+
+def _spec(codec) -> dict:
+    """Compile-time constants of ``codec`` (kind, widths, levels, exponents), from its ``KernelSpec``; the
+    kinds are ``kernel_spec.KernelKind``'s numbers (``elementwise.py`` switches on them)."""
+    k = _kernel_spec(codec)
+    return {
+        "KIND": int(k.kind),
+        "BITS": k.bits,
+        "BITS_P2": triton.next_power_of_2(k.bits),
+        "BUCKET": k.bucket,
+        "LEVELS": k.levels,
+        "SIGN_BIT": k.sign_bit,
+        "EMIN": k.emin,
+        "MBITS": k.mbits,
+        "FP8_BIAS": k.bias,
     }
-    if kind == UNIFORM:
-        spec["LEVELS"] = cfg["LEVELS"]
-    elif kind == QSGD:
-        spec.update(LEVELS=codec.s, SIGN_BIT=codec.sign_bit)
-    elif kind == NUQSGD:
-        spec.update(LEVELS=cfg["NUM_LEVELS"] - 1, SIGN_BIT=codec.sign_bit, EMIN=cfg["EMIN"])
-    elif kind == FP8:
-        spec.update(MBITS=cfg["MBITS"], FP8_BIAS=cfg["BIAS"], EMIN=1 - cfg["BIAS"])
-    return spec
 
 
 def _check_device(t: torch.Tensor, arg: str) -> None:
@@ -252,8 +237,8 @@ def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torc
         _to_i32(k2),
         **spec,
         P=params.shape[1],
-        STOCHASTIC=bool(codec.stochastic),
-        FMAX=float(getattr(codec, "fmax", 0.0)),
+        STOCHASTIC=codec.kernel_spec().stochastic,
+        FMAX=float(codec.kernel_spec().fmax),
         GROUPS=GROUPS_PER_PROGRAM,
         INT64_INDEX=int64_index,
         num_warps=NUM_WARPS,
@@ -291,7 +276,7 @@ def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> 
         numel,
         **spec,
         P=params.shape[1],
-        FP8_E4M3FN=getattr(codec, "fmt", "") == "e4m3",
+        FP8_E4M3FN=codec.kernel_spec().fp8_e4m3fn,
         GROUPS=GROUPS_PER_PROGRAM,
         INT64_INDEX=int64_index,
         num_warps=NUM_WARPS,

@@ -2,8 +2,9 @@
 
 ``encode(codec, xf, enc_params, seed)`` and ``decode(codec, codes, dec_params, numel)`` are the fused
 element-wise halves of every codec (random bits, quantize, bit packing and back), bit-identical to
-``Codec.encode_reference`` / ``Codec.decode_reference``. ``codecs/dispatch.py`` routes CUDA tensors here
-when ``HAS_TRITON``. With ``TRITON_INTERPRET=1`` set before this package is imported (Triton reads it
+``Codec.encode_reference`` / ``Codec.decode_reference``; their constants are the codec's ``kernel_spec()``,
+the same the C kernels read. They are the CUDA kernels of the ops ``qcomm::encode`` / ``decode``
+(``codecs.ops``), used when ``HAS_TRITON``. With ``TRITON_INTERPRET=1`` set before this package is imported (Triton reads it
 when the kernels are decorated), the same kernels run on CPU tensors through Triton's interpreter,
 which is how the tests compare them with the reference.
 """

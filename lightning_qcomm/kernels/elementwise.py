@@ -11,8 +11,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lightning_qcomm.codecs.kernel_spec import KernelKind
+
 _NAN = tl.constexpr(float("nan"))
 _INF = tl.constexpr(float("inf"))
+# The kinds, as the C kernels number them (one enum: codecs.kernel_spec.KernelKind).
+_UNIFORM = tl.constexpr(int(KernelKind.UNIFORM))
+_QSGD = tl.constexpr(int(KernelKind.QSGD))
+_NUQSGD = tl.constexpr(int(KernelKind.NUQSGD))
+_SIGN = tl.constexpr(int(KernelKind.SIGN))
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -82,7 +89,7 @@ def quantize(
     """int32 codes in [0, 2**BITS) of fp32 x; the same operations, in the same order, as each codec's
     ``_quantize`` (LEVELS: uniform 2^b-1, QSGD s, NUQSGD L-1; EMIN: NUQSGD's or FP8's smallest exponent).
     Parameters: uniform (sigma, lo, 1/unit); QSGD / NUQSGD (sigma, k/n, level cap); FP8 (sigma, 1/s)."""
-    if KIND == 0:  # uniform: floor((x sigma - lo) * inv + u), clamped to [0, LEVELS]
+    if KIND == _UNIFORM:  # uniform: floor((x sigma - lo) * inv + u), clamped to [0, LEVELS]
         t = (x * p0 - p1) * p2
         if STOCHASTIC:
             t = t + u
@@ -90,7 +97,7 @@ def quantize(
             t = t + 0.5
         t = _nan_to_zero(t)
         code = tl.minimum(tl.maximum(tl.floor(t), 0.0), LEVELS).to(tl.int32)
-    elif KIND == 1:  # QSGD / QSGDinf: r = |x| * s / n; level = floor(r) + [u < frac(r)], at most the cap
+    elif KIND == _QSGD:  # QSGD / QSGDinf: r = |x| * s / n; level = floor(r) + [u < frac(r)], at most the cap
         r = _nan_to_zero(tl.abs(x) * p0 * p1)
         lower = tl.floor(r)
         if STOCHASTIC:
@@ -99,7 +106,7 @@ def quantize(
             up = (r - lower) >= 0.5
         level = tl.minimum(tl.minimum(tl.maximum(lower + up.to(tl.float32), 0.0), LEVELS), p2).to(tl.int32)
         code = tl.where(x < 0, level | SIGN_BIT, level)
-    elif KIND == 2:  # NUQSGD: levels {0} U {2^-k}; bracket from r's exponent, every factor a power of two
+    elif KIND == _NUQSGD:  # NUQSGD: levels {0} U {2^-k}; bracket from r's exponent, every factor a power of two
         r = _nan_to_zero(tl.abs(x) * p0 * p1)
         r = tl.minimum(tl.maximum(r, 0.0), 1.0)
         e = _float_exponent(r)
@@ -114,9 +121,9 @@ def quantize(
             up = p >= 0.5
         level = tl.minimum(tl.minimum(tl.maximum(idx_lower + up.to(tl.int32), 0), LEVELS), p2.to(tl.int32))
         code = tl.where(x < 0, level | SIGN_BIT, level)
-    elif KIND == 3:  # sign1: 1 for x < 0
+    elif KIND == _SIGN:  # sign1: 1 for x < 0
         code = (x < 0).to(tl.int32)
-    else:  # FP8: |v| = |x| / s on the fp8 grid, nearest-even or stochastic; bit pattern by integer arithmetic
+    else:  # KernelKind.FP8: |v| = |x| / s on the fp8 grid, nearest-even or stochastic; bit pattern by integer arithmetic
         a = _nan_to_zero(tl.abs(x) * p0 * p1)
         a = tl.minimum(tl.maximum(a, 0.0), FMAX)
         e = tl.maximum(_float_exponent(a), EMIN)
@@ -155,16 +162,16 @@ def dequantize(
 ):
     """fp32 values of int32 codes, as each codec's ``_dequantize`` (FP8 decoded from its bit fields).
     Parameters: uniform (lo, unit, m); QSGD / NUQSGD (n/k, m); sign1 (scale); FP8 (s, m)."""
-    if KIND == 0:
+    if KIND == _UNIFORM:
         val = (p0 + c.to(tl.float32) * p1) * p2
-    elif KIND == 1:
+    elif KIND == _QSGD:
         level = (c & (SIGN_BIT - 1)).to(tl.float32)
         val = _sign_of(c, SIGN_BIT) * level * p0 * p1
-    elif KIND == 2:
+    elif KIND == _NUQSGD:
         idx = c & (SIGN_BIT - 1)
         mag = tl.where(idx > 0, _exp2_int(tl.maximum(idx - LEVELS, -126)), 0.0)
         val = _sign_of(c, SIGN_BIT) * mag * p0 * p1
-    elif KIND == 3:
+    elif KIND == _SIGN:
         val = (1.0 - 2.0 * c.to(tl.float32)) * p0
     else:
         exp_field = (c >> MBITS) & ((1 << (7 - MBITS)) - 1)

@@ -1,0 +1,144 @@
+"""The codec layer's torch ops, ``torch.ops.qcomm.*``: schemas, fake kernels, and which kernel runs where.
+
+A codec travels through the ops as ``Codec.op_args()`` = ``(codec, bits, bucket_size, stochastic)`` (rebuilt
+by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
+
+- ``encode``, ``decode``, ``decode_into``: CPU ``cpu_fused`` (the C passes on tensors of at least
+  ``FUSED_MIN_NUMEL`` elements, else the reference); CUDA: the per-bucket parameters in torch, the
+  element-wise work in Triton (``lightning_qcomm.kernels``); default (any other device): the torch reference;
+- ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_uniform_encode``: the C kernels (``csrc``),
+  CPU only, on flat contiguous tensors given the per-bucket parameters (what ``cpu_fused`` calls);
+- ``sign_encode_err``, ``sign_server_sum``, ``sign_decode`` (``codecs.sign_ops``): CPU the C kernels,
+  default the same arithmetic in torch.
+
+The C kernels are registered when ``codecs.native`` loads the library (on the first fused use); the fake
+kernels give the output shapes, so ``torch.compile`` traces ``Codec.encode`` / ``decode`` without a graph
+break. Codecs without native kernels (``register_codec(kernels=False)``) run the reference on every device.
+
+    encode(Tensor x, str codec, int bits, int? bucket_size, bool stochastic, int seed) -> (codes, scales)
+    decode(Tensor codes, Tensor scales, int numel, <codec>) -> Tensor        (flat fp32)
+    decode_into(Tensor codes, Tensor scales, <codec>, ScalarType dtype, Tensor(a!) out) -> ()
+
+``seed`` is ``rng.signed_seed(seed)`` (the 64-bit seed as an int64). ``LIGHTNING_QCOMM_DISABLE_TRITON=1`` makes
+the CUDA kernels use the reference; without Triton they do too, and say so once.
+
+Example::
+
+    >>> codes, scales = torch.ops.qcomm.encode(x, "qsgd", 4, 512, True, 7)
+    >>> torch.equal(codes, get_codec("qsgd", 4, 512).encode(x, seed=7).codes)
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from lightning_qcomm.codecs import cpu_fused, packing, registry, scaling, sign_ops  # noqa: F401  (sign ops)
+from lightning_qcomm.codecs.kernel_spec import C_SPEC_SCHEMA
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+_CODEC = "str codec, int bits, int? bucket_size, bool stochastic"
+
+_lib = torch.library.Library("qcomm", "DEF")
+_lib.define(f"encode(Tensor x, {_CODEC}, int seed) -> (Tensor codes, Tensor scales)")
+_lib.define(f"decode(Tensor codes, Tensor scales, int numel, {_CODEC}) -> Tensor")
+_lib.define(f"decode_into(Tensor codes, Tensor scales, {_CODEC}, ScalarType dtype, Tensor(a!) out) -> ()")
+# The C kernels (CPU only; csrc/qcomm_ops.cpp), on flat contiguous tensors given the per-bucket parameters.
+_lib.define(f"c_encode_codes(Tensor x, Tensor params, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) out) -> ()")
+_lib.define(
+    "c_decode_codes(Tensor codes, Tensor params, Tensor lut, int numel, int bits, int bucket, Tensor(a!) out) -> ()"
+)
+_lib.define(
+    "c_bucket_stats(Tensor x, int bucket, Tensor(a!) lo, Tensor(b!) hi, Tensor(c!) amax, Tensor(d!) flags) -> ()"
+)
+_lib.define(
+    f"c_uniform_encode(Tensor x, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) scales, Tensor(b!) params, "
+    "Tensor(c!) out) -> bool"
+)
+
+
+# ---------------------------------------------------------------------------------------------- default: reference
+def encode_reference(x, codec: str, bits: int, bucket_size: int | None, stochastic: bool, seed: int):
+    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+    return c.encode_torch(x.reshape(-1).to(torch.float32), seed, scaling.output_max(x.dtype))
+
+
+def decode_reference(codes, scales, numel: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
+    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+    return c.decode_reference(codes, c._decode_params(scales), numel)
+
+
+def decode_into_reference(codes, scales, codec: str, bits: int, bucket_size, stochastic: bool, dtype, out) -> None:
+    values = torch.ops.qcomm.decode(codes, scales, out.numel(), codec, bits, bucket_size, stochastic)
+    out.copy_(values.to(dtype).view(out.shape))
+
+
+# ---------------------------------------------------------------------------------------------- CUDA: Triton
+def _log_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg)
+
+
+def _triton_for(c) -> bool:
+    """True when the Triton kernels should do the element-wise work of codec ``c`` (on a CUDA tensor)."""
+    if not registry.has_kernels(c) or os.environ.get("LIGHTNING_QCOMM_DISABLE_TRITON") == "1":
+        return False
+    from lightning_qcomm import kernels
+
+    if not kernels.HAS_TRITON:
+        _log_once("no-triton", "lightning_qcomm: Triton is not available; CUDA tensors use the torch reference codecs")
+        return False
+    return True
+
+
+def encode_cuda(x, codec: str, bits: int, bucket_size: int | None, stochastic: bool, seed: int):
+    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+    if not _triton_for(c):
+        return encode_reference(x, codec, bits, bucket_size, stochastic, seed)
+    from lightning_qcomm import kernels
+
+    def triton_encode(xf, enc_params, s):
+        return kernels.encode(c, xf, enc_params, s)
+
+    return c.encode_torch(x.reshape(-1).to(torch.float32), seed, scaling.output_max(x.dtype), triton_encode)
+
+
+def decode_cuda(codes, scales, numel: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
+    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+    if not _triton_for(c):
+        return decode_reference(codes, scales, numel, codec, bits, bucket_size, stochastic)
+    from lightning_qcomm import kernels
+
+    return kernels.decode(c, codes, c._decode_params(scales), numel)
+
+
+# ---------------------------------------------------------------------------------------------- fake: shapes
+def _encode_fake(x, codec: str, bits: int, bucket_size: int | None, stochastic: bool, seed: int):
+    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+    n = x.numel()
+    codes = x.new_empty(packing.packed_nbytes(n, bits), dtype=torch.uint8)
+    return codes, x.new_empty((c.num_buckets(n), c.scales_per_bucket), dtype=torch.float32)
+
+
+def _decode_fake(codes, scales, numel: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
+    return codes.new_empty(numel, dtype=torch.float32)
+
+
+def _decode_into_fake(codes, scales, codec: str, bits: int, bucket_size, stochastic: bool, dtype, out) -> None:
+    return None
+
+
+for _op, _cpu, _cuda, _default, _fake in (
+    ("encode", cpu_fused.encode_kernel, encode_cuda, encode_reference, _encode_fake),
+    ("decode", cpu_fused.decode_kernel, decode_cuda, decode_reference, _decode_fake),
+    ("decode_into", cpu_fused.decode_into_kernel, decode_into_reference, decode_into_reference, _decode_into_fake),
+):
+    _lib.impl(_op, _cpu, "CPU")
+    _lib.impl(_op, _cuda, "CUDA")
+    _lib.impl(_op, _default, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"qcomm::{_op}", _fake, lib=_lib)

@@ -1,0 +1,106 @@
+"""The 1-bit sign ops of ``comm.onebit_all_reduce``'s fused path: schemas, fake kernels and default kernels.
+
+    qcomm::sign_encode_err(y, scale, payload!, err!, valid, err_len)   one sign1 payload of y, and y - C(y)
+    qcomm::sign_server_sum(buf, world, c, server_error, valid, z!)     z = (sum_r C_r) / world + e_s, in rank order
+    qcomm::sign_decode(payload, c, out!)                               the first len(out) decoded values
+
+A payload of c elements is ceil(c/8) code bytes (bit k of byte g set where y[8g+k] < 0, as ``packing``) then
+the scale as fp32; decoding flips the scale's sign bit where the code is 1 (``(1 - 2 code) * s`` for every
+non-NaN s). The CPU kernels are the C ones (``csrc``, registered when ``codecs.native`` loads them); the
+default kernels below are the same arithmetic in torch (any device), bit for bit (tests/test_torch_ops.py).
+``cpu_fused.sign_*`` are the checked entry points the collective calls.
+
+Example::
+
+    >>> payload = torch.empty((c + 7) // 8 + 4, dtype=torch.uint8)
+    >>> torch.ops.qcomm.sign_encode_err(y, cpu_fused.sign_scale(y), payload, err, c, c)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_qcomm.codecs import packing
+
+_lib = torch.library.Library("qcomm", "FRAGMENT")
+_lib.define("sign_encode_err(Tensor y, float scale, Tensor(a!) payload, Tensor(b!) err, int valid, int err_len) -> ()")
+_lib.define("sign_server_sum(Tensor buf, int world, int c, Tensor server_error, int valid, Tensor(a!) z) -> ()")
+_lib.define("sign_decode(Tensor payload, int c, Tensor(a!) out) -> ()")
+
+
+def _scale32(scale: float, device: torch.device) -> torch.Tensor:
+    return torch.tensor([scale], dtype=torch.float32, device=device)  # rounded as the C kernel's (float) cast
+
+
+def _values(payload: torch.Tensor, c: int, length: int) -> torch.Tensor:
+    """The first ``length`` decoded values of a c-element payload: the scale with its sign bit flipped where
+    the code bit is set."""
+    nb = (c + 7) // 8
+    su = payload[nb : nb + 4].clone().view(torch.int32)
+    bits = packing.unpack_bits(payload[:nb], 1, length).to(torch.int32)
+    return (su ^ (bits << 31)).view(torch.float32)
+
+
+def sign_encode_err_reference(
+    y: torch.Tensor, scale: float, payload: torch.Tensor, err: torch.Tensor, valid: int, err_len: int
+) -> None:
+    """Default kernel of ``qcomm::sign_encode_err``: codes of ``y < 0`` and, where the fp32 scale s is finite,
+    err[:valid] = y - (y < 0 ? -s : s); a non-finite s gives zero codes and leaves err[:valid]; err[valid:err_len]
+    = 0; the scale after the codes."""
+    c = y.numel()
+    nb = (c + 7) // 8
+    s = _scale32(scale, y.device)
+    flat = y.reshape(-1)
+    if torch.isfinite(s).item():
+        payload[:nb] = packing.pack_bits((flat < 0).to(torch.uint8), 1)
+        if valid > 0:
+            head = flat[:valid]
+            err.view(-1)[:valid] = head - torch.where(head < 0, -s, s)
+    else:
+        payload[:nb] = 0
+    err.view(-1)[max(valid, 0) : err_len] = 0.0
+    payload[nb : nb + 4] = s.view(torch.uint8)
+
+
+def sign_server_sum_reference(
+    buf: torch.Tensor, world: int, c: int, server_error: torch.Tensor, valid: int, z: torch.Tensor
+) -> None:
+    """Default kernel of ``qcomm::sign_server_sum``: z[:n] = (v_0 + v_1 + ... + v_{world-1}) / world + e_s[:n]
+    (left to right, n = clamp(valid, 0, c)), z[n:c] = 0."""
+    p = (c + 7) // 8 + 4
+    n = max(min(valid, c), 0)
+    zf = z.view(-1)
+    if n:
+        acc = _values(buf[:p], c, n)
+        for r in range(1, world):
+            acc = acc + _values(buf[r * p : (r + 1) * p], c, n)
+        # a true division by a tensor, as the C kernel's acc / (float)world (never x * (1 / world))
+        zf[:n] = acc / torch.full_like(acc, float(world)) + server_error.reshape(-1)[:n]
+    zf[n:c] = 0.0
+
+
+def sign_decode_reference(payload: torch.Tensor, c: int, out: torch.Tensor) -> None:
+    """Default kernel of ``qcomm::sign_decode``."""
+    length = out.numel()
+    if length:
+        out.view(-1).copy_(_values(payload, c, length))
+
+
+_lib.impl("sign_encode_err", sign_encode_err_reference, "CompositeExplicitAutograd")
+_lib.impl("sign_server_sum", sign_server_sum_reference, "CompositeExplicitAutograd")
+_lib.impl("sign_decode", sign_decode_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("qcomm::sign_encode_err")
+def _sign_encode_err_fake(y, scale, payload, err, valid, err_len) -> None:
+    return None
+
+
+@torch.library.register_fake("qcomm::sign_server_sum")
+def _sign_server_sum_fake(buf, world, c, server_error, valid, z) -> None:
+    return None
+
+
+@torch.library.register_fake("qcomm::sign_decode")
+def _sign_decode_fake(payload, c, out) -> None:
+    return None
