@@ -20,11 +20,12 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_qcomm._checks import check_bool, check_int
-from lightning_qcomm.codecs import Codec, get_codec
+from lightning_qcomm.codecs import Codec, codec_names, get_codec
 from lightning_qcomm.comm.nonfinite import check_policy
 
-DDP_CODECS = ("qsgd", "qsgdinf", "nuqsgd", "uniform", "fp8_e4m3", "fp8_e5m2", "none")
-"""Codec names the DDP hook accepts; ``"none"`` is the uncompressed fp32 path (through our ledger)."""
+DDP_CODECS = codec_names(family="quantizer", with_none=True)
+"""Codec names the DDP hook accepts (the registry's quantizers); ``"none"`` is the uncompressed fp32 path
+(through our ledger)."""
 
 UNCOMPRESSED_BITS = 32
 

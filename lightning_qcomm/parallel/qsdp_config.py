@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_qcomm._checks import check_bool, check_int, check_str
-from lightning_qcomm.codecs import CODEC_NAMES, Codec, get_codec
+from lightning_qcomm.codecs import Codec, codec_names, get_codec
 from lightning_qcomm.comm.nonfinite import check_policy
 
 UNQUANTIZED_BITS = 32
 DEFAULT_MIN_WRAP_NUMEL = 1_000_000
-CODEC_CHOICES = (*CODEC_NAMES, "none")
+CODEC_CHOICES = codec_names(with_none=True)  # every registered codec, and "none" (unquantized)
 
 
 def build_codec(arg_bits: str, bits: int, arg_codec: str, name: str, bucket_size: int) -> Codec | None:

@@ -40,7 +40,7 @@ from typing_extensions import override
 from lightning_qcomm._checks import START_METHODS, build_as, check_choice, check_timeout
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
-from lightning_qcomm.comm.ddp_config import QuantDDPConfig, warn_if_not_contractive
+from lightning_qcomm.comm.ddp_config import DDP_CODECS, QuantDDPConfig, warn_if_not_contractive
 from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import gather_to_rank0
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "quant_ddp"
 
-CodecName = Literal["qsgd", "qsgdinf", "nuqsgd", "uniform", "fp8_e4m3", "fp8_e5m2", "none"]
+CodecName = Literal[DDP_CODECS]  # the registry's quantizers and "none", for the CLI's validation
 
 RESERVED_DDP_KWARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
