@@ -295,14 +295,15 @@ def _copy_back(x: torch.Tensor, out_flat: torch.Tensor) -> None:
 
 
 def _update_error(err: torch.Tensor, new: torch.Tensor) -> None:
-    """err <- new where new is finite (keeps the previous residual where a step was non-finite)."""
+    """err <- new where new is finite (keeps the previous residual where a step was non-finite).
+
+    Branch-free: deciding on the host whether any element is non-finite would wait for the device every step.
+    """
     new = new.reshape(err.shape)
-    # Fast path: a finite sum proves every element finite (NaN/Inf propagate; an overflowing sum of
-    # finite values only sends us to the element-wise path, which is exact either way).
-    if bool(torch.isfinite(new.sum())):
-        err.copy_(new)
-        return
-    err.copy_(torch.where(torch.isfinite(new), new, err.to(new.dtype)).to(err.dtype))
+    if err.dtype == new.dtype:
+        torch.where(torch.isfinite(new), new, err, out=err)
+    else:
+        err.copy_(torch.where(torch.isfinite(new), new, err.to(new.dtype)))
 
 
 # ---------------------------------------------------------------------------------------------- all-gather
