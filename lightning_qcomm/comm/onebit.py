@@ -50,6 +50,7 @@ from lightning_qcomm.comm.collectives import (
     quantized_all_reduce,
 )
 from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.side_stream import SideStream
 
 log = logging.getLogger(__name__)
 
@@ -236,17 +237,26 @@ class OneBitGradHookState:
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group
         self.compressing = False  # set by the owner once the optimizer froze its variance
+        self.side_stream = SideStream()  # CUDA buckets: the all-reduce overlaps the rest of backward
 
 
 def onebit_adam_grad_hook(state: OneBitGradHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: fp32 average of the bucket during warm-up (ledger tag "grads"); local gradient after.
 
     Register with ``ddp_model.register_comm_hook(state, onebit_adam_grad_hook)``. DDP's bucket shapes
-    agree across ranks by construction, so the cross-rank consistency check is skipped.
+    agree across ranks by construction, so the cross-rank consistency check is skipped. On CUDA the average
+    runs on a side stream (``comm.side_stream``) and the future is ordered after it.
     """
     buf = bucket.buffer()
-    if not state.compressing:
+
+    def average() -> torch.Tensor:
         quantized_all_reduce(buf, None, group=state.process_group, op="avg", tag="grads", check=False)
+        return buf
+
+    if not state.compressing and buf.is_cuda:
+        return state.side_stream.submit(average, buf)
+    if not state.compressing:
+        average()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut
