@@ -32,8 +32,6 @@ This file owns the collectives 1-bit Adam issues and knows nothing of Lightning 
 * ``max_over_ranks``: the auto-freeze decision's max of one float over ranks (one 8-byte fp64
   all-reduce, ledger op ``all_reduce`` with tag ``"control"`` -- kept apart from ``"momentum"`` and
   ``"grads"`` so the per-phase bytes stay clean; baseline 0 bytes, it has no fp32 counterpart).
-* ``gather_to_rank0``: ``gather_object`` of one picklable object per rank (the error buffers at
-  checkpoint save); not in the ledger (checkpoint I/O, not training traffic).
 
 No ``from __future__ import annotations`` here: DDP checks a hook's annotations against real classes.
 """
@@ -219,18 +217,6 @@ def max_over_ranks(
     return float(t.item())
 
 
-def gather_to_rank0(obj: object) -> list | None:
-    """Every rank's ``obj`` as a list on global rank 0 (``dist.gather_object``), None on the other ranks.
-
-    A world of one (or torch.distributed not initialised) returns ``[obj]``. Not recorded in the ledger.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
-    return gathered
-
-
 class OneBitGradHookState:
     """State of ``onebit_adam_grad_hook``: the process group and whether the warm-up is over."""
 
@@ -266,7 +252,6 @@ __all__ = [
     "OneBitGradHookState",
     "OneBitMomentumSync",
     "bucket_layout",
-    "gather_to_rank0",
     "max_over_ranks",
     "onebit_adam_grad_hook",
 ]
