@@ -197,8 +197,10 @@ def encode_rows(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch
 
 def _row_keys(seeds: Sequence[int], device: torch.device) -> torch.Tensor:
     """(R, 2) int32: the uint32 key words of each row's seed (``rng.seed_to_key``)."""
-    keys = [[rng._as_int32(k) for k in rng.seed_to_key(s)] for s in seeds]
-    return torch.tensor(keys, dtype=torch.int32).to(device, non_blocking=True)
+    keys = torch.tensor([[rng._as_int32(k) for k in rng.seed_to_key(s)] for s in seeds], dtype=torch.int32)
+    if device.type == "cuda":  # from pageable memory the copy would wait for the stream: pinned, it is queued
+        keys = keys.pin_memory()
+    return keys.to(device, non_blocking=True)
 
 
 def _uniforms(keys: torch.Tensor, rows_of: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
