@@ -826,7 +826,8 @@ def wire_bytes_formula(
     """Ledger wire estimate (bytes this rank sends) of one call, for benchmarks and docs.
 
     ``collective`` is "all_gather" (numel = shard length), "reduce_scatter" (numel = output length),
-    "all_reduce" or "onebit_all_reduce" (numel = d). Excludes the consistency check's 8*8*N bytes.
+    "all_reduce" or "onebit_all_reduce" (numel = d). Excludes the consistency check's 8*8*N bytes. The
+    all-reduce is pieced as on CPU; a CUDA tensor goes as one piece (``piece_numel=numel`` gives its bytes).
     """
     n = world_size
     if collective == "onebit_all_reduce":
