@@ -30,6 +30,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_qcomm.parallel import rank_files
+
 WORLD = 2
 MLP_STEPS = 48  # tests/test_quant_ddp.py: 3 epochs of 16 steps
 GPT_STEPS = 16  # tests/test_qsdp.py: 2 epochs of 8 steps
@@ -352,6 +354,7 @@ def _fabric_quant_ddp(rank: int, outdir: str, out: dict) -> None:
     ckpt = os.path.join(outdir, "quant_ddp.ckpt")
     out["ef_resumed"] = run(QuantDDPFabricStrategy(**MULTI_BUCKET), _wide_mlp, steps, save_at=half, load=ckpt)
     saved = torch.load(ckpt, weights_only=True)["quant_ddp"]
+    saved["per_rank"] = [e["quant_ddp"] for e in rank_files.read_all(ckpt)]  # each rank's own side file
     out["ef_saved"] = {"world_size": saved["world_size"], "steps": [s["step"] for s in saved["per_rank"]]}
     ef = [s["error_feedback"] for s in saved["per_rank"]]
     out["ef_saved"]["differ"] = any(not torch.equal(ef[0][k], ef[1][k]) for k in ef[0])

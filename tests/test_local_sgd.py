@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_qcomm.comm.ledger import CommLedger, set_ledger
+from lightning_qcomm.parallel import rank_files
 from lightning_qcomm.parallel.sync_rules import QSRRule, simulate
 from lightning_qcomm.strategies.local_sgd import LocalSGDStrategy, register_local_sgd_strategies
 
@@ -262,7 +263,9 @@ def qsr_runs(tmp_path_factory):
     _trainer(strategy, [Recorder(out, "B")], out, max_epochs=EPOCHS, limit_val_batches=1).fit(
         Regressor(bn=True, optim="adamw"), ckpt_path=resume_from
     )
-    return _load(out, "A"), _load(out, "B"), torch.load(resume_from, weights_only=False)
+    loaded = torch.load(resume_from, weights_only=False)
+    loaded["side_files"] = rank_files.read_all(resume_from)  # each rank's own state, beside the checkpoint
+    return _load(out, "A"), _load(out, "B"), loaded
 
 
 @pytest.mark.slow
@@ -319,7 +322,7 @@ def test_resume_reproduces_sync_steps_and_parameters(qsr_runs):
     resume_step = 2 * STEPS_PER_EPOCH
     state = ckpt["local_sgd"]["schedule"]
     assert state["step"] == resume_step and state["h"] is not None and state["steps_since_sync"] > 0  # mid-round
-    per_rank = ckpt["local_sgd"]["optimizer_states_per_rank"][0]
+    per_rank = [entry["local_sgd"]["optimizer_states"][0] for entry in ckpt["side_files"]]
     assert len(per_rank) == 2
     assert not torch.equal(per_rank[0]["state"][0]["exp_avg"], per_rank[1]["state"][0]["exp_avg"])
     assert b0["sync_steps"] == [s for s in a0["sync_steps"] if s > resume_step] == b1["sync_steps"]

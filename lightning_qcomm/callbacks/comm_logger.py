@@ -30,10 +30,10 @@ What it owns:
   (``summary_file``): the vs-DDP headline for the training steps, Local SGD's syncs and mean H, 1-bit
   Adam's phase, then the per-collective table.
 * **Resume.** The totals since training start (all traffic, training-step traffic, the DDP-fp32
-  baseline, steps counted) are this callback's ``state_dict``: every rank's, gathered when the checkpoint
-  is written (all ranks call it, as Lightning does), and each rank restores its own, so after a resume
-  the header's step count, the summary and ``comm/cum_*`` continue. With another world size the saved
-  totals are summed into rank 0's (the summary stays right; per-rank numbers restart), logged once.
+  baseline, steps counted): each rank writes its own to its side file (``parallel.rank_files``) and restores
+  it, so after a resume the header's step count, the summary and ``comm/cum_*`` continue; the checkpoint keeps
+  their sum over ranks (this callback's ``state_dict``, one small all-reduce). With another world size that sum
+  goes to rank 0 (the summary stays right; per-rank numbers restart), logged once.
 
 Plain Lightning strategies record nothing into our ledger, so to report them honestly:
 
@@ -83,6 +83,7 @@ from lightning_qcomm.callbacks.comm_report import (
     write_summary_json,
 )
 from lightning_qcomm.comm.ledger import CommLedger, ensure_ledger, get_ledger
+from lightning_qcomm.parallel import rank_files
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,8 @@ class CommVolumeLogger(pl.Callback):
         return add_totals(self._prior, diff_totals(self._active_ledger().cumulative, self._fit_start))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        rank_files.attach(trainer.strategy)  # each rank's totals in its own side file, any strategy
+        self._device = trainer.strategy.root_device
         if stage != "fit":
             return
         self._ledger = ensure_ledger()
@@ -232,27 +235,37 @@ class CommVolumeLogger(pl.Callback):
         self._last_global_step = trainer.global_step  # after a checkpoint restore, unlike setup
 
     # checkpoint (per rank) ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's totals since training start (collective: Lightning calls this on every rank)."""
-        mine = {
+    def _mine(self) -> dict[str, Any]:
+        return {
             "all": totals_to_rows(self._since_start()) if self._ledger is not None else totals_to_rows(self._prior),
             "train": totals_to_rows(self._train),
             "ddp_bytes": self._ddp_bytes,
             "steps": self._steps,
         }
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            per_rank: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, mine)
-        else:
-            per_rank = [mine]
-        return {"world_size": len(per_rank), "per_rank": per_rank}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The totals since training start summed over ranks (collective: Lightning calls this on every rank)."""
+        mine, device = self._mine(), getattr(self, "_device", torch.device("cpu"))
+        everything, _ = aggregate_over_ranks(totals_from_rows(mine["all"]), device)
+        train, (ddp_bytes,) = aggregate_over_ranks(totals_from_rows(mine["train"]), device, [mine["ddp_bytes"]])
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        summed = {"all": totals_to_rows(everything), "train": totals_to_rows(train), "ddp_bytes": ddp_bytes}
+        return {"world_size": world, "summed": {**summed, "steps": mine["steps"]}}
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        rank_files.stash(checkpoint, self.state_key, self._mine())  # this rank's own totals
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self._own_saved = rank_files.own_entry(checkpoint, self.state_key)  # before load_state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        saved = state_dict["per_rank"]
+        # an earlier version's checkpoint holds every rank's totals; this one the sum and a side file per rank
+        saved = state_dict.get("per_rank") or [state_dict["summed"]]
+        own, self._own_saved = getattr(self, "_own_saved", None), None
         if state_dict["world_size"] == world:
-            entries = [saved[rank]]
+            entries = [saved[rank]] if "per_rank" in state_dict else [e for e in (own,) if e is not None]
         else:
             rank_zero_warn(
                 f"CommVolumeLogger: the checkpoint's totals were written by {state_dict['world_size']} ranks, now "

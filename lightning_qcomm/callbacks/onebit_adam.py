@@ -26,13 +26,12 @@ What it does (the math is ``optim.OneBitAdam``, the compressed momentum average 
   ``gradient_clip_val`` clips each rank's *local* gradient (before it enters the momentum), not the
   average. Auto-freeze's 8-byte max of the variance change is recorded under tag "control".
 * **Checkpoints.** The optimizer's ``state_dict`` (m, frozen v̂, step counts, freeze step) is saved by
-  Lightning as usual. Each rank's 1-bit error buffers are gathered to rank 0 at save
-  (``comm.onebit.gather_to_rank0``) and stored as ``checkpoint["onebit_adam"] = {"world_size": N,
-  "per_rank": [...]}``; on resume (``trainer.fit(ckpt_path=...)`` only) each rank restores entry
-  ``per_rank[global_rank]`` after the optimizer state. With another world size the buffers restart at
-  zero (logged). Rank 0 holds N copies (about 4·d·(1 + 1/N) bytes each, d = trainable parameters) while
-  saving, only in the compression phase. A checkpoint loaded by ``validate``/``test``/``predict`` is
-  ignored, and each ``fit`` starts without a previous one's loaded buffers.
+  Lightning as usual. Each rank writes its own 1-bit error buffers (about 4·d·(1 + 1/N) bytes, d =
+  trainable parameters, only in the compression phase) to its side file next to the checkpoint
+  (``parallel.rank_files``, under any strategy); the checkpoint keeps ``checkpoint["onebit_adam"] =
+  {"world_size": N}``. On resume (``trainer.fit(ckpt_path=...)`` only) each rank restores its own after the
+  optimizer state. With another world size the buffers restart at zero (logged). A checkpoint loaded by
+  ``validate``/``test``/``predict`` is ignored, and each ``fit`` starts without a previous one's loaded buffers.
 
 Requirements (ValueError at setup otherwise): automatic optimization (with ``automatic_optimization =
 False`` Lightning switches DDP's gradient sync back on after every forward); exactly one optimizer; a
@@ -57,8 +56,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
-from lightning_qcomm.comm.onebit import OneBitGradHookState, gather_to_rank0
+from lightning_qcomm.comm.onebit import OneBitGradHookState
 from lightning_qcomm.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
+from lightning_qcomm.parallel import rank_files
 from lightning_qcomm.parallel.onebit_adam import OneBitAdamDDP
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ class OneBitAdamCallback(pl.Callback):
         if stage != "fit":
             return
         self._loaded = None  # runs before a checkpoint is restored: no buffers from an earlier fit/validate
+        rank_files.attach(trainer.strategy)  # each rank's error buffers in its own side file, any strategy
         if not pl_module.automatic_optimization:
             raise ValueError(
                 "OneBitAdamCallback: LightningModule.automatic_optimization=False; allowed: True (under manual "
@@ -237,7 +238,9 @@ class OneBitAdamCallback(pl.Callback):
         if self._loaded is not None and self.optimizer is not None:
             saved, self._loaded = self._loaded, None
             if saved["world_size"] == trainer.world_size:
-                self.optimizer.load_rank_state_dict(saved["per_rank"][trainer.global_rank])
+                per_rank = saved.get("per_rank")  # a checkpoint of an earlier version: every rank's in one file
+                own = saved["own"] if per_rank is None else per_rank[trainer.global_rank]
+                self.optimizer.load_rank_state_dict(own)
             else:
                 rank_zero_warn(
                     f"OneBitAdamCallback: the checkpoint's 1-bit error buffers were written by {saved['world_size']} "
@@ -252,9 +255,8 @@ class OneBitAdamCallback(pl.Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if self.optimizer is None:
             return
-        per_rank = gather_to_rank0(self.optimizer.rank_state_dict())
-        if per_rank is not None:
-            checkpoint[CHECKPOINT_KEY] = {"world_size": len(per_rank), "per_rank": per_rank}
+        checkpoint[CHECKPOINT_KEY] = {"world_size": trainer.world_size}
+        rank_files.stash(checkpoint, CHECKPOINT_KEY, self.optimizer.rank_state_dict())  # this rank's own
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if trainer.state.fn != TrainerFn.FITTING:  # validate/test/predict(ckpt_path=...): no optimizer to feed
@@ -264,7 +266,7 @@ class OneBitAdamCallback(pl.Callback):
             rank_zero_warn(
                 f"OneBitAdamCallback: the checkpoint has no {CHECKPOINT_KEY!r} entry; 1-bit error buffers start at zero"
             )
-        self._loaded = saved
+        self._loaded = None if saved is None else {**saved, "own": rank_files.own_entry(checkpoint, CHECKPOINT_KEY)}
 
 
 def _repoint_scheduler(sched: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> bool:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from lightning_qcomm.codecs import Codec, cpu_fused, derive_seed, get_codec
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
 from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.row_batch import decode_rows, encode_rows
 
 REDUCE_OPS = ("sum", "avg")
 FP32_BYTES = 4
@@ -179,9 +180,14 @@ def _decode_bytes(codec: Codec, buf: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def _decode_rows(codec: Codec, buf: torch.Tensor, rows: int, numel: int) -> torch.Tensor:
-    """Decode ``rows`` consecutive payloads of ``numel`` elements each into a (rows, numel) fp32 tensor."""
-    p = codec.nbytes(numel)
-    return torch.stack([_decode_bytes(codec, buf[i * p : (i + 1) * p], numel) for i in range(rows)])
+    """Decode ``rows`` consecutive payloads of ``numel`` elements each into a (rows, numel) fp32 tensor, in one
+    codec call (``row_batch.decode_rows``)."""
+    return decode_rows(codec, buf, numel).view(rows, numel)
+
+
+def _encode_rows(codec: Codec, rows: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+    """The flat concatenation of ``codec.encode(rows[j], seeds[j]).to_bytes()``, in one pass (``row_batch``)."""
+    return encode_rows(codec, rows, seeds).view(-1)
 
 
 def _column_pieces(row_bytes: int, piece_bytes: int) -> list[tuple[int, int]]:
@@ -255,17 +261,6 @@ def all_gather_bytes(
         dst[:, a:b] = piece_out.view(world, b - a)
 
 
-def _decode_chunks(codec: Codec, buf: torch.Tensor, world: int, c: int, n: int):
-    """Yield (j, length, values) for each of the N c-element payloads in ``buf`` that holds real elements
-    of an n-element piece: values = the decoded chunk (c elements, padding included), length = its real
-    elements. Decoding chunk by chunk lets callers write straight into their output, no stacked copy."""
-    p = codec.nbytes(c)
-    for j in range(world):
-        length = max(min(c, n - j * c), 0)
-        if length:
-            yield j, length, _decode_bytes(codec, buf[j * p : (j + 1) * p], c)
-
-
 def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group, world: int) -> None:
     if world == 1:
         recv.copy_(send)
@@ -300,14 +295,15 @@ def _copy_back(x: torch.Tensor, out_flat: torch.Tensor) -> None:
 
 
 def _update_error(err: torch.Tensor, new: torch.Tensor) -> None:
-    """err <- new where new is finite (keeps the previous residual where a step was non-finite)."""
+    """err <- new where new is finite (keeps the previous residual where a step was non-finite).
+
+    Branch-free: deciding on the host whether any element is non-finite would wait for the device every step.
+    """
     new = new.reshape(err.shape)
-    # Fast path: a finite sum proves every element finite (NaN/Inf propagate; an overflowing sum of
-    # finite values only sends us to the element-wise path, which is exact either way).
-    if bool(torch.isfinite(new.sum())):
-        err.copy_(new)
-        return
-    err.copy_(torch.where(torch.isfinite(new), new, err.to(new.dtype)).to(err.dtype))
+    if err.dtype == new.dtype:
+        torch.where(torch.isfinite(new), new, err, out=err)
+    else:
+        err.copy_(torch.where(torch.isfinite(new), new, err.to(new.dtype)))
 
 
 # ---------------------------------------------------------------------------------------------- all-gather
@@ -396,7 +392,7 @@ def quantized_reduce_scatter(
         p = s * src.element_size()
     else:
         p = codec.nbytes(s)
-        send = torch.cat([_encode_bytes(codec, rows[j], derive_seed(seed, 1, rank, j)) for j in range(world)])
+        send = _encode_rows(codec, rows, [derive_seed(seed, 1, rank, j) for j in range(world)])
         recv = torch.empty_like(send)
         _all_to_all(recv, send, group, world)
         acc = _decode_rows(codec, recv, world, s).sum(dim=0)
@@ -485,7 +481,9 @@ def quantized_all_reduce(
     piece k is reduced and its all-gather issued while later pieces are still on the wire. Two blocking
     phases in a row leave the link idle between them (gloo, 2.1 MB per phase at 100 Mbit/s: 516 ms
     blocking, 356 ms pipelined in 16 pieces, 336 ms at line rate; benchmarks/gloo_phases.py). Small
-    tensors are one piece.
+    tensors are one piece, and so is every tensor off the CPU (NCCL pipelines by itself, and a piece costs
+    kernel launches). Each phase codes all N chunks of a piece in one pass (``comm.row_batch``), so the
+    launches per call do not grow with N.
 
     Error feedback (``error_feedback`` = e_r, updated in place): e_r is everything rank r meant to
     contribute that the output does not contain, so that nothing is lost over steps:
@@ -548,7 +546,8 @@ def quantized_all_reduce(
     out_flat = _fp32_output(x)
     residual = None if error_feedback is None else torch.empty(d, dtype=torch.float32, device=x.device)
     k_scale = world if op == "avg" else 1
-    pieces = all_reduce_pieces(d, world, codec, piece_numel)
+    # gloo gains from pipelining pieces; NCCL pipelines internally, and each piece costs launches: one piece
+    pieces = all_reduce_pieces(d, world, codec, piece_numel) if x.device.type == "cpu" else [(0, d)]
     total_p = 0
     # phase 1 for every piece: encode, issue the all-to-all, move on
     phase1 = []
@@ -560,7 +559,7 @@ def quantized_all_reduce(
         if flat_err is not None:
             y[:n] += flat_err[o : o + n].to(torch.float32)
         chunks = y.view(world, c)
-        send = torch.cat([_encode_bytes(codec, chunks[j], derive_seed(s_k, 1, rank, j)) for j in range(world)])
+        send = _encode_rows(codec, chunks, [derive_seed(s_k, 1, rank, j) for j in range(world)])
         res = None if residual is None else y - _decode_rows(codec, send, world, c).view(-1)
         recv = torch.empty_like(send)
         phase1.append((o, n, c, s_k, res, recv, send, _all_to_all_async(recv, send, group, world)))
@@ -579,13 +578,13 @@ def quantized_all_reduce(
     low_precision_out = x.dtype != torch.float32
     for o, n, c, res, reduced, gathered, _mine, work in phase2:
         _wait(work)
-        for j, length, row in _decode_chunks(codec, gathered, world, c, n):
-            out_flat[o + j * c : o + j * c + length] = row[:length]
-            if res is not None and j == rank:
-                # what x finally holds is row rounded to x's dtype: that rounding is residual too
-                held = row.to(x.dtype).to(torch.float32) if low_precision_out else row
-                res.view(world, c)[rank] += k_scale * (reduced - held)
+        rows = _decode_rows(codec, gathered, world, c)  # all N chunks in one codec call
+        out_flat[o : o + n] = rows.view(-1)[:n]
         if res is not None:
+            # what x finally holds is row rounded to x's dtype: that rounding is residual too (positions past
+            # the piece's n real elements are padding and dropped below)
+            held = rows[rank].to(x.dtype).to(torch.float32) if low_precision_out else rows[rank]
+            res.view(world, c)[rank] += k_scale * (reduced - held)
             residual[o : o + n] = res[:n]
     if residual is not None:
         _update_error(error_feedback, residual)
@@ -650,10 +649,8 @@ def _onebit_pieces_reference(
         y = torch.empty(world * c, dtype=torch.float32, device=x.device)
         torch.add(flat_x[o : o + n], flat_ew[o : o + n], out=y[:n])
         y[n:] = 0.0
-        send = torch.cat([_encode_bytes(sign, y[j * c : (j + 1) * c], 0) for j in range(world)])
-        for j, length, dec in _decode_chunks(sign, send, world, c, n):  # e_w = y - C(y)
-            a = o + j * c
-            torch.sub(y[j * c : j * c + length], dec[:length], out=new_ew[a : a + length])
+        send = _encode_rows(sign, y.view(world, c), [0] * world)
+        torch.sub(y[:n], _decode_rows(sign, send, world, c).view(-1)[:n], out=new_ew[o : o + n])  # e_w = y - C(y)
         recv = torch.empty_like(send)
         phase1.append((o, n, c, es_off, recv, send, _all_to_all_async(recv, send, group, world)))
         es_off += c
@@ -662,10 +659,10 @@ def _onebit_pieces_reference(
     for o, n, c, e_off, recv, _send, work in phase1:
         _wait(work)
         valid = min(c, n - rank * c)  # real (unpadded) elements of this rank's chunk; may be <= 0 on tail ranks
-        p = sign.nbytes(c)
-        z = _decode_bytes(sign, recv[:p], c)
-        for r in range(1, world):  # in rank order: the fused path sums the same way
-            z += _decode_bytes(sign, recv[r * p : (r + 1) * p], c)
+        received = _decode_rows(sign, recv, world, c)
+        z = received[0].clone()
+        for r in range(1, world):  # in rank order, as the fused path sums (a decode-sum codec op would fuse this)
+            z += received[r]
         z.div_(world)
         z += flat_es[e_off : e_off + c].to(torch.float32)
         if valid < c:
@@ -679,8 +676,7 @@ def _onebit_pieces_reference(
     del phase1
     for o, n, c, gathered, _mine, work in phase2:
         _wait(work)
-        for j, length, row in _decode_chunks(sign, gathered, world, c, n):
-            out_flat[o + j * c : o + j * c + length] = row[:length]
+        out_flat[o : o + n] = _decode_rows(sign, gathered, world, c).view(-1)[:n]
     _update_error(worker_error, new_ew)
     _update_error(server_error, new_es)
     _copy_back(x, out_flat)
@@ -830,7 +826,8 @@ def wire_bytes_formula(
     """Ledger wire estimate (bytes this rank sends) of one call, for benchmarks and docs.
 
     ``collective`` is "all_gather" (numel = shard length), "reduce_scatter" (numel = output length),
-    "all_reduce" or "onebit_all_reduce" (numel = d). Excludes the consistency check's 8*8*N bytes.
+    "all_reduce" or "onebit_all_reduce" (numel = d). Excludes the consistency check's 8*8*N bytes. The
+    all-reduce is pieced as on CPU; a CUDA tensor goes as one piece (``piece_numel=numel`` gives its bytes).
     """
     n = world_size
     if collective == "onebit_all_reduce":

@@ -20,9 +20,10 @@ every rank ends with the same averaged gradient.
 Overlap with backward: given a ``CommWorker`` (and a process group dedicated to it), the hook does the
 bookkeeping on the autograd thread (layout, seed, error buffer, round counter) and hands the
 collective to the worker thread, returning its future at once -- as torch's own gloo all-reduce hook
-does -- so encoding and transfer overlap the rest of the backward pass. Without a worker, or for CUDA
-buffers (whose stream ordering a second thread would have to replicate), the hook runs inline and
-returns a completed future. Both paths compute bit-identical results.
+does -- so encoding and transfer overlap the rest of the backward pass. CUDA buckets (``overlap_comm``) run
+their job on a side stream and return a CUDA-aware future (``comm.side_stream``): the host queues the job
+inline, and the backward kernels queued after it do not wait for NCCL. Otherwise the hook runs inline and
+returns a completed future. Every path computes bit-identical results.
 
 Canonical order: the quantized elements of a bucket are laid out in a fixed parameter order (reverse
 definition order), not in DDP's bucket order, before chunking and quantization. DDP's first iteration
@@ -49,6 +50,7 @@ A non-finite gradient stays non-finite through the hook (so GradScaler skips the
 collective keeps the previous residual wherever the new one is non-finite, so it cannot poison later steps.
 """
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +63,7 @@ from lightning_qcomm.comm.collectives import quantized_all_reduce
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket
+from lightning_qcomm.comm.side_stream import SideStream
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,7 @@ class QuantDDPHookState:
         self.codec = config.build_codec()
         self.process_group = process_group
         self.worker = worker
+        self.side_stream = SideStream() if config.overlap_comm else None  # CUDA buckets' overlap
         self._names = {id(p): n for p, n in param_names.items()}
         self._params_by_name = {n: p for p, n in param_names.items()}
         self._numel_by_name = {n: p.numel() for p, n in param_names.items()}
@@ -311,17 +315,27 @@ def quant_ddp_comm_hook(state: QuantDDPHookState, bucket: dist.GradBucket) -> to
     """DDP comm hook: average the bucket over ranks, compressing large tensors with ``state.codec``.
 
     Register with ``ddp_model.register_comm_hook(state, quant_ddp_comm_hook)``. Returns a future holding
-    the bucket buffer, averaged in place: completed on return, or completed by ``state.worker``.
+    the bucket buffer, averaged in place: completed on return, completed by ``state.worker`` (CPU), or
+    ordered after the side stream's work (CUDA, see ``comm.side_stream``).
     """
-    on_worker = state.worker is not None and bucket.buffer().device.type == "cpu"
+    buf = bucket.buffer()
+    on_worker = state.worker is not None and buf.device.type == "cpu"
+    on_side = state.side_stream is not None and buf.is_cuda
     replay = state._replay
     if replay is not None and replay.active:
         names = [state._names[id(p)] for p in bucket.parameters()]
-        submit = state.worker.submit if on_worker else None
-        return replay.hook(bucket, names, lambda vb: _bucket_job(state, vb), submit, state.advance_round)
+        submit = None
+        if on_worker:
+            submit = state.worker.submit
+        elif on_side:
+            submit = functools.partial(state.side_stream.run, device=buf.device)
+        devices = [buf.device] if buf.is_cuda else None
+        return replay.hook(bucket, names, lambda vb: _bucket_job(state, vb), submit, state.advance_round, devices)
     job = _bucket_job(state, bucket)
     if on_worker:
         return state.worker.submit(job)
+    if on_side:
+        return state.side_stream.submit(job, buf)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(job())
     return fut

@@ -108,13 +108,15 @@ class LayoutReplay:
         make_job: Callable[[VirtualBucket], Callable[[], torch.Tensor]],
         submit: Callable[[Callable[[], torch.Tensor]], object] | None,
         advance_round: Callable[[], None],
+        devices: list[torch.device] | None = None,
     ) -> torch.futures.Future:
         """Register ``bucket`` (its parameters are ``names``), schedule the virtual buckets it completes and
         return the future DDP waits on for it.
 
         ``make_job(vb)`` does the bookkeeping of one virtual bucket on this thread and returns its job;
-        ``submit`` runs a job on the comm worker (None: inline); ``advance_round`` is called after the round's
-        last real bucket, as for an unreplayed bucket.
+        ``submit`` runs a job on the comm worker or a side stream (None: inline); ``advance_round`` is called
+        after the round's last real bucket, as for an unreplayed bucket; ``devices``: the CUDA devices the
+        futures are ordered on (CUDA-aware futures, for a job on a side stream).
         """
         rnd = self._round
         buf = bucket.buffer()
@@ -129,7 +131,7 @@ class LayoutReplay:
             if not rnd.missing[g] and g not in rnd.done:
                 ready.append(g)
                 rnd.done.add(g)
-        future: torch.futures.Future = torch.futures.Future()
+        future: torch.futures.Future = torch.futures.Future(devices=devices)
         rnd.waiting.append(_Waiting(future, buf, groups))
         jobs = []
         for g in ready:  # bookkeeping (seed, error buffer, round) now, on the autograd thread

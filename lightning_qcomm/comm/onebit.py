@@ -32,8 +32,6 @@ This file owns the collectives 1-bit Adam issues and knows nothing of Lightning 
 * ``max_over_ranks``: the auto-freeze decision's max of one float over ranks (one 8-byte fp64
   all-reduce, ledger op ``all_reduce`` with tag ``"control"`` -- kept apart from ``"momentum"`` and
   ``"grads"`` so the per-phase bytes stay clean; baseline 0 bytes, it has no fp32 counterpart).
-* ``gather_to_rank0``: ``gather_object`` of one picklable object per rank (the error buffers at
-  checkpoint save); not in the ledger (checkpoint I/O, not training traffic).
 
 No ``from __future__ import annotations`` here: DDP checks a hook's annotations against real classes.
 """
@@ -50,6 +48,7 @@ from lightning_qcomm.comm.collectives import (
     quantized_all_reduce,
 )
 from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.side_stream import SideStream
 
 log = logging.getLogger(__name__)
 
@@ -218,35 +217,32 @@ def max_over_ranks(
     return float(t.item())
 
 
-def gather_to_rank0(obj: object) -> list | None:
-    """Every rank's ``obj`` as a list on global rank 0 (``dist.gather_object``), None on the other ranks.
-
-    A world of one (or torch.distributed not initialised) returns ``[obj]``. Not recorded in the ledger.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
-    return gathered
-
-
 class OneBitGradHookState:
     """State of ``onebit_adam_grad_hook``: the process group and whether the warm-up is over."""
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group
         self.compressing = False  # set by the owner once the optimizer froze its variance
+        self.side_stream = SideStream()  # CUDA buckets: the all-reduce overlaps the rest of backward
 
 
 def onebit_adam_grad_hook(state: OneBitGradHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: fp32 average of the bucket during warm-up (ledger tag "grads"); local gradient after.
 
     Register with ``ddp_model.register_comm_hook(state, onebit_adam_grad_hook)``. DDP's bucket shapes
-    agree across ranks by construction, so the cross-rank consistency check is skipped.
+    agree across ranks by construction, so the cross-rank consistency check is skipped. On CUDA the average
+    runs on a side stream (``comm.side_stream``) and the future is ordered after it.
     """
     buf = bucket.buffer()
-    if not state.compressing:
+
+    def average() -> torch.Tensor:
         quantized_all_reduce(buf, None, group=state.process_group, op="avg", tag="grads", check=False)
+        return buf
+
+    if not state.compressing and buf.is_cuda:
+        return state.side_stream.submit(average, buf)
+    if not state.compressing:
+        average()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut
@@ -256,7 +252,6 @@ __all__ = [
     "OneBitGradHookState",
     "OneBitMomentumSync",
     "bucket_layout",
-    "gather_to_rank0",
     "max_over_ranks",
     "onebit_adam_grad_hook",
 ]

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_qcomm.codecs import Codec, Packed, derive_seed
+from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.comm.fsdp_internals import ParamShard
+from lightning_qcomm.comm.row_batch import decode_rows_into, encode_rows
 
-FP32_BYTES = 4
+DECODE_BLOCK_NUMEL = 1 << 24  # elements decoded per codec call at most (bounds the fp32 temporary)
 
 
 def is_quantized_param(p: ParamShard, min_quant_numel: int) -> bool:
@@ -80,12 +81,8 @@ class RowCodec:
                 p = self.codec.encode(x.reshape(-1), seed=seg_seed)
                 parts.append(p.codes.reshape(r_count, -1))
                 parts.append(p.scales.reshape(r_count, -1).view(torch.uint8))
-            else:
-                parts.append(
-                    torch.stack(
-                        [self.codec.encode(x[r], seed=derive_seed(seg_seed, r)).to_bytes() for r in range(r_count)]
-                    )
-                )
+            else:  # row r with seed derive_seed(seg_seed, r), all rows in one pass
+                parts.append(encode_rows(self.codec, x, [derive_seed(seg_seed, r) for r in range(r_count)]))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
 
     def decode(
@@ -105,30 +102,21 @@ class RowCodec:
         es = torch.empty((), dtype=wire_dtype).element_size()
         boff = 0
         off = 0
-        rows = [r for r in range(r_count) if r != skip_row]
+        # row ranges to decode (all but ``skip_row``), in blocks that bound the fp32 temporary of a segment
+        spans = [(0, r_count)] if skip_row is None else [(0, skip_row), (skip_row + 1, r_count)]
         for s in self.segments:
             dst = out[:, off : off + s.numel]
             off += s.numel
             nb = self._seg_nbytes(s, es)
             src = buf[:, boff : boff + nb]
             boff += nb
-            if not (s.quantize and self.codec is not None):
-                for r in rows:
-                    dst[r].copy_(src[r].clone().view(wire_dtype))  # clone: the byte offset may not be aligned
-                continue
-            aligned = self._aligned(s.numel, r_count)
-            if out.dtype == torch.float32 and (skip_row is not None or aligned):
-                # row by row straight into the output: same values as the batched decode (whole buckets
-                # per row when aligned), no temporary and no copy
-                for r in rows:
-                    self.codec.decode_into(self.codec.from_bytes(src[r], (s.numel,), torch.float32), dst[r])
-            elif aligned and skip_row is None:
-                ncode = nb - self.codec.num_buckets(s.numel) * self.codec.scales_per_bucket * FP32_BYTES
-                codes = src[:, :ncode].reshape(-1)
-                scales = src[:, ncode:].contiguous().view(torch.float32).reshape(-1, self.codec.scales_per_bucket)
-                packed = Packed(codes=codes, scales=scales, shape=torch.Size((r_count * s.numel,)), dtype=torch.float32)
-                dst.copy_(self.codec.decode(packed).view(r_count, s.numel))
-            else:
-                for r in rows:
-                    dst[r].copy_(self.codec.decode(self.codec.from_bytes(src[r], (s.numel,), torch.float32)))
+            raw = not (s.quantize and self.codec is not None)
+            step = r_count if raw else max(1, DECODE_BLOCK_NUMEL // s.numel)
+            for a0, a1 in spans:
+                for r0 in range(a0, a1, step):
+                    r1 = min(r0 + step, a1)
+                    if raw:  # contiguous copy first: the byte offset may not be aligned for wire_dtype
+                        dst[r0:r1].copy_(src[r0:r1].clone(memory_format=torch.contiguous_format).view(wire_dtype))
+                    else:
+                        decode_rows_into(self.codec, src[r0:r1], s.numel, dst[r0:r1])
         return out

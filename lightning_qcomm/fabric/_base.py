@@ -2,9 +2,10 @@
 cross-rank settings check at setup, one checkpoint entry of their own, the background comm thread, the
 registry names.
 
-``fabric.save`` hands the strategy a ``state`` dict; ``checkpoint_entry(state)`` (collective) returns what
-the method must keep (per-rank state gathered to rank 0), stored under ``checkpoint_key``. ``fabric.load``
-returns the items it did not restore; the strategy takes its entry out of them and gives it to
+``fabric.save`` hands the strategy a ``state`` dict; ``checkpoint_entry(state)`` (collective) returns what the
+method must keep: the entry stored under ``checkpoint_key`` in the checkpoint, and this rank's own entry, which
+every rank writes to its side file (``parallel.rank_files``). ``fabric.load`` returns the items it did not
+restore; the strategy takes its entry out of them and gives it, with this rank's side-file entry, to
 ``restore_entry``.
 
 Example::
@@ -27,6 +28,7 @@ from lightning_qcomm._checks import START_METHODS, build_as, check_choice, check
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
+from lightning_qcomm.parallel import rank_files
 from lightning_qcomm.strategies.presets import Presets, register_presets
 
 
@@ -61,12 +63,14 @@ class QCommFabricStrategy(ParallelStrategy):
         """Everything that decides what the collectives send (compared across ranks at setup)."""
         raise NotImplementedError
 
-    def checkpoint_entry(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        """Collective, at ``fabric.save``: what to store under ``checkpoint_key`` (None: nothing)."""
-        return None
+    def checkpoint_entry(self, state: dict[str, Any]) -> tuple[dict[str, Any] | None, Any]:
+        """Collective, at ``fabric.save``: (what to store under ``checkpoint_key``, this rank's own entry for its
+        side file); None for either: nothing."""
+        return None, None
 
-    def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any]) -> None:
-        """At ``fabric.load``, after Fabric restored ``state``: the stored entry (None if the file has none)."""
+    def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any], own: Any = None) -> None:
+        """At ``fabric.load``, after Fabric restored ``state``: the stored entry (None if the file has none) and
+        this rank's side-file entry (None: none, or written by another number of ranks)."""
 
     @override
     def setup_environment(self) -> None:
@@ -82,10 +86,14 @@ class QCommFabricStrategy(ParallelStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        entry = self.checkpoint_entry(state)  # every rank saves: collectives are fine here
+        entry, own = self.checkpoint_entry(state)  # every rank saves: collectives are fine here
+        state = dict(state)
         if entry is not None:
-            state = {**state, self.checkpoint_key: entry}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            state[self.checkpoint_key] = entry
+        if own is not None:
+            rank_files.stash(state, self.checkpoint_key, own)
+        write = super().save_checkpoint
+        rank_files.save(self, state, path, lambda: write(path, state, storage_options=storage_options, filter=filter))
 
     @override
     def load_checkpoint(
@@ -93,7 +101,11 @@ class QCommFabricStrategy(ParallelStrategy):
     ) -> dict[str, Any]:
         remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
         if isinstance(state, dict) and state:  # else the raw checkpoint was asked for: leave it whole
-            self.restore_entry(remainder.pop(self.checkpoint_key, None), state)
+            rank_files.load(self, remainder, path)
+            own = rank_files.own_entry(remainder, self.checkpoint_key)
+            remainder.pop(rank_files.RANK_STATE_KEY, None)
+            remainder.pop(rank_files.MANIFEST_KEY, None)
+            self.restore_entry(remainder.pop(self.checkpoint_key, None), state, own)
         return remainder
 
     @override

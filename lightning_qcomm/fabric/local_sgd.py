@@ -7,9 +7,10 @@ lr the step uses), averages the gradients in a data-parallel step (post_local be
 applies the non-finite policy, steps, and averages the replicas when the round is complete.
 
 ``fabric.save`` first averages replicas that moved since the last average (so what is saved is the averaged
-model), then stores the schedule in ``state["local_sgd"]`` together with every rank's optimizer state
-(they differ between syncs; unless ``average_optimizer_state``); ``fabric.load`` gives each rank its own
-optimizer state back, so a run resumed mid-round continues as the uninterrupted one. Call
+model), then stores the schedule in ``state["local_sgd"]``, and every rank writes its own optimizer state (they
+differ between syncs; unless ``average_optimizer_state``) to its side file (``parallel.rank_files``);
+``fabric.load`` gives each rank its own optimizer state back, so a run resumed mid-round continues as the
+uninterrupted one. Call
 ``strategy.local_sgd.sync()`` before evaluating the model between syncs. ``total_steps`` caps the last round
 so training ends on a sync (the Trainer reads it from ``estimated_stepping_batches``). Gradient
 accumulation needs no ``fabric.no_backward_sync``: nothing is synchronised during backward.
@@ -33,7 +34,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_qcomm._checks import check_int
-from lightning_qcomm.comm.onebit import gather_to_rank0
 from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, config_from
 from lightning_qcomm.parallel.local_sgd import LocalSGD, broadcast_module_states, config_fingerprint, this_rank_entries
 from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig
@@ -113,29 +113,33 @@ class LocalSGDFabricStrategy(QCommFabricStrategy, DDPStrategy):
         return out
 
     @override
-    def checkpoint_entry(self, state: dict[str, Any]) -> dict[str, Any] | None:
+    def checkpoint_entry(self, state: dict[str, Any]) -> tuple[dict[str, Any] | None, Any]:
         if self.local_sgd is None:
-            return None
+            return None, None
         self.local_sgd.sync()  # what is saved is the averaged model
         entry: dict[str, Any] = {**self.local_sgd.state_dict(), "world_size": self.world_size}
-        if self.local_sgd.optimizer_states_differ(self.world_size):
-            keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
-            gathered = [gather_to_rank0(state[k].state_dict()) for k in keys]
-            if all(g is not None for g in gathered):  # on rank 0, the one that writes the file
-                entry["optimizer_states_per_rank"] = dict(zip(keys, gathered))
-        return entry
+        own = None
+        if self.local_sgd.optimizer_states_differ(self.world_size):  # this rank's own, for its side file
+            own = {"optimizer_states": {k: v.state_dict() for k, v in state.items() if isinstance(v, Optimizer)}}
+        return entry, own
 
     @override
-    def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any]) -> None:
+    def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any], own: Any = None) -> None:
         if entry is None:
             return
-        per_rank = entry.get("optimizer_states_per_rank") or {}
+        world = entry.get("world_size")
+        per_rank = entry.get("optimizer_states_per_rank") or {}  # a checkpoint of an earlier version
         keys = [k for k in per_rank if isinstance(state.get(k), Optimizer)]
         if keys:
-            world = entry.get("world_size")
             mine = this_rank_entries([per_rank[k] for k in keys], world, self.world_size, self.global_rank)
             for key, optimizer_state in zip(keys, mine or []):
                 state[key].load_state_dict(optimizer_state)  # this rank's own, over rank 0's that Fabric loaded
+        elif own is not None:
+            for key, optimizer_state in own["optimizer_states"].items():
+                if isinstance(state.get(key), Optimizer):
+                    state[key].load_state_dict(optimizer_state)
+        elif world is not None and world != self.world_size:
+            this_rank_entries([], world, self.world_size, self.global_rank)  # logs: every rank keeps rank 0's
         if self.local_sgd is not None:
             self.local_sgd.load_state_dict(entry)  # after the weights: they become the common anchor
 

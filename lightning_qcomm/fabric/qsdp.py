@@ -112,11 +112,11 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
         return out
 
     @override
-    def checkpoint_entry(self, state: dict[str, Any]) -> dict[str, Any]:
-        return {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}
+    def checkpoint_entry(self, state: dict[str, Any]) -> tuple[dict[str, Any], None]:
+        return {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}, None  # per-rank state: sharded
 
     @override
-    def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any]) -> None:
+    def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any], own: Any = None) -> None:
         if entry is None:
             rank_zero_warn(f"{type(self).__name__}: the checkpoint has no 'qsdp' entry; the RNG step stays")
         else:

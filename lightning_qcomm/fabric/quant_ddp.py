@@ -2,10 +2,11 @@
 
 Fabric's ``DDPStrategy`` whose ``setup_module`` registers ``parallel.quant_ddp_hook`` on the
 ``DistributedDataParallel`` it makes, on every device type (CPU/gloo too); every ``optimizer.step()``
-through Fabric applies the non-finite policy, then advances the hook's step counter. ``fabric.save`` gathers
-every rank's hook state (step counter, error-feedback residuals, DDP's bucket layout) into
-``state["quant_ddp"] = {"world_size": N, "per_rank": [...]}`` of rank 0's file, and ``fabric.load`` gives each
-rank its own entry back (``parallel.quant_ddp.select_rank_state``), so a resumed run continues bit for bit.
+through Fabric applies the non-finite policy, then advances the hook's step counter. ``fabric.save`` has every
+rank write its hook state (step counter, error-feedback residuals, DDP's bucket layout) to its own side file
+(``parallel.rank_files``; the checkpoint keeps ``state["quant_ddp"] = {"world_size": N, "step": step}``), and
+``fabric.load`` gives each rank its own back (``parallel.quant_ddp.select_rank_state``), so a resumed run
+continues bit for bit.
 
 Example::
 
@@ -28,9 +29,8 @@ from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig, warn_if_not_contractive
 from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.comm.onebit import gather_to_rank0
 from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, config_from
-from lightning_qcomm.parallel.quant_ddp import config_fingerprint, quant_ddp_hook, select_rank_state
+from lightning_qcomm.parallel.quant_ddp import checkpoint_entries, config_fingerprint, quant_ddp_hook, select_rank_state
 from lightning_qcomm.strategies.presets import QUANT_DDP_PRESETS
 from lightning_qcomm.strategies.quant_ddp import check_no_comm_hook_kwargs
 
@@ -100,14 +100,15 @@ class QuantDDPFabricStrategy(QCommFabricStrategy, DDPStrategy):
         return out
 
     @override
-    def checkpoint_entry(self, state: dict[str, Any]) -> dict[str, Any] | None:
+    def checkpoint_entry(self, state: dict[str, Any]) -> tuple[dict[str, Any] | None, Any]:
         local = self.hook_state.state_dict() if self.hook_state is not None else self._pending_state
-        per_rank = gather_to_rank0(local) if local is not None else None  # every rank's: they differ
-        return None if per_rank is None else {"world_size": len(per_rank), "per_rank": per_rank}
+        return (None, None) if local is None else checkpoint_entries(local, self.world_size)
 
     @override
-    def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any]) -> None:
-        mine = select_rank_state(entry, self.world_size, self.global_rank, global_step=0, owner=type(self).__name__)
+    def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any], own: Any = None) -> None:
+        mine = select_rank_state(
+            entry, self.world_size, self.global_rank, global_step=0, owner=type(self).__name__, own=own
+        )
         if self.hook_state is not None:
             self.hook_state.load_state_dict(mine)
         else:

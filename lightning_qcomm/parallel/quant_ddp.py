@@ -11,9 +11,10 @@ The hook's seeds and its uncompressed warm-up (``start_step``) read an optimizer
 ``nonfinite`` policy from its pre-hook); without it, call ``state.next_step()`` after every optimizer step.
 
 Per-rank checkpoints (``select_rank_state``): each rank's state (step counter, error-feedback residuals, DDP's
-bucket layout) is gathered to rank 0 (``comm.onebit.gather_to_rank0``) and stored as ``{"world_size": N,
-"per_rank": [...]}``; on load each rank takes its entry, and with another world size keeps the step and
-resets the residuals (a residual belongs to one rank's data stream). Used by the Trainer and Fabric strategies.
+bucket layout) goes to that rank's side file (``parallel.rank_files``), and the checkpoint itself holds
+``{"world_size": N, "step": step}``; on load each rank takes its own, and with another world size keeps the step
+and resets the residuals (a residual belongs to one rank's data stream). Used by the Trainer and Fabric strategies.
+Checkpoints of earlier versions (``{"world_size": N, "per_rank": [...]}`` in rank 0's file) load the same way.
 
 Example::
 
@@ -99,8 +100,16 @@ def quant_ddp_hook(
     return state, quant_ddp_comm_hook
 
 
-def select_rank_state(saved: dict | None, world_size: int, rank: int, global_step: int, owner: str) -> dict:
-    """This rank's hook state from a checkpoint entry ``{"world_size", "per_rank"}`` (see the module docstring).
+def checkpoint_entries(state: dict, world_size: int) -> tuple[dict, dict]:
+    """(what the checkpoint itself keeps, what this rank's side file keeps) of this rank's hook ``state``."""
+    return {"world_size": world_size, "step": int(state["step"])}, state
+
+
+def select_rank_state(
+    saved: dict | None, world_size: int, rank: int, global_step: int, owner: str, own: dict | None = None
+) -> dict:
+    """This rank's hook state from the checkpoint's entry ``{"world_size", "step"}`` and this rank's side-file
+    entry ``own`` (or an older checkpoint's ``{"world_size", "per_rank"}``; see the module docstring).
 
     No entry (a checkpoint written without the hook): the step counter resumes from ``global_step`` and the
     residuals start at zero (warned). Another world size: the step is kept, the residuals reset (warned).
@@ -111,14 +120,15 @@ def select_rank_state(saved: dict | None, world_size: int, rank: int, global_ste
             f"resumes from global_step={global_step} and error-feedback residuals start at zero"
         )
         return {"step": int(global_step), "error_feedback": {}}
-    per_rank = saved["per_rank"]
+    per_rank = saved.get("per_rank")
     if saved["world_size"] == world_size:
-        return per_rank[rank]
+        return own if per_rank is None else per_rank[rank]
     rank_zero_warn(
         f"{owner}: the checkpoint was written by {saved['world_size']} ranks, now {world_size}; the step counter is "
         "restored, error-feedback residuals reset to 0"
     )
-    return {"step": int(per_rank[0]["step"]), "error_feedback": {}}
+    step = saved["step"] if per_rank is None else per_rank[0]["step"]
+    return {"step": int(step), "error_feedback": {}}
 
 
 def config_fingerprint(config: QuantDDPConfig, ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -128,6 +138,7 @@ def config_fingerprint(config: QuantDDPConfig, ddp_kwargs: dict[str, Any]) -> di
 
 
 __all__ = [
+    "checkpoint_entries",
     "config_fingerprint",
     "quant_ddp_hook",
     "select_rank_state",

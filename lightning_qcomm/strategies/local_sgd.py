@@ -35,8 +35,9 @@ schedule and the averaging are ``parallel.LocalSGD`` (the plain-torch averager, 
   gradients are all-reduced (tag "grads") inside the optimizer closure, before clipping and the
   optimizer update, exactly like DDP; afterwards parameters are averaged every ``period`` steps.
 * **Checkpoint.** ``checkpoint["local_sgd"]`` holds the schedule state (step, H, steps since sync,
-  number of syncs, step of the last sync), the averaging round counter and -- unless optimizer
-  states are averaged -- every rank's optimizer state (gathered to rank 0), which each rank reloads.
+  number of syncs, step of the last sync) and the averaging round counter; unless optimizer states are
+  averaged, every rank writes its own optimizer states to its side file (``parallel.rank_files``) and
+  reloads them from there (another world size: every rank keeps rank 0's, logged).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ from typing_extensions import override
 from lightning_qcomm._checks import START_METHODS, build_as, check_choice, check_timeout
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.comm.onebit import gather_to_rank0
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
+from lightning_qcomm.parallel import rank_files
 from lightning_qcomm.parallel.local_sgd import (
     LocalSGD,
     broadcast_module_states,
@@ -84,6 +85,7 @@ class LocalSGDStrategy(DDPStrategy):
     """
 
     strategy_name = "local_sgd"
+    writes_rank_files = True  # per-rank side files (parallel.rank_files), also for callbacks' entries
 
     def __init__(
         self,
@@ -129,7 +131,7 @@ class LocalSGDStrategy(DDPStrategy):
         self.nonfinite = NonFiniteGuard(nonfinite, "LocalSGDStrategy")  # one count for every fit
         self.local_sgd: LocalSGD | None = None  # made at setup of a fit
         self._loaded_state: dict[str, Any] | None = None
-        self._gathered_optimizer_states: list[list[dict[str, Any]] | None] = []
+        self._rank_optimizer_states: list[dict[str, Any]] = []  # this rank's, for its side file
 
     # ------------------------------------------------------------------ registry
 
@@ -271,35 +273,44 @@ class LocalSGDStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Called on every rank first thing in ``dump_checkpoint``: average, then hand out the state."""
-        self._gathered_optimizer_states = []
+        self._rank_optimizer_states = []
         self._sync_if_dirty()
         return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's optimizer state; rank 0 additionally collects every rank's (they differ)."""
+        """This rank's optimizer state, also kept for this rank's side file when the ranks' states differ."""
         state = super().optimizer_state(optimizer)
         if self.local_sgd is not None and self.local_sgd.optimizer_states_differ(self.world_size):
-            self._gathered_optimizer_states.append(gather_to_rank0(state))
+            self._rank_optimizer_states.append(state)
         return state
 
     def local_sgd_state_dict(self) -> dict[str, Any]:
         assert self.local_sgd is not None
-        state: dict[str, Any] = {**self.local_sgd.state_dict(), "world_size": self.world_size}
-        if self._gathered_optimizer_states and all(g is not None for g in self._gathered_optimizer_states):
-            state["optimizer_states_per_rank"] = self._gathered_optimizer_states
-        return state
+        return {**self.local_sgd.state_dict(), "world_size": self.world_size}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.local_sgd is not None:
             checkpoint[CHECKPOINT_KEY] = self.local_sgd_state_dict()
-        self._gathered_optimizer_states = []
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self._rank_optimizer_states:
+            rank_files.stash(checkpoint, CHECKPOINT_KEY, {"optimizer_states": self._rank_optimizer_states})
+        self._rank_optimizer_states = []
+        write = super().save_checkpoint
+        rank_files.save(
+            self, checkpoint, filepath, lambda: write(checkpoint, filepath, storage_options=storage_options)
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        rank_files.remove(self, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = rank_files.load(
+            self, super().load_checkpoint(checkpoint_path, weights_only=weights_only), checkpoint_path
+        )
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is None:
             return checkpoint
@@ -310,11 +321,16 @@ class LocalSGDStrategy(DDPStrategy):
                 self.config.sync,
             )
         self._loaded_state = state
-        per_rank = state.get("optimizer_states_per_rank")
+        per_rank = state.get("optimizer_states_per_rank")  # a checkpoint of an earlier version
+        own = rank_files.own_entry(checkpoint, CHECKPOINT_KEY)
         if per_rank and "optimizer_states" in checkpoint:
             mine = this_rank_entries(per_rank, state.get("world_size"), self.world_size, self.global_rank)
             if mine is not None:
                 checkpoint["optimizer_states"] = mine
+        elif own is not None and "optimizer_states" in checkpoint:
+            checkpoint["optimizer_states"] = own["optimizer_states"]
+        elif rank_files.saved_world_size(checkpoint) not in (None, self.world_size):
+            this_rank_entries([], state.get("world_size"), self.world_size, self.global_rank)  # logs the policy
         return checkpoint
 
 

@@ -12,14 +12,13 @@ precision-preserving all-reduce (docs/design.md, "Collectives"): quantize N chun
 requantize, all-gather. Wire bytes per rank ~ 2(N-1)/N * d * (bits + 32 k / bucket_size) / 8 (k fp32 scales per
 codec bucket), i.e. (bits + 32 k / bucket_size) / 32 of an fp32 ring all-reduce.
 
-Checkpoint format (per-rank state in a rank-0 file): at ``save_checkpoint`` every rank's hook state
-(optimizer-step counter and error-feedback residuals per parameter name) is gathered to rank 0 with
-``gather_object`` and stored under ``checkpoint["quant_ddp"] = {"world_size": N, "per_rank": [...]}``.
-On load each rank takes entry ``per_rank[global_rank]``. One file keeps Lightning's CheckpointIO,
-``ModelCheckpoint`` top-k deletion and copying checkpoints around working; the price is rank 0
-holding N residual copies while saving (N x the trainable parameter bytes, only when
-``error_feedback=True``). If the world size changed, the step counter is restored and the residuals
-are reset to zero (logged): a residual belongs to one rank's data stream.
+Checkpoint format (per-rank side files, ``parallel.rank_files``): at ``save_checkpoint`` every rank writes its
+own hook state (optimizer-step counter, error-feedback residuals per parameter name, DDP's bucket layout) to
+``<checkpoint>.qcomm-rank<r>of<N>-<token>.pt`` through the CheckpointIO, and the checkpoint holds
+``checkpoint["quant_ddp"] = {"world_size": N, "step": step}``: no rank holds another rank's residuals.
+On load each rank reads its own file; ``ModelCheckpoint``'s top-k deletion removes the side files with the
+checkpoint (copy a checkpoint together with them). If the world size changed, the step counter is restored and
+the residuals are reset to zero (logged): a residual belongs to one rank's data stream.
 """
 
 from __future__ import annotations
@@ -43,9 +42,9 @@ from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.ddp_config import DDP_CODECS, QuantDDPConfig, warn_if_not_contractive
 from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.comm.onebit import gather_to_rank0
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
-from lightning_qcomm.parallel.quant_ddp import config_fingerprint, quant_ddp_hook, select_rank_state
+from lightning_qcomm.parallel import rank_files
+from lightning_qcomm.parallel.quant_ddp import checkpoint_entries, config_fingerprint, quant_ddp_hook, select_rank_state
 from lightning_qcomm.strategies.presets import QUANT_DDP_PRESETS, register_presets
 
 log = logging.getLogger(__name__)
@@ -79,6 +78,7 @@ class QuantDDPStrategy(DDPStrategy):
     """
 
     strategy_name = "quant_ddp"
+    writes_rank_files = True  # per-rank side files (parallel.rank_files), also for callbacks' entries
 
     def __init__(
         self,
@@ -186,10 +186,18 @@ class QuantDDPStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         local = self._local_state()
-        per_rank = gather_to_rank0(local) if local is not None else None  # every rank's: they differ
-        if self.is_global_zero and per_rank is not None:
-            checkpoint[CHECKPOINT_KEY] = {"world_size": len(per_rank), "per_rank": per_rank}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if local is not None:  # every rank's own: they differ
+            checkpoint[CHECKPOINT_KEY], mine = checkpoint_entries(local, self.world_size)
+            rank_files.stash(checkpoint, CHECKPOINT_KEY, mine)
+        write = super().save_checkpoint
+        rank_files.save(
+            self, checkpoint, filepath, lambda: write(checkpoint, filepath, storage_options=storage_options)
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        rank_files.remove(self, filepath)
 
     def _local_state(self) -> dict | None:
         if self._hook_state is not None:
@@ -198,7 +206,9 @@ class QuantDDPStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = rank_files.load(
+            self, super().load_checkpoint(checkpoint_path, weights_only=weights_only), checkpoint_path
+        )
         self._restore_from_checkpoint(checkpoint)
         return checkpoint
 
@@ -209,6 +219,7 @@ class QuantDDPStrategy(DDPStrategy):
             self.global_rank,
             global_step=int(checkpoint.get("global_step", 0)),
             owner=type(self).__name__,
+            own=rank_files.own_entry(checkpoint, CHECKPOINT_KEY),
         )
         if self._hook_state is not None:
             self._hook_state.load_state_dict(state)

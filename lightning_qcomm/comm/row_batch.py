@@ -1,0 +1,268 @@
+"""R payloads of one codec in a fixed number of torch ops: the rows of a chunked collective (docs/design.md, "Collectives").
+
+A chunked collective codes an (R, n) matrix row by row: row j is its own tensor for the codec (buckets
+restart at the row start, the last one may be short, the random counter restarts at 0) with its own seed,
+and travels as ``codec.encode(row_j, seed_j).to_bytes()``. Calling the codec once per row costs O(R) calls,
+each a few dozen kernel launches on a GPU. Here
+
+    encode_rows(codec, rows, seeds)[j] == codec.encode(rows[j], seeds[j]).to_bytes()      (bit for bit)
+    decode_rows(codec, wire, n)[j]     == codec.decode(codec.from_bytes(wire[j], (n,), fp32))
+
+are computed in a number of torch ops that does not depend on R:
+
+* **decode** goes through the codec's public ``decode`` once: the rows' codes are laid out as one tensor
+  whose every row is padded to a whole number of buckets (a repack of the codes when n is not a multiple of
+  the bucket and of 8), so the codec's bucket i is row i // nb's bucket i % nb; the padding is cut away.
+  The codec then dispatches as usual (Triton on CUDA, the fused C path on large CPU tensors).
+* **encode** with per-row seeds cannot be one ``Codec.encode`` call (it takes one seed, and its counter runs
+  over the whole tensor). It runs the codec's own math hooks once over all rows' buckets (``_scales``,
+  ``_encode_params``, ``_quantize``; the uniform codec's last-bucket rule per row) with the per-row random
+  bits of ``codecs.rng`` keyed per row, in blocks of whole buckets that bound the temporaries. Deterministic
+  codecs on rows of whole, byte-aligned buckets take one public ``encode`` call instead. On CPU, rows large
+  enough for the fused C path keep one (compiled) call per row: there is no launch to save and the C pass
+  is faster than the eager ops. A codec class this module does not know is coded row by row (logged once).
+
+This is a stopgap in the comm layer until the codecs offer it: see ``docs/design.md`` (the codec op that
+takes a (rows, n) tensor and a tensor of per-row seeds).
+
+Example::
+
+    wire = encode_rows(codec, chunks, [derive_seed(s, 1, rank, j) for j in range(world)])   # (N, P) uint8
+    values = decode_rows(codec, wire, chunks.shape[1])                                       # (N, n) fp32
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from lightning_qcomm.codecs import (
+    Codec,
+    FP8Codec,
+    NUQSGDCodec,
+    Packed,
+    QSGDCodec,
+    QSGDInfCodec,
+    SignCodec,
+    UniformCodec,
+    dispatch,
+    packing,
+    rng,
+    scaling,
+)
+
+log = logging.getLogger(__name__)
+
+# The codec classes whose hooks this module drives (exact types: a subclass may change the math).
+_BATCHED = (UniformCodec, QSGDCodec, QSGDInfCodec, NUQSGDCodec, FP8Codec, SignCodec)
+# Deterministic codecs whose wire scales are per-bucket functions with no rule for a tensor's last bucket,
+# so rows of whole buckets can be coded as one flat tensor by the public ``encode``.
+_FLAT_DETERMINISTIC = (FP8Codec, SignCodec)
+_BLOCK_NUMEL = {"cpu": 1 << 18, "default": 1 << 22}  # elements per block of the batched element-wise encode
+_INT32_COUNTERS = 1 << 31
+_logged: set[str] = set()
+
+
+def _log_once(key: str, msg: str) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.warning(msg)
+
+
+def _check_rows(rows: torch.Tensor) -> None:
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[0] < 1 or rows.shape[1] < 1:
+        raise ValueError(f"rows must be a non-empty 2-D tensor (rows, n), got {getattr(rows, 'shape', rows)!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def _with_bucket(codec_type: type, config: tuple, bucket_size: int) -> Codec:
+    kwargs = dict(config)
+    kwargs["bucket_size"] = bucket_size
+    return codec_type(**kwargs)
+
+
+def row_bucketed(codec: Codec, n: int) -> Codec:
+    """``codec`` itself, or for ``bucket_size=None`` (one bucket per tensor) the same codec with buckets of n
+    elements: for one row of n elements both produce the same codes and scales, and the latter keeps one
+    bucket per row on the rows of a flat (R * n) tensor."""
+    if codec.bucket_size is not None:
+        return codec
+    cfg = codec.config()
+    cfg.pop("class")
+    cfg.pop("name")
+    return _with_bucket(type(codec), tuple(sorted(cfg.items())), n)
+
+
+def _layout(codec: Codec, n: int) -> tuple[int, int, int]:
+    """(bucket length B of the flat layout, buckets per row, padded row length nb * B)."""
+    b = row_bucketed(codec, n).bucket_size
+    nb = -(-n // b)
+    return b, nb, nb * b
+
+
+# ---------------------------------------------------------------------------------------------- decode
+def decode_rows(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
+    """(R, n) fp32 values (contiguous) of R payloads of n elements each (``wire``: (R, codec.nbytes(n)) or flat
+    uint8), in one ``Codec.decode`` call (see the module docstring)."""
+    p = codec.nbytes(n)
+    if wire.numel() % p:
+        raise ValueError(f"wire has {wire.numel()} bytes, not a multiple of codec.nbytes({n}) = {p}")
+    wire = wire.reshape(-1, p)
+    r = wire.shape[0]
+    if r == 1:
+        return codec.decode(codec.from_bytes(wire[0], (n,), torch.float32)).view(1, n)
+    flat = row_bucketed(codec, n)
+    b, nb, padded = _layout(codec, n)
+    ncode = packing.packed_nbytes(n, codec.bits)
+    codes = wire[:, :ncode]
+    scales = (
+        wire[:, ncode:]
+        .clone(memory_format=torch.contiguous_format)
+        .view(torch.float32)
+        .reshape(r * nb, codec.scales_per_bucket)
+    )
+    if padded == n and n % 8 == 0:  # whole buckets, byte-aligned rows: the codes are already the flat layout
+        packed = Packed(codes.reshape(-1), scales, torch.Size((r * n,)), torch.float32)
+        return flat.decode(packed).view(r, n)
+    # repack: each row's codes padded to nb whole buckets (zero codes, cut away after the decode)
+    per_row = -(-n // 8) * 8
+    unpacked = packing.unpack_bits(codes.reshape(-1), codec.bits, r * per_row).view(r, per_row)
+    grid = torch.zeros(r, padded, dtype=torch.uint8, device=wire.device)
+    grid[:, :n] = unpacked[:, :n]
+    packed = Packed(packing.pack_bits(grid.view(-1), codec.bits), scales, torch.Size((r * padded,)), torch.float32)
+    return flat.decode(packed).view(r, padded)[:, :n].contiguous()
+
+
+def decode_rows_into(codec: Codec, wire: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+    """``out.copy_(decode_rows(codec, wire, n))`` for an (R, n) ``out`` of any float dtype and strides; rows of
+    whole byte-aligned buckets decode straight into a contiguous fp32 ``out`` (no temporary)."""
+    p = codec.nbytes(n)
+    wire = wire.reshape(-1, p)
+    r = wire.shape[0]
+    if r == 1:  # the codec's own decode_into (straight into a contiguous fp32 row)
+        codec.decode_into(codec.from_bytes(wire[0], (n,), torch.float32), out.view(n) if out.is_contiguous() else out)
+        return out
+    _, nb, padded = _layout(codec, n)
+    direct = out.dtype == torch.float32 and out.is_contiguous() and r > 1 and padded == n and n % 8 == 0
+    if not direct:
+        return out.copy_(decode_rows(codec, wire, n).view(out.shape))
+    ncode = packing.packed_nbytes(n, codec.bits)
+    scales = (
+        wire[:, ncode:]
+        .clone(memory_format=torch.contiguous_format)
+        .view(torch.float32)
+        .reshape(r * nb, codec.scales_per_bucket)
+    )
+    packed = Packed(wire[:, :ncode].reshape(-1), scales, torch.Size((r * n,)), torch.float32)
+    row_bucketed(codec, n).decode_into(packed, out.view(-1))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- encode
+def _per_row(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
+    return torch.stack([codec.encode(rows[j], seed=s).to_bytes() for j, s in enumerate(seeds)])
+
+
+def encode_rows(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
+    """(R, codec.nbytes(n)) uint8 payloads, row j = ``codec.encode(rows[j], seeds[j]).to_bytes()`` bit for bit.
+
+    ``rows``: (R, n), any float dtype (its dtype sets the codec's output limit, as for ``Codec.encode``).
+    """
+    _check_rows(rows)
+    r, n = rows.shape
+    seeds = [int(s) for s in seeds]
+    if len(seeds) != r:
+        raise ValueError(f"seeds must hold one seed per row ({r}), got {len(seeds)}")
+    if r == 1:
+        return codec.encode(rows[0], seed=seeds[0]).to_bytes().view(1, -1)
+    if rows.device.type == "cpu" and dispatch.use_cpu_fused(codec, rows, n):
+        return _per_row(codec, rows, seeds)  # compiled passes per row: no launches to save on CPU
+    if type(codec) not in _BATCHED or n >= _INT32_COUNTERS:
+        _log_once(
+            f"rows-{type(codec).__qualname__}",
+            f"lightning_qcomm: {type(codec).__qualname__} rows are encoded one codec call per row "
+            "(comm.row_batch batches the built-in codec classes only)",
+        )
+        return _per_row(codec, rows, seeds)
+    flat = row_bucketed(codec, n)
+    if type(codec) in _FLAT_DETERMINISTIC and not codec.stochastic and n % flat.bucket_size == 0 and n % 8 == 0:
+        packed = flat.encode(rows.reshape(-1), seed=0)  # no random bits: the seeds play no part
+        scales = packed.scales.reshape(r, -1).view(torch.uint8)
+        return torch.cat([packed.codes.view(r, -1), scales], dim=1)
+    return _encode_batched(codec, rows, seeds)
+
+
+def _row_keys(seeds: Sequence[int], device: torch.device) -> torch.Tensor:
+    """(R, 2) int32: the uint32 key words of each row's seed (``rng.seed_to_key``)."""
+    keys = torch.tensor([[rng._as_int32(k) for k in rng.seed_to_key(s)] for s in seeds], dtype=torch.int32)
+    if device.type == "cuda":  # from pageable memory the copy would wait for the stream: pinned, it is queued
+        keys = keys.pin_memory()
+    return keys.to(device, non_blocking=True)
+
+
+def _uniforms(keys: torch.Tensor, rows_of: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """``rng.uniform`` of each bucket row q of a block: key of row ``rows_of[q]``, counters starts[q] + 0..length-1."""
+    h = starts[:, None] + torch.arange(length, dtype=torch.int32, device=keys.device)[None, :]
+    tmp = torch.empty_like(h)
+    h ^= keys[rows_of, 0:1]
+    rng._mix32_(h, tmp)
+    h ^= keys[rows_of, 1:2]
+    rng._mix32_(h, tmp)
+    u = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+    rng._to_uniform(h, u)
+    return u
+
+
+def _bucket_scales(codec: Codec, xb: torch.Tensor, counts: torch.Tensor, r: int, nb: int, tail: int) -> torch.Tensor:
+    """Wire scales of the (r * nb, B) zero-padded buckets, each row's last bucket holding ``tail`` real elements,
+    as ``Codec.encode`` computes them row by row."""
+    if type(codec) is UniformCodec:
+        # UniformCodec._scales: min/max of every bucket, the tensor's last bucket over its real elements only
+        lo, hi = torch.aminmax(xb, dim=1)
+        last = torch.arange(r, device=xb.device) * nb + (nb - 1)
+        ends = xb[last]
+        valid = torch.arange(xb.shape[1], device=xb.device) < tail
+        lo[last] = torch.where(valid, ends, torch.full_like(ends, float("inf"))).amin(dim=1)
+        hi[last] = torch.where(valid, ends, torch.full_like(ends, float("-inf"))).amax(dim=1)
+        scales = codec._wire_scales(lo, hi)
+    else:  # norms and max |x| ignore zero padding; sign1 divides by the real counts
+        scales = codec._scales(xb, counts)
+    return torch.where(codec._finite_mask(xb), scales, torch.full_like(scales, float("nan")))
+
+
+def _encode_batched(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
+    """``Codec.encode`` + ``to_bytes`` of every row, through the codec's hooks over all rows' buckets at once."""
+    r, n = rows.shape
+    device = rows.device
+    blen = codec.bucket_len(n)  # the codec's buckets of one row: nb of them, the last one ``tail`` long
+    nb = -(-n // blen)
+    tail = n - (nb - 1) * blen
+    x = torch.nn.functional.pad(rows.detach().to(torch.float32), (0, nb * blen - n))
+    xb = x.view(r * nb, blen)
+    counts = torch.full((r * nb,), blen, dtype=torch.float32, device=device)
+    counts.view(r, nb)[:, -1] = tail
+    scales = _bucket_scales(codec, xb, counts, r, nb, tail)
+    params = codec._encode_params(scales, scaling.output_max(rows.dtype)).unsqueeze(-1)  # (r*nb, P, 1)
+    keys = _row_keys(seeds, device) if codec.stochastic else None
+    codes = torch.empty(r * nb, blen, dtype=torch.uint8, device=device)
+    step = max(1, _BLOCK_NUMEL.get(device.type, _BLOCK_NUMEL["default"]) // blen)
+    for q0 in range(0, r * nb, step):
+        q1 = min(q0 + step, r * nb)
+        xq, pq = xb[q0:q1], params[q0:q1]
+        u = None
+        if keys is not None:
+            q = torch.arange(q0, q1, device=device)
+            u = _uniforms(keys, q // nb, ((q % nb) * blen).to(torch.int32), blen)
+        c = codec._quantize(xq, pq, u)
+        ok = (xq - xq == 0) & torch.isfinite(pq).all(dim=1)  # as Codec.encode_reference: code 0 there
+        codes[q0:q1] = c.masked_fill_(~ok, 0)
+    grid = codes.view(r, nb * blen)[:, :n]
+    grid = torch.nn.functional.pad(grid, (0, -(-n // 8) * 8 - n))  # each row: whole groups of 8 codes
+    packed = packing.pack_bits(grid.reshape(-1), codec.bits).view(r, -1)
+    return torch.cat([packed, scales.reshape(r, -1).view(torch.uint8)], dim=1)
+
+
+__all__ = ["decode_rows", "decode_rows_into", "encode_rows", "row_bucketed"]

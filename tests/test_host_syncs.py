@@ -1,0 +1,129 @@
+"""The comm hot paths make the host wait for the device nowhere (issue 19 item 2).
+
+Each path runs under ``NoHostSync`` (tests/_sync_guard.py: raises on ``aten._local_scalar_dense`` -- what
+``.item()``, ``bool(t)`` and ``float(t)`` dispatch to -- and on data-dependent shapes) on torch's ``fake``
+process group with 4 ranks. The one-off cross-rank consistency check is a host decision by design and
+stays off (``check=False``, as the DDP hook and FSDP comms pass after their first call). Ops inside the codec
+layer are allowed for now (see tests/_sync_guard.py); what is checked is the comm layer around them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _sync_guard import NoHostSync
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from lightning_qcomm.codecs import get_codec
+from lightning_qcomm.comm import (
+    onebit_all_reduce,
+    onebit_server_error_numel,
+    quantized_all_gather,
+    quantized_all_reduce,
+    quantized_reduce_scatter,
+)
+from lightning_qcomm.comm.ddp_config import QuantDDPConfig
+from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
+from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
+from lightning_qcomm.comm.fsdp_internals import ParamShard
+from lightning_qcomm.comm.onebit import OneBitMomentumSync
+
+WORLD = 4
+D = 5003
+
+
+@pytest.fixture(autouse=True)
+def fake_world():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=WORLD)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_guard_catches_item_bool_and_nonzero():
+    t = torch.ones(3)
+    for fn in (lambda: t.sum().item(), lambda: bool(t.any()), lambda: t.nonzero(), lambda: t[t > 0]):
+        with pytest.raises(AssertionError, match="host sync"), NoHostSync():
+            fn()
+
+
+@pytest.mark.parametrize("name", ["uniform", "qsgd", "fp8_e4m3", None])
+def test_all_reduce_with_error_feedback(name):
+    codec = None if name is None else get_codec(name, bits=8 if name != "qsgd" else 4, bucket_size=256)
+    x = torch.randn(D)
+    x[7] = float("nan")  # a non-finite step: the residual update keeps the old value there
+    ef = torch.randn(D)
+    with NoHostSync():
+        quantized_all_reduce(x, codec, op="avg", error_feedback=ef, seed=2, check=False, piece_numel=512)
+        quantized_all_reduce(x.bfloat16(), codec, op="sum", error_feedback=ef, seed=3, check=False)
+
+
+def test_reduce_scatter_and_all_gather():
+    codec = get_codec("uniform", bits=4, bucket_size=128)
+    s = 1001
+    with NoHostSync():
+        quantized_reduce_scatter(torch.empty(s), torch.randn(WORLD * s), codec, op="avg", check=False)
+        quantized_all_gather(torch.empty(WORLD * s), torch.randn(s), codec, check=False)
+
+
+def test_onebit_all_reduce_and_momentum_sync():
+    x = torch.randn(D)
+    ew = torch.zeros(D)
+    es = torch.zeros(onebit_server_error_numel(D))
+    sync = OneBitMomentumSync([3000, 2003], bucket_numel=4000)
+    momenta = [torch.randn(3000), torch.randn(2003)]
+    with NoHostSync():
+        onebit_all_reduce(x, ew, es, check=False, piece_numel=300)
+        sync._checked = [True] * len(sync.buckets)
+        sync.sync_(momenta)
+
+
+class _FakeBucket:
+    def __init__(self, index, params):
+        self._i, self._p = index, params
+        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def buffer(self):
+        return self._buf
+
+    def index(self):
+        return self._i
+
+    def parameters(self):
+        return self._p
+
+    def is_last(self):
+        return True
+
+
+def test_ddp_hook_with_error_feedback_and_loss_scale():
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (3000, 10, 2000)]
+    scale = torch.tensor(1024.0)
+    state = QuantDDPHookState(
+        QuantDDPConfig("qsgd", 4, 256, True, 100), {p: f"p{i}" for i, p in enumerate(ps)}, loss_scale=lambda: scale
+    )
+    for p in ps:
+        p.grad = torch.randn(p.shape) * 1024
+    quant_ddp_comm_hook(state, _FakeBucket(0, ps)).wait()  # first call: the one-off consistency check
+    with NoHostSync():
+        quant_ddp_comm_hook(state, _FakeBucket(0, ps)).wait()
+
+
+def test_qsdp_all_gather_and_reduce_scatter():
+    params = [
+        ParamShard(1500, 1500, 6000, 2, True),
+        ParamShard(17, 17, 68, 1, True),
+        ParamShard(900, 899, 3599, 2, True),
+    ]
+    codec = get_codec("uniform", bits=8, bucket_size=256)
+    state = QSDPCommState(seed=1)
+    s = sum(p.padded_shard_numel for p in params)
+    ag = QuantizedAllGather(codec, state, 0, params, 1024)
+    rs = QuantizedReduceScatter(codec, state, 0, params, 1024)
+    group = dist.group.WORLD
+    with NoHostSync():
+        out = torch.empty(WORLD * s)
+        ag(out, out[s : 2 * s].normal_(), group)
+        rs(torch.empty(s), torch.randn(WORLD * s), group)
