@@ -10,8 +10,8 @@
    (bytes read + written per call; goal: >= 70% for uniform-8 and fp8);
 3. writes ``benchmarks/results/gpu_check.md``.
 
-It uses the installed ``lightning_qcomm`` (an editable or a non-editable install, ``lightning_qcomm.kernels``
-included) when there is one, else this checkout (its ``kernels/`` registered as ``lightning_qcomm.kernels``).
+It uses the installed ``lightning_qcomm`` (an editable or a non-editable install) when there is one, else
+this checkout; the Triton kernels are its ``lightning_qcomm.kernels``.
 Exit status: 0 when every test passed or was skipped, 1 when one failed or the tests ran out of time, 2 when
 there is no CUDA device (nothing is run, nothing is written).
 """
@@ -60,19 +60,8 @@ def _package() -> tuple[str, dict[str, str]]:
 
     where = Path(lightning_qcomm.__file__).resolve().parent
     kind = "this checkout, not installed" if where == REPO / "lightning_qcomm" else "installed"
-    try:
-        import lightning_qcomm.kernels as kernels
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "lightning_qcomm.kernels",
-            REPO / "kernels" / "__init__.py",
-            submodule_search_locations=[str(REPO / "kernels")],
-        )
-        kernels = importlib.util.module_from_spec(spec)
-        sys.modules["lightning_qcomm.kernels"] = kernels
-        spec.loader.exec_module(kernels)
-        lightning_qcomm.kernels = kernels
-        kind += "; lightning_qcomm.kernels from the checkout's kernels/"
+    import lightning_qcomm.kernels as kernels
+
     return f"{where} ({kind}); Triton kernels: {'yes' if kernels.HAS_TRITON else 'NO'}", env
 
 

@@ -48,7 +48,7 @@ from lightning_qcomm.codecs import (
     QSGDInfCodec,
     SignCodec,
     UniformCodec,
-    dispatch,
+    cpu_fused,
     packing,
     rng,
     scaling,
@@ -178,7 +178,7 @@ def encode_rows(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch
         raise ValueError(f"seeds must hold one seed per row ({r}), got {len(seeds)}")
     if r == 1:
         return codec.encode(rows[0], seed=seeds[0]).to_bytes().view(1, -1)
-    if rows.device.type == "cpu" and dispatch.use_cpu_fused(codec, rows, n):
+    if rows.device.type == "cpu" and cpu_fused.use_fused(codec, rows, n):
         return _per_row(codec, rows, seeds)  # compiled passes per row: no launches to save on CPU
     if type(codec) not in _BATCHED or n >= _INT32_COUNTERS:
         _log_once(
