@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
 GUARD_S = 120
 
 SCRIPT = textwrap.dedent(
@@ -94,6 +95,8 @@ def run_once(setup: str, mode: str) -> dict:
         for rank in (0, 1):
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
             env.update(LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", FAULT_MODE=mode, FAULT_STAMP=str(stamp))
+            # This checkout, installed or not (the script runs from a temporary folder).
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
             procs.append(
                 subprocess.Popen(
                     [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
