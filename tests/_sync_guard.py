@@ -43,8 +43,9 @@ def _caller_allowed() -> bool:
 class NoHostSync(TorchDispatchMode):
     """Raise ``AssertionError`` naming the op (and count the allowed codec-layer ones in ``allowed``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, strict: bool = False) -> None:
         super().__init__()
+        self.strict = strict  # strict: the codec layer gets no exemption either
         self.allowed: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -53,7 +54,8 @@ class NoHostSync(TorchDispatchMode):
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
         )
         if name in SYNC_OPS or bool_index:
-            if not _caller_allowed():
-                raise AssertionError(f"host sync outside the codec layer: aten.{name}")
+            if self.strict or not _caller_allowed():
+                where = "" if self.strict else " outside the codec layer"
+                raise AssertionError(f"host sync{where}: aten.{name}")
             self.allowed.append(name)
         return func(*args, **(kwargs or {}))

@@ -231,31 +231,34 @@ class Codec(ABC):
         codes = (elementwise or self.encode_reference)(xf, enc_params, seed)
         return codes, scales.contiguous()
 
-    def _pieces(self, numel: int):
+    def _pieces(self, numel: int, device: torch.device):
         """Split 0..numel into pieces ``(start, rows, length, first_bucket)`` of whole buckets, or of parts
-        of one bucket, about ``_PIECE`` elements each: the element-wise work runs piece by piece on
+        of one bucket, about ``_PIECE`` elements each on the CPU: the element-wise work runs piece by piece on
         (rows, length) views with per-bucket parameters broadcast along a row, so it stays in cache and
-        never materialises per-element parameters."""
+        never materialises per-element parameters. On an accelerator a piece is the whole tensor (the full
+        buckets, then the tail): a few large launches instead of thousands of small ones. The random bits
+        are keyed by element offset, so the codes do not depend on the split."""
+        piece = _PIECE if device.type == "cpu" else max(numel, 1)
         blen = self.bucket_len(numel)
         full = numel // blen
-        if blen <= _PIECE:
-            step = _PIECE // blen
+        if blen <= piece:
+            step = piece // blen
             for b in range(0, full, step):
                 rows = min(step, full - b)
                 yield b * blen, rows, blen, b
         else:
             for b in range(full):
-                for s in range(0, blen, _PIECE):
-                    yield b * blen + s, 1, min(_PIECE, blen - s), b
+                for s in range(0, blen, piece):
+                    yield b * blen + s, 1, min(piece, blen - s), b
         tail = numel - full * blen
-        for s in range(0, tail, _PIECE):
-            yield full * blen + s, 1, min(_PIECE, tail - s), full
+        for s in range(0, tail, piece):
+            yield full * blen + s, 1, min(piece, tail - s), full
 
     def encode_reference(self, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torch.Tensor:
         """Torch reference of the element-wise encode: packed uint8 codes of flat fp32 ``xf``."""
         n = xf.numel()
         codes = torch.zeros(packing.packed_nbytes(n, 8), dtype=torch.uint8, device=xf.device)  # zero padding
-        for start, rows, length, b in self._pieces(n):
+        for start, rows, length, b in self._pieces(n, xf.device):
             end = start + rows * length
             x = xf[start:end].reshape(rows, length)
             params = enc_params[b : b + rows].unsqueeze(-1)  # (rows, P, 1): params[:, k] broadcasts over a row
@@ -293,7 +296,7 @@ class Codec(ABC):
         """Torch reference of the element-wise decode: flat fp32 values."""
         c_all = packing.unpack_bits(codes, self.bits, numel)
         out = torch.empty(numel, dtype=torch.float32, device=codes.device)
-        for start, rows, length, b in self._pieces(numel):
+        for start, rows, length, b in self._pieces(numel, codes.device):
             end = start + rows * length
             c = c_all[start:end].view(rows, length).to(torch.int64)
             out[start:end].view(rows, length).copy_(self._dequantize(c, dec_params[b : b + rows].unsqueeze(-1)))

@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from lightning_qcomm.codecs import cpu_fused, packing, registry, scaling, sign_ops  # noqa: F401  (sign ops)
+from lightning_qcomm.codecs import cpu_fused, packing, registry, scaling, sign_ops, triton_probe  # noqa: F401  (sign ops)
 from lightning_qcomm.codecs.kernel_spec import C_SPEC_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,9 @@ def _log_once(key: str, msg: str) -> None:
         log.warning(msg)
 
 
-def _triton_for(c) -> bool:
-    """True when the Triton kernels should do the element-wise work of codec ``c`` (on a CUDA tensor)."""
+def _triton_for(c, device: torch.device) -> bool:
+    """True when the Triton kernels should do the element-wise work of codec ``c`` on ``device``: Triton is
+    installed, not disabled, and passed its first-use check there (``codecs.triton_probe``)."""
     if not registry.has_kernels(c) or os.environ.get("LIGHTNING_QCOMM_DISABLE_TRITON") == "1":
         return False
     from lightning_qcomm import kernels
@@ -93,28 +94,30 @@ def _triton_for(c) -> bool:
     if not kernels.HAS_TRITON:
         _log_once("no-triton", "lightning_qcomm: Triton is not available; CUDA tensors use the torch reference codecs")
         return False
-    return True
+    return triton_probe.triton_works(c, device)
 
 
 def encode_cuda(x, codec: str, bits: int, bucket_size: int | None, stochastic: bool, seed: int):
     c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
-    if not _triton_for(c):
+    if not _triton_for(c, x.device):
         return encode_reference(x, codec, bits, bucket_size, stochastic, seed)
     from lightning_qcomm import kernels
 
     def triton_encode(xf, enc_params, s):
         return kernels.encode(c, xf, enc_params, s)
 
-    return c.encode_torch(x.reshape(-1).to(torch.float32), seed, scaling.output_max(x.dtype), triton_encode)
+    with triton_probe.on_device(x.device):
+        return c.encode_torch(x.reshape(-1).to(torch.float32), seed, scaling.output_max(x.dtype), triton_encode)
 
 
 def decode_cuda(codes, scales, numel: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
     c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
-    if not _triton_for(c):
+    if not _triton_for(c, codes.device):
         return decode_reference(codes, scales, numel, codec, bits, bucket_size, stochastic)
     from lightning_qcomm import kernels
 
-    return kernels.decode(c, codes, c._decode_params(scales), numel)
+    with triton_probe.on_device(codes.device):
+        return kernels.decode(c, codes, c._decode_params(scales), numel)
 
 
 # ---------------------------------------------------------------------------------------------- fake: shapes

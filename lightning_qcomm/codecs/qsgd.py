@@ -74,7 +74,14 @@ def l2_norm_rows64(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     floor = math.sqrt(xb.shape[1]) * 2.0**-51
     redo = ~(torch.isfinite(norm) & (norm >= floor))
     norm64 = norm.double()
-    if bool(redo.any()):
+    if not scaling.may_branch_on(redo):
+        # Off the CPU, every row is rescaled and the redo rows picked by a select: no host sync.
+        amax = xb.abs().amax(dim=1, keepdim=True)
+        amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+        unit_norm = torch.linalg.vector_norm(xb / amax, ord=2, dim=1)
+        norm = torch.where(redo, unit_norm * amax[:, 0], norm)
+        norm64 = torch.where(redo, unit_norm.double() * amax[:, 0].double(), norm64)
+    elif bool(redo.any()):
         rows = redo.nonzero().reshape(-1)
         sub = xb[rows]
         amax = sub.abs().amax(dim=1, keepdim=True)

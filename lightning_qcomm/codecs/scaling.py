@@ -34,12 +34,22 @@ WIDE_SIGMA = 2.0**-64
 TINY_SIGMA = 2.0**64
 
 
+def may_branch_on(t: torch.Tensor) -> bool:
+    """Whether the codec layer may branch on the values of ``t`` on the host: only on the CPU, where reading a
+    value waits for nothing. On an accelerator each data-dependent branch becomes a select (both sides
+    computed), so encode and decode queue without a host sync; the results are the same either way."""
+    return t.device.type == "cpu" and _HOST_BRANCHES
+
+
+_HOST_BRANCHES = True  # tests set it False to run the accelerator form on CPU tensors
+
+
 def none_needed(mask: torch.Tensor) -> bool:
     """True when no bucket of ``mask`` needs the pre-scaling and skipping its per-bucket ops is free: on CPU
     this data-dependent branch only reads host memory, so ordinary tensors skip a few dozen small ops; on an
     accelerator it is False without looking (the ops run branch-free, no host sync). Either way the
     parameters are the same: sigma = m = 1 and the full level range for every bucket not flagged."""
-    return mask.device.type == "cpu" and not bool(mask.any())
+    return may_branch_on(mask) and not bool(mask.any())
 
 
 def unflag(wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

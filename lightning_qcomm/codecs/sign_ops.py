@@ -49,9 +49,10 @@ def sign_encode_err_reference(
     = 0; the scale after the codes."""
     c = y.numel()
     nb = (c + 7) // 8
-    s = _scale32(scale, y.device)
+    s_host = _scale32(scale, torch.device("cpu"))
+    s = s_host.to(y.device)
     flat = y.reshape(-1)
-    if torch.isfinite(s).item():
+    if torch.isfinite(s_host).item():  # the scale is a host number: asking reads no device memory
         payload[:nb] = packing.pack_bits((flat < 0).to(torch.uint8), 1)
         if valid > 0:
             head = flat[:valid]

@@ -57,8 +57,10 @@ def nonfinite_params(params: list[torch.nn.Parameter]) -> list[int]:
     # max |g| cannot overflow (a sum or norm of finite values can) and is NaN/Inf iff an element is
     local = [_local(p.grad.detach()) for p in params]
     peaks = [g.abs().amax().float() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in local]
-    bad = (~torch.isfinite(torch.stack([t.to(peaks[0].device) for t in peaks]))).nonzero().reshape(-1)
-    return bad.tolist()
+    # One device-to-host copy of the flags, then the indices on the host: the step's one sync, as GradScaler's
+    # found-inf check is (nonfinite="propagate" makes none).
+    flags = (~torch.isfinite(torch.stack([t.to(peaks[0].device) for t in peaks]))).cpu()
+    return flags.nonzero().reshape(-1).tolist()
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
