@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,9 +47,12 @@ from lightning_qcomm.comm.fsdp import (
 )
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import max_over_ranks
+from lightning_qcomm.parallel.hsdp import check_hsdp_mesh, fsdp_groups, install_inter_node_average
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
 from lightning_qcomm.parallel.sharding import plan_fsdp_groups
 from lightning_qcomm.parallel.step_hooks import attach_step_hooks
+
+log = logging.getLogger(__name__)
 
 
 class QSDPHandle:
@@ -75,7 +79,7 @@ class QSDPHandle:
         self.config = config
         self.comm_state = comm_state
         self.background = background
-        self.weight_codec = config.build_weight_codec()
+        self.weight_codec = config.build_weight_codec() if not config.hsdp else config.build_intra_codecs()[0]
         self.nonfinite = NonFiniteGuard(config.nonfinite, owner, agree=self._all_ranks_finite)
 
     @property
@@ -125,7 +129,7 @@ class QSDPHandle:
             self.background.close()
 
     def _all_ranks_finite(self, finite: bool) -> bool:
-        group = self.mesh.get_group()
+        group = None if self.config.hsdp else self.mesh.get_group()  # HSDP: the whole world
         device = next((p.device for m in self.modules for p in m.parameters()), None)
         return max_over_ranks(0.0 if finite else 1.0, group, device=device) == 0.0
 
@@ -146,6 +150,8 @@ def config_fingerprint(config: QSDPConfig) -> dict[str, Any]:
         "reshard_after_forward": config.reshard_after_forward,
         "overlap_comm": config.overlap_comm,
         "nonfinite": config.nonfinite,
+        "hsdp": config.hsdp,
+        "intra_node_bits": config.intra_node_bits,
     }
 
 
@@ -181,8 +187,13 @@ def apply_qsdp(
     config = QSDPConfig() if config is None else config
     if not isinstance(config, QSDPConfig):
         raise TypeError(f"{owner}(config={config!r}) must be a QSDPConfig")
-    if getattr(mesh, "ndim", None) != 1:
-        raise ValueError(f"{owner}: mesh must be a 1-D data-parallel DeviceMesh, got {mesh!r}")
+    if config.hsdp:
+        check_hsdp_mesh(mesh, owner)
+        shard_mesh = mesh["intra"]
+    elif getattr(mesh, "ndim", None) != 1:
+        raise ValueError(f"{owner}: mesh must be a 1-D data-parallel DeviceMesh (or hsdp=True), got {mesh!r}")
+    else:
+        shard_mesh = mesh
     check_torch_fsdp_api()
     if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
         raise TypeError(f"{owner} supports FSDP2 (fully_shard) only; found FSDP1-wrapped modules")
@@ -193,22 +204,32 @@ def apply_qsdp(
     sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not sharded:
         for m in plan_fsdp_groups(module, config.layer_class_set, config.min_wrap_numel):
-            fully_shard(m, mesh=mesh, reshard_after_forward=config.reshard_after_forward)
+            fully_shard(m, mesh=shard_mesh, reshard_after_forward=config.reshard_after_forward)
     else:
         # sharded before (by the user, or an earlier stage): keep it; a group left gathered by its last forward
         # (FSDP2 keeps the root's) goes back to its shards first
         for m in sharded:
             m.reshard()
     _check_all_sharded(module, owner)
-    worker = worker_group = None
-    if config.overlap_comm and mesh.device_type == "cpu":
-        background = BackgroundComm("lightning_qcomm-qsdp") if background is None else background
-        worker, worker_group = background.acquire(mesh.get_group())
-    else:
-        background = None
     comm_state = QSDPCommState(seed=config.seed, step=0) if comm_state is None else comm_state
-    comm_config = QSDPCommConfig(config.build_weight_codec(), config.build_grad_codec(), config.min_quant_numel)
-    modules = install_qsdp_comms(module, comm_config, comm_state, worker=worker, worker_group=worker_group)
+    codecs = config.build_intra_codecs() if config.hsdp else (config.build_weight_codec(), config.build_grad_codec())
+    worker = worker_group = None
+    if config.hsdp and codecs == (None, None):
+        background = None  # inside a node FSDP2's own collectives; nothing of ours to install there
+        modules = fsdp_groups(module)
+    else:
+        if config.hsdp and config.overlap_comm:
+            # a background group per node would need every rank of the world to create every node's group
+            log.info("%s: with hsdp=True the quantized comms inside a node run inline (no overlap_comm)", owner)
+        if config.overlap_comm and shard_mesh.device_type == "cpu" and not config.hsdp:
+            background = BackgroundComm("lightning_qcomm-qsdp") if background is None else background
+            worker, worker_group = background.acquire(shard_mesh.get_group())
+        else:
+            background = None
+        comm_config = QSDPCommConfig(codecs[0], codecs[1], config.min_quant_numel)
+        modules = install_qsdp_comms(module, comm_config, comm_state, worker=worker, worker_group=worker_group)
+    if config.hsdp:
+        install_inter_node_average(modules, config.build_grad_codec(), mesh, comm_state, config.min_quant_numel)
     if worker is not None:
         chain_forward_prefetch(modules)
     return QSDPHandle(modules, mesh, config, comm_state, background, owner)

@@ -65,6 +65,10 @@ class QSDPConfig:
             their own and each group prefetches the next one's weights in forward; bit-identical to inline.
         nonfinite: a step with a NaN/Inf gradient on any rank is ``"skip"``-ped on every rank (the ranks agree
             with one 8-byte all-reduce), ``"raise"``-s FloatingPointError, or ``"propagate"``-s.
+        hsdp: shard inside a node and replicate across nodes (``parallel.hsdp``; needs the 2-D mesh of
+            ``comm.topology.node_groups``): ``grad_bits`` / ``grad_codec`` then set the all-reduce across nodes.
+        intra_node_bits: with ``hsdp``, the width of the all-gathers and reduce-scatters inside a node (None:
+            unquantized, FSDP2's own; ``weight_codec`` / ``grad_codec`` name their codecs).
     """
 
     bits: int | None = None
@@ -81,6 +85,8 @@ class QSDPConfig:
     reshard_after_forward: bool | None = None
     overlap_comm: bool = True
     nonfinite: str = "skip"
+    hsdp: bool = False
+    intra_node_bits: int | None = None
 
     def __post_init__(self) -> None:
         own = type(self).__name__
@@ -98,11 +104,18 @@ class QSDPConfig:
             check_bool(own, "reshard_after_forward", self.reshard_after_forward)
         check_bool(own, "overlap_comm", self.overlap_comm)
         check_policy(own, self.nonfinite)
+        check_bool(own, "hsdp", self.hsdp)
+        check_int(own, "intra_node_bits", self.intra_node_bits, optional=True)
+        if self.intra_node_bits is not None and not self.hsdp:
+            raise ValueError(f"{own}(intra_node_bits={self.intra_node_bits}) needs hsdp=True")
+        if self.hsdp and self.quantize_master:
+            raise ValueError(f"{own}(hsdp=True, quantize_master=True): the master projection is for flat QSDP only")
         default = 8 if self.bits is None else self.bits
         object.__setattr__(self, "weight_bits", default if self.weight_bits is None else self.weight_bits)
         object.__setattr__(self, "grad_bits", default if self.grad_bits is None else self.grad_bits)
         weight_codec = self.build_weight_codec()  # raises for a width the codec does not have
         self.build_grad_codec()
+        self.build_intra_codecs()
         if self.quantize_master and weight_codec is None:
             raise ValueError(
                 f"{own}(quantize_master=True) needs a quantized weight codec (weight_bits < 32, codec not 'none')"
@@ -120,8 +133,19 @@ class QSDPConfig:
         return build_codec("weight_bits", self.weight_bits, "weight_codec", self.weight_codec, self.bucket_size)
 
     def build_grad_codec(self) -> Codec | None:
-        """The codec of the gradient reduce-scatter (None: unquantized)."""
+        """The codec of the gradient reduce-scatter (None: unquantized); with ``hsdp``, of the all-reduce across
+        nodes."""
         return build_codec("grad_bits", self.grad_bits, "grad_codec", self.grad_codec, self.bucket_size)
+
+    def build_intra_codecs(self) -> tuple[Codec | None, Codec | None]:
+        """With ``hsdp``: the (weight all-gather, gradient reduce-scatter) codecs inside a node."""
+        if not self.hsdp or self.intra_node_bits is None:
+            return None, None
+        b = self.intra_node_bits
+        return (
+            build_codec("intra_node_bits", b, "weight_codec", self.weight_codec, self.bucket_size),
+            build_codec("intra_node_bits", b, "grad_codec", self.grad_codec, self.bucket_size),
+        )
 
 
 __all__ = ["CODEC_CHOICES", "DEFAULT_MIN_WRAP_NUMEL", "UNQUANTIZED_BITS", "QSDPConfig", "build_codec"]

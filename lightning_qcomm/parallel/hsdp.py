@@ -1,0 +1,92 @@
+"""QSDP over HSDP: shard inside a node, replicate across nodes, quantize only what crosses (entry-point layer).
+
+On ``M`` nodes of ``L`` ranks (``comm.topology``), each FSDP group is sharded with FSDP2 over the node's ``L``
+ranks (``mesh["intra"]``): weight all-gathers and gradient reduce-scatters stay on the fast links,
+unquantized by default (``QSDPConfig.intra_node_bits=None``; a width quantizes them too, with QSDP's own
+comms). The ``M`` replicas of each shard then average their reduce-scattered gradient over the ``inter`` group
+(one rank per node) with the precision-preserving compressed all-reduce (``comm.quantized_all_reduce``:
+decode, fp32 sum, requantize), from FSDP2's all-reduce hook, which runs on the reduce-scatter output before
+FSDP2's post-divide. So g_shard ← (1/M) Σ_nodes D(Q(Σ_intra g / L)): the global mean gradient up to the two
+roundings, identical on the ``M`` replicas, so their optimizer shards stay equal. Each compressed byte crosses
+the slow links once. Seeds fold in (seed, step, FSDP group, local rank) and, inside the all-reduce, the
+replica's rank, so no two replicas or shards round alike. A group whose shard has fewer than
+``min_quant_numel`` elements all-reduces in fp32 (its bytes are negligible; its norms and biases stay exact).
+
+Example::
+
+    groups = node_groups(Topology(world_size=4, node_size=2))
+    qsdp = apply_qsdp(model, groups.mesh, QSDPConfig(grad_bits=8, hsdp=True))   # 2-D mesh ("inter", "intra")
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_qcomm.codecs import Codec, derive_seed
+from lightning_qcomm.comm import quantized_all_reduce
+from lightning_qcomm.comm.fsdp import QSDPCommState
+
+SEED_INTER = 4  # beside comm.fsdp's SEED_WEIGHTS / SEED_GRADS / SEED_MASTER
+HSDP_DIMS = ("inter", "intra")
+
+
+class InterNodeGradAverage:
+    """FSDP2 all-reduce hook of one FSDP group: its reduce-scattered gradient shard, averaged across nodes.
+
+    ``codec`` None averages in fp32 (one ``dist.all_reduce``), as FSDP2's own HSDP does; the ledger records
+    either under ``grads@inter``.
+    """
+
+    def __init__(
+        self, codec: Codec | None, inter: dist.ProcessGroup, state: QSDPCommState, group_id: int, min_quant_numel: int
+    ) -> None:
+        self.codec, self.inter, self.state, self.group_id = codec, inter, state, group_id
+        self.min_quant_numel = min_quant_numel
+        self.local_rank = 0  # set by install_inter_node_average: the rank inside the node (the shard index)
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        if dist.get_world_size(self.inter) == 1:
+            return
+        codec = None if reduce_output.numel() < self.min_quant_numel else self.codec
+        seed = derive_seed(self.state.seed, SEED_INTER, self.state.step, self.group_id, self.local_rank)
+        quantized_all_reduce(
+            reduce_output, codec, group=self.inter, op="avg", seed=seed, tag="grads@inter", check=False
+        )
+
+
+def check_hsdp_mesh(mesh, owner: str) -> None:
+    """A 2-D mesh named ("inter", "intra") (``comm.topology.node_groups(...).mesh``)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if getattr(mesh, "ndim", None) != 2 or names != HSDP_DIMS:
+        raise ValueError(
+            f"{owner}: hsdp=True needs a 2-D DeviceMesh with dims {HSDP_DIMS} (comm.topology.node_groups), got {mesh!r}"
+        )
+
+
+def install_inter_node_average(
+    modules: list[torch.nn.Module], codec: Codec | None, mesh, state: QSDPCommState, min_quant_numel: int
+) -> list[InterNodeGradAverage]:
+    """Set an ``InterNodeGradAverage`` as the all-reduce hook of every FSDP group in ``modules`` (group-id
+    order, as ``comm.fsdp.install_qsdp_comms`` or ``fsdp_groups`` return them)."""
+    inter = mesh.get_group("inter")
+    local = mesh.get_local_rank("intra")
+    hooks = []
+    for gid, module in enumerate(modules):
+        hook = InterNodeGradAverage(codec, inter, state, gid, min_quant_numel)
+        hook.local_rank = local
+        module.set_all_reduce_hook(hook)
+        hooks.append(hook)
+    return hooks
+
+
+def fsdp_groups(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP modules under ``root`` that own parameters, in ``root.modules()`` order (the group ids)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_qcomm.comm.fsdp import fsdp_param_shards
+
+    return [m for m in root.modules() if isinstance(m, FSDPModule) and fsdp_param_shards(m)]
+
+
+__all__ = ["HSDP_DIMS", "InterNodeGradAverage", "check_hsdp_mesh", "fsdp_groups", "install_inter_node_average"]
