@@ -65,6 +65,10 @@ class QSDPConfig:
             their own and each group prefetches the next one's weights in forward; bit-identical to inline.
         nonfinite: a step with a NaN/Inf gradient on any rank is ``"skip"``-ped on every rank (the ranks agree
             with one 8-byte all-reduce), ``"raise"``-s FloatingPointError, or ``"propagate"``-s.
+
+    Example::
+
+        cfg = QSDPConfig(weight_bits=8, grad_bits=4)   # or QSDPConfig(bits=8) for both
     """
 
     bits: int | None = None
