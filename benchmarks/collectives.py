@@ -54,10 +54,11 @@ def local_transfers():
     """Compute floor: the collectives' two payload transfers become local copies (all-to-all keeps this
     rank's own bytes, all-gather repeats them), so the call does exactly its N-rank encode/decode work
     and sends nothing."""
-    import lightning_qcomm.comm.collectives as col
+    from lightning_qcomm.comm import quantized, sign_collective
 
     names = ("_all_to_all", "_all_gather", "_all_to_all_async", "_all_gather_async")
-    saved = {name: getattr(col, name) for name in names}
+    modules = (quantized, sign_collective)  # the collectives bind the transport helpers at import
+    saved = [(mod, name, getattr(mod, name)) for mod in modules for name in names if hasattr(mod, name)]
 
     def all_to_all(recv, send, group, world):
         recv.copy_(send)
@@ -65,13 +66,13 @@ def local_transfers():
     def all_gather(out, inp, group, world):
         out.copy_(inp.repeat(world))
 
-    col._all_to_all = col._all_to_all_async = all_to_all  # the async forms return None: nothing to wait for
-    col._all_gather = col._all_gather_async = all_gather
+    for mod, name, _ in saved:  # the async forms return None: nothing to wait for
+        setattr(mod, name, all_to_all if "to_all" in name else all_gather)
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(col, name, fn)
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 def worker(cfg: dict) -> None:

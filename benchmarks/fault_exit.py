@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,9 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests._launch
+from tests._launch import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -79,18 +81,12 @@ SETUPS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_once(setup: str, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "run.py"
         script.write_text(SCRIPT.replace("{setup}", setup))
         stamp = Path(d) / "stamp"
-        port = _free_port()
+        port = free_port()
         procs = []
         for rank in (0, 1):
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")

@@ -10,7 +10,7 @@ final validation loss / accuracy of the averaged model (validation is a sync poi
     OMP_NUM_THREADS=1 python benchmarks/local_sgd_convergence.py [--steps 400] [--alphas 0.004,0.006]
 
 The wall time on this shared 2-core machine is disturbed by other processes and says nothing about a
-network-bound run (see benchmarks/netbench.py for that); the loss and round counts are what this measures.
+network-bound run (see ``python -m benchmarks.netbench`` for that); the loss and round counts are what this measures.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ for every variant; what changes is the optimizer/communication:
 Bytes are the CommLedger's wire estimates (bytes one rank sends per step), median over the steps of each
 phase, and their ratio to the fp32 ring all-reduce of all d parameters (2(N-1)/N * 4d). The overall ratio
 is the run's total over the fp32 total. Loss: training loss averaged over the last 10 steps and both ranks,
-and the validation loss of the final model. Wall-clock on a rate-limited link is ``benchmarks/netbench.py``'s
+and the validation loss of the final model. Wall-clock on a rate-limited link is ``python -m benchmarks.netbench``'s
 job (row ``onebit_adam``); ms/step here is on a shared CPU, loopback, and only indicative.
 
     python benchmarks/onebit_adam_convergence.py --steps 200 --out benchmarks/results/onebit_adam.md
@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import pickle
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from tests._launch import free_port, rank_results, spawn, write_rank_result  # noqa: E402
 
 
 def _variants(steps: int) -> dict[str, dict]:
@@ -165,14 +164,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             "total_base": sum(t.baseline_bytes for t in ledger.cumulative.values()),
             "variance_changes": per_step.r,
         }
-    with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(results, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    write_rank_result(out, rank, results, "rank{rank}.pkl")
 
 
 def _median(xs: list[float]) -> float:
@@ -189,12 +181,10 @@ def main() -> None:
     ap.add_argument("--variants", default="all", help="comma list of variant names (ddp_adamw always runs) or all")
     ap.add_argument("--out", default=None, help="markdown file to write (default: print only)")
     args = ap.parse_args()
-    import torch.multiprocessing as mp
-
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(_free_port(), args, tmp), nprocs=2, start_method="spawn")
-        res = [pickle.load(open(os.path.join(tmp, f"rank{r}.pkl"), "rb")) for r in range(2)]
+        spawn(_worker, free_port(), args, tmp, nprocs=2)
+        res = rank_results(tmp, 2, "rank{rank}.pkl")
     duration = time.perf_counter() - start
 
     r0 = res[0]

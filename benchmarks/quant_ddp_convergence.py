@@ -7,7 +7,7 @@ seed, data, model and optimizer for every variant; what changes is how gradient 
 Bytes: for lightning_qcomm variants the CommLedger's wire estimate of everything tagged ``grads``
 (all-reduces plus the one-off cross-rank shape check) over the fp32 ring all-reduce baseline; for the
 torch hooks the analytical ratio (fp16: 1/2) or PowerSGDState's own element counts (compressed steps only).
-Wall-clock on a rate-limited link is measured by ``benchmarks/netbench.py``, not here; ms/step here is
+Wall-clock on a rate-limited link is measured by ``python -m benchmarks.netbench``, not here; ms/step here is
 on a shared, loaded CPU and only indicative.
 
     python benchmarks/quant_ddp_convergence.py --steps 160 --out benchmarks/results/quant_ddp.md
@@ -19,13 +19,16 @@ import argparse
 import datetime
 import os
 import pickle
-import socket
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests._launch
+from tests._launch import free_port, spawn  # noqa: E402
 
 N_SAMPLES, N_FEAT, N_HID, N_CLS, BATCH, LR = 2048, 64, 128, 8, 32, 0.05
 
@@ -198,22 +201,14 @@ def _worker(rank: int, port: int, steps: int, out: str) -> None:
             pickle.dump(results, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--out", default=None, help="markdown file to write (default: print only)")
     args = ap.parse_args()
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "res.pkl")
-        mp.start_processes(_worker, args=(_free_port(), args.steps, path), nprocs=2, start_method="spawn")
+        spawn(_worker, free_port(), args.steps, path, nprocs=2)
         with open(path, "rb") as f:
             res = pickle.load(f)
     ddp = res["ddp_fp32"]["loss"]

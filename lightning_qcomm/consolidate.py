@@ -66,6 +66,10 @@ def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_file: str |
 
     Refuses (FileExistsError) to overwrite ``output_file``; FileNotFoundError / ValueError when
     ``checkpoint_dir`` is missing or is not a sharded checkpoint. Returns the output path.
+
+    Example::
+
+        consolidate_checkpoint("checkpoints/epoch=0-step=100.ckpt", "model.ckpt")   # a folder -> one file
     """
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
 

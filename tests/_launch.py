@@ -1,26 +1,96 @@
-"""Launch one script as N real processes the way Lightning sees externally created processes
-(``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE``/``MASTER_*`` set, as torchrun and SLURM set them), and collect
-each one's exit status and output; and the same environment for a spawned worker (``lightning_env``).
+"""The tests' one process harness: a free port, spawned workers, their per-rank results.
 
-Shared by the tests that need processes to fail independently (hangs, timeouts, mismatched settings),
-where ``torch.multiprocessing.spawn`` would tear the others down with the first failure, and by the
+* ``free_port``: a TCP port on 127.0.0.1 nobody listens on (for ``MASTER_PORT`` / ``tcp://`` rendezvous).
+* ``spawn(fn, *args, nprocs=N)``: ``fn(rank, *args)`` in N processes started with "spawn"
+  (``torch.multiprocessing``); a rank that raises fails the caller with its traceback, and with
+  ``timeout_s`` ranks still running are killed and ``TimeoutError`` is raised.
+* ``write_rank_result`` / ``rank_results``: each rank writes one file (``rank{rank}.json`` by default;
+  ``.pt`` and ``.pkl`` names are saved with torch / pickle) and the parent reads them back in rank order.
+* ``set_rank_env`` (a spawned worker's launcher variables) and ``FakeBucket`` (a DDP ``GradBucket`` stand-in).
+* ``run_ranks``: one *script* as N real processes the way Lightning sees externally created processes
+  (``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE``/``MASTER_*`` set, as torchrun and SLURM set them), collecting
+  each one's exit status and output; and the same environment for a spawned worker (``lightning_env``).
+
+``run_ranks`` serves the tests that need processes to fail independently (hangs, timeouts, mismatched settings),
+where ``torch.multiprocessing.spawn`` would tear the others down with the first failure, and the
 multi-node tests: ``ranks_per_node`` < world lays the ranks out as nodes (global rank = node · ranks_per_node
 + local rank), for ``Trainer(num_nodes=world // ranks_per_node, devices=ranks_per_node)``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn(fn: Callable[..., None], *args: Any, nprocs: int = 2, timeout_s: float | None = None) -> None:
+    """Run ``fn(rank, *args)`` for rank 0..nprocs-1 in processes started with "spawn" and wait for all.
+
+    A rank that raises makes this raise (torch's ``ProcessRaisedException``, with the rank's traceback).
+    ``timeout_s``: ranks still running after that long are killed and ``TimeoutError`` is raised."""
+    import torch.multiprocessing as mp
+
+    if timeout_s is None:
+        mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=True)
+        return
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{nprocs} spawned ranks did not finish within {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def _result_path(outdir: str | os.PathLike, rank: int, name: str) -> Path:
+    return Path(outdir) / name.format(rank=rank)
+
+
+def write_rank_result(outdir: str | os.PathLike, rank: int, data: Any, name: str = "rank{rank}.json") -> None:
+    """Save one rank's result: JSON, or ``torch.save`` for a ``.pt`` name, ``pickle`` for ``.pkl``."""
+    path = _result_path(outdir, rank, name)
+    if path.suffix == ".pt":
+        import torch
+
+        torch.save(data, path)
+    elif path.suffix == ".pkl":
+        path.write_bytes(pickle.dumps(data))
+    else:
+        path.write_text(json.dumps(data))
+
+
+def rank_results(outdir: str | os.PathLike, world: int, name: str = "rank{rank}.json") -> list[Any]:
+    """The results ``write_rank_result`` saved, in rank order."""
+    out = []
+    for rank in range(world):
+        path = _result_path(outdir, rank, name)
+        if path.suffix == ".pt":
+            import torch
+
+            out.append(torch.load(path, weights_only=False))
+        elif path.suffix == ".pkl":
+            out.append(pickle.loads(path.read_bytes()))
+        else:
+            out.append(json.loads(path.read_text()))
+    return out
 
 
 @dataclass
@@ -78,3 +148,31 @@ def run_ranks(
             out, _ = p.communicate()
             outcomes[rank] = Outcome(None, out.decode(errors="replace"))
     return outcomes
+
+
+def set_rank_env(rank: int, world: int, port: int) -> None:
+    """In a spawned worker: the launcher's variables (``lightning_env``) plus ``RANK``, into ``os.environ``."""
+    os.environ.update(lightning_env(rank, world, port), RANK=str(rank))
+
+
+class FakeBucket:
+    """Just enough of ``torch.distributed.GradBucket`` for calling a DDP comm hook by hand: bucket ``index``
+    holding the gradients of ``params``, flattened into one buffer."""
+
+    def __init__(self, index: int, params: list, last: bool = True) -> None:
+        import torch
+
+        self._i, self._p, self._last = index, params, last
+        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def buffer(self):
+        return self._buf
+
+    def index(self) -> int:
+        return self._i
+
+    def parameters(self) -> list:
+        return self._p
+
+    def is_last(self) -> bool:
+        return self._last

@@ -16,15 +16,14 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _launch import free_port, rank_results, spawn, write_rank_result
 from torch import nn
 
 from lightning_qcomm.callbacks import ActivationQuantization
@@ -1083,12 +1082,6 @@ def test_cli_config_trains(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------- 2 ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 STEPS = 40
 
 
@@ -1151,16 +1144,15 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     fit("qsdp_actq4", QSDPStrategy(bits=8), ActivationQuantization(bits=4, record_saves=True), steps=6)
     fit("ddp_acc2", "ddp", ActivationQuantization(bits=4), steps=6, accumulate=2)
     fit("ddp_acc2_fp8", "ddp", ActivationQuantization(bits=4, grad_storage="fp8_e4m3"), steps=6, accumulate=2)
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    write_rank_result(outdir, rank, res)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("actq2")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    spawn(_worker, free_port(), str(out), nprocs=2)
+    return rank_results(out, 2)
 
 
 def _tail(losses, k=8):

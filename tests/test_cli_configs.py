@@ -20,7 +20,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -33,8 +32,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
+from _launch import free_port, spawn
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_qcomm.callbacks import CommVolumeLogger
@@ -361,12 +360,6 @@ def test_wheel_ships_configs_and_types_and_no_hard_triton(tmp_path):
 # ------------------------------------------------------------------------------------- training, 2 ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config_worker(rank: int, port: int, configs: list[str], out_dir: str) -> None:
     os.environ.update(
         OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0"
@@ -403,21 +396,13 @@ def config_runs(tmp_path_factory):
     """Train every runnable config in one two-rank spawn; returns (output dir, failure text or None)."""
     out = tmp_path_factory.mktemp("config_runs")
     runnable = [str(p) for p in CONFIGS if missing_module(p) is None]
-    ctx = mp.start_processes(
-        _config_worker, args=(_free_port(), runnable, str(out)), nprocs=2, start_method="spawn", join=False
-    )
-    deadline, failure = time.monotonic() + 150 + 25 * len(runnable), None
+    failure = None
     try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                failure = "config runs timed out"
-                break
+        spawn(_config_worker, free_port(), runnable, str(out), nprocs=2, timeout_s=150 + 25 * len(runnable))
+    except TimeoutError:
+        failure = "config runs timed out"
     except Exception as err:  # a rank raised; its traceback is in <config>.rank<r>.error
         failure = str(err)
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
     return out, failure
 
 

@@ -8,16 +8,14 @@ a single process from every rank's inputs, which each rank regenerates from the 
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import free_port, rank_results, spawn, write_rank_result
 
 from lightning_qcomm.codecs import derive_seed, get_codec
 from lightning_qcomm.comm import (
@@ -687,28 +685,18 @@ def _worker(rank: int, world: int, port: int, outdir: str, names: list[str]) -> 
                 results[name] += "\nbarrier after this check failed (ranks out of step):\n" + traceback.format_exc()
                 break
     finally:
-        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
+        write_rank_result(outdir, rank, results)
     try:
         dist.destroy_process_group()
     except Exception:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, checks, tmp_path_factory) -> dict:
     outdir = str(tmp_path_factory.mktemp(f"coll{world}"))
     names = [fn.__name__ for fn in checks]
-    mp.spawn(_worker, args=(world, _free_port(), outdir, names), nprocs=world, join=True)
-    per_rank = []
-    for r in range(world):
-        with open(os.path.join(outdir, f"rank{r}.json")) as f:
-            per_rank.append(json.load(f))
+    spawn(_worker, world, free_port(), outdir, names, nprocs=world)
+    per_rank = rank_results(outdir, world)
     print(f"world {world}: " + ", ".join(f"{n} {per_rank[0].get(n + '_seconds', 0):.1f}s" for n in names))
     return {name: [res.get(name, "not run") for res in per_rank] for name in names}
 

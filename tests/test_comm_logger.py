@@ -20,8 +20,6 @@ import json
 import logging
 import math
 import os
-import socket
-import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +28,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import free_port, rank_results, spawn, write_rank_result
 from lightning.pytorch.loggers import CSVLogger, Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -318,12 +316,6 @@ def _block_loader() -> DataLoader:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _trainer(out_dir: Path, name: str, strategy, max_steps: int, callbacks: list, version: int = 0) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
@@ -400,25 +392,15 @@ def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
     second = _trainer(out, "resume", "ddp", STEPS, [second_cb], version=1)
     second.fit(Blocks(extra_record=True), _block_loader(), ckpt_path=out / "resume.ckpt")
     res["resumed"] = _result(second_cb, second)
-    (out / f"rank{rank}.json").write_text(json.dumps(res))
+    write_rank_result(out, rank, res)
     dist.destroy_process_group()
-
-
-def _spawn_two(fn, *args, timeout_s: float = 400.0) -> None:
-    ctx = mp.start_processes(fn, args=args, nprocs=N, start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"2-rank workers did not finish within {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm_logger_two_ranks")
-    _spawn_two(_two_rank_worker, _free_port(), str(out))
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(N)]
+    spawn(_two_rank_worker, free_port(), str(out), nprocs=N, timeout_s=400.0)
+    return out, rank_results(out, N)
 
 
 def _metric_rows(out: Path, name: str, version: int = 0) -> list[dict]:

@@ -3,6 +3,7 @@
 import threading
 
 import pytest
+from _launch import free_port
 
 from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork, dedicated_group
 
@@ -71,10 +72,10 @@ def test_dedicated_group_inherits_or_takes_the_timeout():
 
     code = textwrap.dedent(
         """
-        import datetime, os, socket
+        import datetime, sys
         import torch, torch.distributed as dist
         from lightning_qcomm.comm.comm_worker import dedicated_group, group_timeout
-        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        port = int(sys.argv[1])
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=17))
         print("inherited", group_timeout(dedicated_group()).total_seconds())
@@ -82,6 +83,6 @@ def test_dedicated_group_inherits_or_takes_the_timeout():
         dist.destroy_process_group()
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code, str(free_port())], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "inherited 17.0" in out.stdout and "explicit 9.0" in out.stdout, out.stdout

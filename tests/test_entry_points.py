@@ -24,8 +24,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _launch import free_port
+from _launch import free_port, rank_results, spawn, write_rank_result
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
@@ -456,7 +455,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     for section in (_fabric_quant_ddp, _fabric_qsdp, _fabric_local_sgd):
         section(rank, outdir, out["fabric"])
     _fabric_onebit(rank, out["fabric"])
-    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    write_rank_result(outdir, rank, out, "rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -465,8 +464,8 @@ def _worker(rank: int, port: int, outdir: str) -> None:
 def runs(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("entry_points")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(_worker, args=(free_port(), str(outdir)), nprocs=WORLD, start_method="spawn", join=True)
-    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    spawn(_worker, free_port(), str(outdir), nprocs=WORLD)
+    return rank_results(outdir, WORLD, "rank{rank}.pt")
 
 
 def _rel(a: float, b: float) -> float:

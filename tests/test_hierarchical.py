@@ -9,19 +9,16 @@ the formulas, 1/node_size of a flat compressed all-reduce's.
 from __future__ import annotations
 
 import datetime
-import json
-import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import free_port, rank_results, spawn, write_rank_result
 
 from lightning_qcomm.codecs import get_codec
-from lightning_qcomm.comm.collectives import all_reduce_pieces, quantized_all_reduce
 from lightning_qcomm.comm.hierarchical import hierarchical_all_reduce, shard_numel
+from lightning_qcomm.comm.quantized import all_reduce_pieces, quantized_all_reduce
 from lightning_qcomm.comm.topology import Topology, node_groups, resolve_node_size
 
 WORLD, NODE = 4, 2
@@ -169,19 +166,15 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         except Exception:
             results[fn.__name__] = traceback.format_exc()
         dist.barrier()
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    write_rank_result(outdir, rank, results)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("hier"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, out), nprocs=WORLD, join=True)
-    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(WORLD)]
+    spawn(_worker, free_port(), out, nprocs=WORLD)
+    return rank_results(out, WORLD)
 
 
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])

@@ -11,30 +11,13 @@ import threading
 
 import torch
 import torch.distributed as dist
+from _launch import FakeBucket
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
 from lightning_qcomm.comm.onebit import OneBitGradHookState, onebit_adam_grad_hook
-
-
-class _FakeBucket:
-    def __init__(self, params):
-        self._p = params
-        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
-
-    def buffer(self):
-        return self._buf
-
-    def index(self):
-        return 0
-
-    def parameters(self):
-        return self._p
-
-    def is_last(self):
-        return True
 
 
 def test_overlapped_hook_returns_before_its_collective_runs():
@@ -49,7 +32,7 @@ def test_overlapped_hook_returns_before_its_collective_runs():
         state = QuantDDPHookState(
             QuantDDPConfig("uniform", 8, 512, True, 0), {p: f"p{i}" for i, p in enumerate(ps)}, worker=worker
         )
-        bucket = _FakeBucket(ps)
+        bucket = FakeBucket(0, ps)
         fut = quant_ddp_comm_hook(state, bucket)
         assert not fut.done(), "the hook ran its collective before returning"
         gate.set()
@@ -63,7 +46,7 @@ def test_overlapped_hook_returns_before_its_collective_runs():
 def test_warm_up_hook_cpu_returns_the_averaged_bucket():
     ps = [torch.nn.Parameter(torch.zeros(10))]
     ps[0].grad = torch.arange(10.0)
-    bucket = _FakeBucket(ps)
+    bucket = FakeBucket(0, ps)
     state = OneBitGradHookState()
     assert torch.equal(onebit_adam_grad_hook(state, bucket).wait(), torch.arange(10.0))  # a world of one
     state.compressing = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _launch import FakeBucket
 from _sync_guard import NoHostSync
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -80,24 +81,6 @@ def test_onebit_all_reduce_and_momentum_sync():
         sync.sync_(momenta)
 
 
-class _FakeBucket:
-    def __init__(self, index, params):
-        self._i, self._p = index, params
-        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
-
-    def buffer(self):
-        return self._buf
-
-    def index(self):
-        return self._i
-
-    def parameters(self):
-        return self._p
-
-    def is_last(self):
-        return True
-
-
 def test_ddp_hook_with_error_feedback_and_loss_scale():
     ps = [torch.nn.Parameter(torch.randn(n)) for n in (3000, 10, 2000)]
     scale = torch.tensor(1024.0)
@@ -106,9 +89,9 @@ def test_ddp_hook_with_error_feedback_and_loss_scale():
     )
     for p in ps:
         p.grad = torch.randn(p.shape) * 1024
-    quant_ddp_comm_hook(state, _FakeBucket(0, ps)).wait()  # first call: the one-off consistency check
+    quant_ddp_comm_hook(state, FakeBucket(0, ps)).wait()  # first call: the one-off consistency check
     with NoHostSync():
-        quant_ddp_comm_hook(state, _FakeBucket(0, ps)).wait()
+        quant_ddp_comm_hook(state, FakeBucket(0, ps)).wait()
 
 
 def test_qsdp_all_gather_and_reduce_scatter():

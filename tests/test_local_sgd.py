@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import free_port, rank_results, spawn, write_rank_result
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -388,12 +387,6 @@ def test_post_local_quantized_with_optimizer_state(tmp_path):
 # ---------------------------------------------------------------------- TensorAverager (plain torch.multiprocessing)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _averager_worker(rank: int, port: int, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -424,13 +417,13 @@ def _averager_worker(rank: int, port: int, out: str) -> None:
             q.copy_(x)
     qavg.average(0)
     res["quant"] = quant
-    torch.save(res, os.path.join(out, f"avg_rank{rank}.pt"))
+    write_rank_result(out, rank, res, "avg_rank{rank}.pt")
     dist.destroy_process_group()
 
 
 def test_tensor_averager_plain_and_quantized(tmp_path):
-    mp.start_processes(_averager_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
-    r0, r1 = (torch.load(tmp_path / f"avg_rank{r}.pt") for r in range(2))
+    spawn(_averager_worker, free_port(), str(tmp_path), nprocs=2)
+    r0, r1 = rank_results(tmp_path, 2, "avg_rank{rank}.pt")
     assert r0["plain_buckets"] == 2  # [1000] alone (over 600), [37 + 5] together
     for p0, p1, x0, x1 in zip(r0["plain"], r1["plain"], r0["inputs"], r1["inputs"]):
         assert torch.equal(p0, p1)

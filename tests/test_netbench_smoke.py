@@ -1,4 +1,4 @@
-"""Smoke tests of benchmarks/netbench.py so the harness can't rot (no timing is asserted).
+"""Smoke tests of benchmarks/netbench (``python -m benchmarks.netbench``) so the harness can't rot (no timing is asserted).
 
 One reduced end-to-end run on loopback (tiny model, 4 steps, a few variants) checks that the report,
 JSON and plot are written and that the byte accounting is exact: torch's fp32 all-reduce hook must
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
 
-import netbench  # noqa: E402
+from benchmarks import netbench  # noqa: E402
 
 
 def test_schedule_interleaves_and_reverses_odd_repeats():
@@ -98,7 +98,7 @@ def test_reduced_loopback_run(tmp_path):
     variants = ["floor", "ddp_fp32", "ddp_fp16"]
     if netbench.variant_available(netbench.VARIANT_BY_NAME["qddp_uniform8"])[0]:
         variants.append("qddp_uniform8")
-    cmd = [sys.executable, str(REPO / "benchmarks" / "netbench.py"), "--loopback", "--model", "tiny"]
+    cmd = [sys.executable, "-m", "benchmarks.netbench", "--loopback", "--model", "tiny"]
     cmd += ["--steps", "4", "--warmup", "1", "--repeats", "1", "--variants", ",".join(variants)]
     cmd += ["--out", str(tmp_path), "--variant-timeout", "120", "--collective-timeout", "120"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)

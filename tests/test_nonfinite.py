@@ -14,14 +14,13 @@ Cost: one pair of spawned processes runs every case in-process, a tiny model, 6 
 from __future__ import annotations
 
 import os
-import pickle
-import socket
 import tempfile
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _launch import free_port, rank_results, spawn, write_rank_result
 from torch import nn
 
 STEPS = 6
@@ -196,29 +195,20 @@ def _run_case(spec: dict) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, outdir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     res = {name: _run_case(spec) for name, spec in CASES.items()}
-    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(res, f)
+    write_rank_result(outdir, rank, res, "rank{rank}.pkl")
 
 
 @pytest.fixture(scope="module")
 def results():
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(_free_port(), d), nprocs=2, start_method="spawn", join=True)
-        return [pickle.load(open(os.path.join(d, f"rank{r}.pkl"), "rb")) for r in range(2)]
+        spawn(_worker, free_port(), d, nprocs=2)
+        return rank_results(d, 2, "rank{rank}.pkl")
 
 
 SKIP_EVERYWHERE = [

@@ -27,15 +27,14 @@ from __future__ import annotations
 import copy
 import math
 import os
-import pickle
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from _launch import free_port, rank_results, spawn, write_rank_result
 
 from lightning_qcomm.callbacks.onebit_adam import CHECKPOINT_KEY, OneBitAdamCallback
 from lightning_qcomm.comm.onebit import OneBitMomentumSync, bucket_layout
@@ -156,12 +155,6 @@ def _full_loss(model) -> float:
     ds = _dataset()
     with torch.no_grad():
         return float(torch.nn.functional.cross_entropy(model(ds.tensors[0]), ds.tensors[1]))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------- the oracle
@@ -860,21 +853,15 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     res.update(_lightning_checks(rank, port, os.path.join(outdir, "ckpt")))
     res["cli"] = _cli_check(rank, os.path.join(outdir, "cli"))
     res["local_sgd_error"] = _local_sgd_is_rejected(rank, port)  # last: it ends a fit with an exception
-    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(res, f)
+    write_rank_result(outdir, rank, res, "rank{rank}.pkl")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     keep = tmp_path_factory.mktemp("onebit_ckpt")
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(_free_port(), d), nprocs=2, start_method="spawn", join=True)
-        out = []
-        for r in range(2):
-            with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-                out.append(pickle.load(f))
+        spawn(_worker, free_port(), d, nprocs=2)
+        out = rank_results(d, 2, "rank{rank}.pkl")
         shutil.copy(os.path.join(d, "ckpt", "onebit.ckpt"), keep / "onebit.ckpt")
     out[0]["ckpt_copy"] = keep / "onebit.ckpt"  # the 2-rank compression-phase checkpoint, for a 1-rank resume
     return out
@@ -960,7 +947,7 @@ def test_lightning_callback_replaces_adamw_and_switches_phase(results):
 
 def test_lightning_ledger_bytes_per_phase(results):
     """fp32 grads during warm-up (ratio 1), then momentum at (ceil(d/2)/8 + 4) B per chunk: ~1/32 of fp32."""
-    from lightning_qcomm.comm.collectives import wire_bytes_formula
+    from lightning_qcomm.comm.wire_bytes import wire_bytes_formula
 
     d = sum(p.numel() for p in _net().parameters())
     totals = results[0]["onebit"]["totals"]

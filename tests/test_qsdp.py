@@ -9,16 +9,14 @@ ratios below are what was actually handed to torch.distributed, not what the led
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
-import socket
 import threading
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _launch import free_port, rank_results, set_rank_env, spawn, write_rank_result
 from torch import nn
 
 from lightning_qcomm.strategies.qsdp import QSDPStrategy, register_qsdp_strategies
@@ -209,18 +207,6 @@ class SaveAfterFirstEpoch:
         return _Cb()
 
 
-def _set_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        OMP_NUM_THREADS="1",
-    )
-
-
 def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     import warnings
 
@@ -239,7 +225,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     def fit(
         name, strategy, module_cls=GPTModule, epochs=2, precision="32-true", probe_bits=8, ckpt_path=None, callbacks=()
     ):
-        _set_env(rank, world, port)
+        set_rank_env(rank, world, port)
         counter.reset()
         ledger = CommLedger()
         set_ledger(ledger)
@@ -308,20 +294,13 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         res["empty_error"] = ""
     except ValueError as err:
         res["empty_error"] = str(err)
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    write_rank_result(outdir, rank, res)
 
 
 def _spawn(world: int, tmp_path) -> list[dict]:
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    spawn(_worker, world, free_port(), str(tmp_path), nprocs=world)
+    return rank_results(tmp_path, world)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import warnings
@@ -24,7 +23,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _launch import free_port, rank_results, set_rank_env, spawn, write_rank_result
 from torch import nn
 
 from lightning_qcomm.strategies.qsdp import QSDPStrategy
@@ -199,18 +198,6 @@ class RootGAN(GAN):
 
 
 # --------------------------------------------------------------------------- worker
-def _set_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        OMP_NUM_THREADS="1",
-    )
-
-
 def _trainer(world: int, strategy, **kw) -> pl.Trainer:
     args = dict(
         accelerator="cpu",
@@ -240,7 +227,7 @@ def _qsdp_warnings(records) -> list[str]:
 def _flows(rank, world, port, outdir, res, root_param=True):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    _set_env(rank, world, port)
+    set_rank_env(rank, world, port)
     tag = "" if root_param else "_plain"
     ckdir = os.path.join(outdir, f"flows{tag}_ckpt")
     m = FlowNet(root_param=root_param)
@@ -268,7 +255,7 @@ def _flows(rank, world, port, outdir, res, root_param=True):
 def _resume(rank, world, port, outdir, res):
     from lightning_qcomm.consolidate import consolidate_checkpoint
 
-    _set_env(rank, world, port)
+    set_rank_env(rank, world, port)
     last = os.path.join(outdir, "flows_ckpt", "last.ckpt")
     single = os.path.join(outdir, "flows_last_consolidated.ckpt")
     if rank == 0:
@@ -284,7 +271,7 @@ def _resume(rank, world, port, outdir, res):
 def _full_ckpt(rank, world, port, outdir, res):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    _set_env(rank, world, port)
+    set_rank_env(rank, world, port)
     m = FlowNet()
     ckdir = os.path.join(outdir, "full_ckpt")
     strategy = QSDPStrategy(bits=8, save_distributed_checkpoint=False)
@@ -305,7 +292,7 @@ def _gan(rank, world, port, res):
         ("root_ddp", RootGAN, ddp),
         ("root_q32", RootGAN, QSDPStrategy(bits=32)),
     ):
-        _set_env(rank, world, port)
+        set_rank_env(rank, world, port)
         m = cls()
         before = {k: v.clone() for k, v in m.state_dict().items()}
         trainer = _trainer(world, strategy)
@@ -327,12 +314,12 @@ def _precisions(rank, world, port, res):
     # epoch-2 loss by 3.4% (0.05% under fp32); at 3e-3 by 0.5%, which leaves the 2% band its meaning
     for precision in PRECISIONS:
         for kind, strategy in (("ddp", "ddp"), ("qsdp", "qsdp")):
-            _set_env(rank, world, port)
+            set_rank_env(rank, world, port)
             m = FlowNet(eps=1e-4, lr=3e-3)
             trainer = _trainer(world, strategy, precision=precision, max_epochs=2, limit_val_batches=0)
             trainer.fit(m)
             res[f"precision/{precision}/{kind}"] = {"losses": m.losses, "plugin": trainer.precision}
-    _set_env(rank, world, port)
+    set_rank_env(rank, world, port)
     m = FlowNetUserMP(eps=1e-4, lr=3e-3)
     trainer = _trainer(world, QSDPStrategy(bits=8), max_epochs=2, limit_val_batches=0)
     trainer.fit(m)
@@ -386,7 +373,7 @@ def _warn_cases(rank, world, port, res):
         ("bits32", QSDPStrategy(bits=32)),
         ("quantizes", QSDPStrategy(bits=8)),
     ):
-        _set_env(rank, world, port)
+        set_rank_env(rank, world, port)
         with warnings.catch_warnings(record=True) as records:
             warnings.simplefilter("always")
             _trainer(world, strategy, limit_train_batches=2, limit_val_batches=0).fit(FlowNet())
@@ -416,8 +403,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
             fn(*args)
         except Exception as err:  # recorded; both ranks fail alike (setup) or the spawn reports the crash
             res[f"error/{key}"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    write_rank_result(outdir, rank, res)
 
 
 def _single_worker(rank: int, port: int, outdir: str) -> None:
@@ -425,7 +411,7 @@ def _single_worker(rank: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     import lightning_qcomm  # noqa: F401
 
-    _set_env(rank, 1, port)
+    set_rank_env(rank, 1, port)
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
         _trainer(1, QSDPStrategy(bits=8), limit_train_batches=2, limit_val_batches=0).fit(FlowNet())
@@ -433,18 +419,12 @@ def _single_worker(rank: int, port: int, outdir: str) -> None:
         json.dump({"warnings": _qsdp_warnings(records)}, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("qsdp_flows")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(2, _free_port(), str(outdir)), nprocs=2, join=True)
-    return outdir, [json.load(open(outdir / f"rank{r}.json")) for r in range(2)]
+    spawn(_worker, 2, free_port(), str(outdir), nprocs=2)
+    return outdir, rank_results(outdir, 2)
 
 
 def _no_errors(ranks: list[dict], key: str) -> None:
@@ -614,7 +594,7 @@ def test_warns_when_nothing_is_quantized(run):
 
 @pytest.mark.slow
 def test_warns_on_one_device(tmp_path):
-    mp.spawn(_single_worker, args=(_free_port(), str(tmp_path)), nprocs=1, join=True)
+    spawn(_single_worker, free_port(), str(tmp_path), nprocs=1)
     (msg,) = json.load(open(tmp_path / "single.json"))["warnings"]
     assert "one device" in msg and "nothing is communicated" in msg
 

@@ -10,15 +10,13 @@ after the first epoch) and with ``QSDPStrategy(bits=8)`` resuming that checkpoin
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import socket
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _launch import free_port, rank_results, set_rank_env, spawn, write_rank_result
 from torch import nn
 
 from lightning_qcomm.demo import ByteGPT
@@ -206,18 +204,6 @@ MODELS = {
 
 
 # --------------------------------------------------------------------------- worker
-def _set_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        OMP_NUM_THREADS="1",
-    )
-
-
 def _probe_after_setup(out: dict):
     """Callback recording, once setup is done, the FSDP groups, the parameter count and the tie."""
 
@@ -256,7 +242,7 @@ def _full_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def _fit(rank, world, port, name, strategy, ckpt_path=None, callbacks=()):
-    _set_env(rank, world, port)
+    set_rank_env(rank, world, port)
     strategy = strategy() if callable(strategy) else strategy  # built here: a bad argument is a recorded error
     module = MODELS[name]()
     initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -312,14 +298,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         case(f"{name}/resumed", name, lambda: QSDPStrategy(bits=8), ckpt_path=resume_from)
     # the size-based auto-wrap policy with a threshold that splits the CNN into several groups
     case("cnn/small_wrap", "cnn", lambda: QSDPStrategy(bits=8, min_wrap_numel=1000))
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    write_rank_result(outdir, rank, res)
 
 
 @pytest.fixture(scope="module")
@@ -330,8 +309,8 @@ def outdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(outdir):
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(2, _free_port(), str(outdir)), nprocs=2, join=True)
-    return [json.load(open(outdir / f"rank{r}.json")) for r in range(2)]
+    spawn(_worker, 2, free_port(), str(outdir), nprocs=2)
+    return rank_results(outdir, 2)
 
 
 def _epoch_mean(losses: list[float], epoch: int) -> float:

@@ -11,13 +11,12 @@ launcher with ``start_method="spawn"``.
 from __future__ import annotations
 
 import os
-import pickle
-import socket
 import tempfile
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from _launch import FakeBucket, free_port, rank_results, spawn, write_rank_result
 
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
@@ -87,12 +86,6 @@ def _full_loss(model) -> float:
     ds = _dataset()
     with torch.no_grad():
         return float(torch.nn.functional.cross_entropy(model(ds.tensors[0]), ds.tensors[1]))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -263,8 +256,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         "straight": [p.detach().clone() for p in straight.parameters()],
         "resumed": [p.detach().clone() for p in resumed.parameters()],
     }
-    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(res, f)
+    write_rank_result(outdir, rank, res, "rank{rank}.pkl")
 
 
 def _seeded_module():
@@ -276,15 +268,9 @@ def _seeded_module():
 
 @pytest.fixture(scope="module")
 def matrix_results():
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(_free_port(), d), nprocs=2, start_method="spawn", join=True)
-        out = []
-        for r in range(2):
-            with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-                out.append(pickle.load(f))
-    return out
+        spawn(_worker, free_port(), d, nprocs=2)
+        return rank_results(d, 2, "rank{rank}.pkl")
 
 
 # ---------------------------------------------------------------------------------------------- 2-process tests
@@ -432,26 +418,6 @@ def test_lightning_spawn_launcher_registers_hook_on_cpu():
 
 
 # ---------------------------------------------------------------------------------------------- single process
-class _FakeBucket:
-    """Just enough of ``dist.GradBucket`` for the hook."""
-
-    def __init__(self, index, params, last=True):
-        self._i, self._p, self._last = index, params, last
-        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
-
-    def buffer(self):
-        return self._buf
-
-    def index(self):
-        return self._i
-
-    def parameters(self):
-        return self._p
-
-    def is_last(self):
-        return self._last
-
-
 def _params(*numels):
     g = torch.Generator().manual_seed(7)
     ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in numels]
@@ -463,7 +429,7 @@ def _params(*numels):
 def test_hook_small_tensors_travel_uncompressed_world1():
     ps = _params(2000, 10, 3000)
     state = QuantDDPHookState(QuantDDPConfig("uniform", 2, 512, False, 100), {p: f"p{i}" for i, p in enumerate(ps)})
-    bucket = _FakeBucket(0, ps)
+    bucket = FakeBucket(0, ps)
     before = bucket.buffer().clone()
     out = quant_ddp_comm_hook(state, bucket).value()
     assert out.data_ptr() == bucket.buffer().data_ptr()
@@ -475,11 +441,11 @@ def test_hook_error_feedback_survives_bucket_relayout():
     ps = _params(700, 300, 1200)
     names = {p: f"p{i}" for i, p in enumerate(ps)}
     state = QuantDDPHookState(QuantDDPConfig("qsgd", 2, 128, True, 0), names)
-    quant_ddp_comm_hook(state, _FakeBucket(0, ps))
+    quant_ddp_comm_hook(state, FakeBucket(0, ps))
     saved = state.ef_state_dict()
     assert set(saved) == {"p0", "p1", "p2"} and all(v.abs().sum() > 0 for v in saved.values())
     # DDP rebuilt its buckets: new order, split in two buckets
-    b0, b1 = _FakeBucket(0, [ps[2]]), _FakeBucket(1, [ps[1], ps[0]])
+    b0, b1 = FakeBucket(0, [ps[2]]), FakeBucket(1, [ps[1], ps[0]])
     for b in (b0, b1):
         state.error_buffer(b.index(), state.plan(b), b.buffer())
     after = state.ef_state_dict()
@@ -508,7 +474,7 @@ def test_hook_error_feedback_is_kept_in_unscaled_fp32_units():
         gt = torch.randn(3000, generator=g) * 0.01
         current["s"] = torch.tensor(s)
         p.grad = gt * s
-        out = quant_ddp_comm_hook(state, _FakeBucket(0, [p])).value()
+        out = quant_ddp_comm_hook(state, FakeBucket(0, [p])).value()
         state.next_step()
         sum_g += gt.double()
         sum_out += out.double() / s
@@ -530,7 +496,7 @@ def test_hook_error_feedback_residual_is_fp32_for_bf16_gradients():
     for _ in range(6):
         gt = (torch.randn(3000, generator=g) * 0.01).to(torch.bfloat16)
         p.grad = gt.clone()
-        out = quant_ddp_comm_hook(state, _FakeBucket(0, [p])).value()
+        out = quant_ddp_comm_hook(state, FakeBucket(0, [p])).value()
         state.next_step()
         sum_g += gt.double()
         sum_out += out.double()

@@ -14,7 +14,6 @@ and its side files whole; a missing side file is named; a symlinked checkpoint f
 from __future__ import annotations
 
 import glob
-import json
 import os
 import tempfile
 import warnings
@@ -22,8 +21,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
-from _launch import free_port
+from _launch import free_port, rank_results, spawn, write_rank_result
 from lightning.fabric.plugins import TorchCheckpointIO
 
 from lightning_qcomm.parallel import rank_files
@@ -137,21 +135,16 @@ def _worker(rank: int, world: int, port: int, outdir: str, resume_from: str | No
             fit(os.path.join(outdir, "resumed"), ckpt_path=resume_from, max_steps=STEPS + 2, extra=[StartProbe()])
         seen["warnings"] = [str(w.message) for w in warned]
         res["resumed"] = seen
-    with open(os.path.join(outdir, f"world{world}-rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    write_rank_result(outdir, rank, res, f"world{world}-rank{{rank}}.json")
 
 
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(2, free_port(), d, None), nprocs=2, start_method="spawn", join=True)
+        spawn(_worker, 2, free_port(), d, None, nprocs=2)
         two_rank_ckpt = sorted(glob.glob(os.path.join(d, "world2", "*.ckpt")))[-1]
-        mp.start_processes(_worker, args=(4, free_port(), d, two_rank_ckpt), nprocs=4, start_method="spawn", join=True)
-        out = {}
-        for world in (2, 4):
-            with open(os.path.join(d, f"world{world}-rank0.json")) as f:
-                out[world] = json.load(f)
-        yield out
+        spawn(_worker, 4, free_port(), d, two_rank_ckpt, nprocs=4)
+        yield {world: rank_results(d, 1, f"world{world}-rank{{rank}}.json")[0] for world in (2, 4)}
 
 
 def test_rank0_holds_o_of_d_whatever_the_world_size(runs):

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import re
-import socket
 import tempfile
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _launch import free_port, rank_results, spawn, write_rank_result
 from torch import nn
 
 STEPS = 48
@@ -169,12 +168,6 @@ def _precision_kwargs(precision: str) -> dict:
 
         return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
     return {"precision": precision}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -337,21 +330,14 @@ def _worker(rank: int, port: int, outdir: str) -> None:
             dist.barrier()
         res["flows"][name] = _flow_cells(name, os.path.join(outdir, "f", name))
         dist.barrier()
-    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(res, f)
+    write_rank_result(outdir, rank, res, "rank{rank}.pkl")
 
 
 @pytest.fixture(scope="module")
 def matrix():
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(_free_port(), d), nprocs=2, start_method="spawn", join=True)
-        out = []
-        for r in range(2):
-            with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-                out.append(pickle.load(f))
-    return out
+        spawn(_worker, free_port(), d, nprocs=2)
+        return rank_results(d, 2, "rank{rank}.pkl")
 
 
 # ---------------------------------------------------------------------------------------------- precision matrix

@@ -86,6 +86,10 @@ class ActivationQuantization(pl.Callback):
             (``self.quantizer.records``), for inspection.
         grad_storage: ``"fp32"`` (off), or ``"fp8_e4m3"`` / ``"fp8_e5m2"``: hold accumulated gradients in FP8
             (blocks of ``block_size``) between gradient-accumulation micro-batches.
+
+    Example::
+
+        trainer = Trainer(strategy="ddp", callbacks=[ActivationQuantization(bits=4, policy="layer_aware")])
     """
 
     def __init__(

@@ -44,7 +44,13 @@ _PIECE = 1 << 16  # elements per piece of the reference's element-wise work (see
 
 @dataclass(frozen=True)
 class Packed:
-    """A compressed tensor: packed codes, per-bucket fp32 scales, and what is needed to rebuild it."""
+    """A compressed tensor: packed codes, per-bucket fp32 scales, and what is needed to rebuild it.
+
+    Example::
+
+        packed = get_codec("uniform", bits=4).encode(x, seed=1)
+        wire = packed.to_bytes()    # codes then fp32 scales: codec.nbytes(x.numel()) bytes
+    """
 
     codes: torch.Tensor  # uint8, flat, ceil(numel/8)*bits bytes
     scales: torch.Tensor  # float32, (num_buckets, scales_per_bucket)
@@ -77,6 +83,11 @@ class Codec(ABC):
     parameters derived from the scales) and ``_quantize`` / ``_dequantize`` (element-wise); a class with
     native kernels also gives their constants (``kernel_spec``). ``min_bits`` / ``max_bits`` are set by
     ``register_codec`` (these defaults hold for an unregistered subclass).
+
+    Example::
+
+        codec = get_codec("uniform", bits=8)       # a registered subclass
+        y = codec.decode(codec.encode(x, seed=3))  # the quantized round trip of x
     """
 
     name: str = ""

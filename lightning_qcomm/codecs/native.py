@@ -59,7 +59,7 @@ CXXFLAGS = (
     "-fno-strict-aliasing",
 )
 
-# Tried first: vectorize for this machine's ISA (~1.5x on AVX2/AVX-512 over baseline x86-64). The cached
+# Tried first: vectorize for this machine's ISA (its gain: BENCHMARKS.md §2). The cached
 # library's key includes a fingerprint of the CPU, so a build for one CPU is never loaded on another; if
 # the compiler rejects the flag, the build is redone with CXXFLAGS alone.
 NATIVE_FLAGS = ("-march=native",)

@@ -91,6 +91,11 @@ def register_codec(
     ``default_bits`` (default: the largest allowed), ``bucket_size``: ``get_codec``'s defaults; ``options``:
     allowed values per constructor option, the first the default; ``fixed``: constructor arguments implied by
     the name. A class may be registered under several names (fp8's two formats) with one bit range.
+
+    Example::
+
+        @register_codec("mycodec", bits=range(1, 9), options={"stochastic": (True, False)})
+        class MyCodec(Codec): ...
     """
     key = name.lower()
     if family not in FAMILIES[:-1]:
@@ -124,7 +129,12 @@ def unregister(name: str) -> None:
 
 def codec_names(family: str | Iterable[str] | None = None, *, with_none: bool = False) -> tuple[str, ...]:
     """Registered codec names in registration order, of ``family`` (a name or several; None: all), then
-    ``"none"`` when ``with_none``."""
+    ``"none"`` when ``with_none``.
+
+    Example::
+
+        codec_names("quantizer")          # e.g. ("nuqsgd", "qsgd", "qsgdinf", "uniform", ...)
+    """
     fams = set(FAMILIES[:-1]) if family is None else {family} if isinstance(family, str) else set(family)
     unknown = fams - set(FAMILIES)
     if unknown:
@@ -134,7 +144,12 @@ def codec_names(family: str | Iterable[str] | None = None, *, with_none: bool = 
 
 
 def codec_spec(name: str) -> CodecSpec:
-    """The registry entry of ``name`` (case-insensitive), ``"none"`` included."""
+    """The registry entry of ``name`` (case-insensitive), ``"none"`` included.
+
+    Example::
+
+        codec_spec("uniform").bits        # the allowed widths, a range
+    """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     spec = _REGISTRY.get(name.lower())
@@ -145,7 +160,13 @@ def codec_spec(name: str) -> CodecSpec:
 
 def resolve_codec(name: str, bits: int | None = None, bucket_size: int | None = None, **opts: Any):
     """``get_codec(name, bits, bucket_size, **opts)``, or None for ``"none"`` (bits None or 32, no options;
-    ``bucket_size`` has no meaning there and is ignored)."""
+    ``bucket_size`` has no meaning there and is ignored).
+
+    Example::
+
+        resolve_codec("none")                 # None: no compression
+        resolve_codec("uniform", bits=8)      # the same codec as get_codec("uniform", bits=8)
+    """
     spec = codec_spec(name)
     if spec.cls is not None:
         return spec.build(bits, bucket_size, **opts)

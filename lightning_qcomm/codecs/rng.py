@@ -45,6 +45,10 @@ def derive_seed(seed: int, *counters: int) -> int:
     """Fold integer counters (step, rank, tensor id, ...) into a 64-bit seed.
 
     Different counters give statistically independent streams; equal inputs give equal seeds.
+
+    Example::
+
+        seed = derive_seed(base_seed, step, tensor_id)   # one stream per (step, tensor)
     """
     h = _splitmix64(int(seed) & MASK64)
     for c in counters:

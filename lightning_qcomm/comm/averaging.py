@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.comm.collectives import quantized_all_reduce
+from lightning_qcomm.comm.buckets import bucket_layout
+from lightning_qcomm.comm.quantized import quantized_all_reduce
 
 DEFAULT_BUCKET_NUMEL = 25 * 1024 * 1024 // 4  # 25 MiB of fp32 per flat bucket, like DDP's bucket_cap_mb
 
@@ -40,23 +41,11 @@ class _Bucket:
 
 
 def _plan_buckets(tensors: Sequence[torch.Tensor], bucket_numel: int) -> list[_Bucket]:
-    """Group tensors (in order) into buckets of one dtype and device, each <= bucket_numel elements
-    unless a single tensor is larger (it then gets a bucket of its own)."""
-    buckets: list[_Bucket] = []
-    open_by_key: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
-    for t in tensors:
-        n = t.numel()
-        if n == 0:
-            continue
-        key = (t.dtype, t.device)
-        b = open_by_key.get(key)
-        if b is None or b.numel + n > bucket_numel:
-            b = _Bucket([], 0)
-            buckets.append(b)
-            open_by_key[key] = b
-        b.tensors.append(t)
-        b.numel += n
-    return buckets
+    """Group the non-empty tensors (in order) into buckets of one dtype and device, each <= bucket_numel
+    elements unless a single tensor is larger (``comm.buckets.bucket_layout``)."""
+    live = [t for t in tensors if t.numel() > 0]
+    layout = bucket_layout([t.numel() for t in live], bucket_numel, keys=[(t.dtype, t.device) for t in live])
+    return [_Bucket([live[i] for i in members], sum(live[i].numel() for i in members)) for members in layout]
 
 
 class TensorAverager:

@@ -48,6 +48,10 @@ class QuantDDPConfig:
             its own, so it overlaps the rest of the backward pass; bit-identical to inline. CUDA runs inline.
         nonfinite: a step with a NaN/Inf gradient is ``"skip"``-ped (the averaged gradients are the same on every
             rank, so every rank decides alike), ``"raise"``-s FloatingPointError, or ``"propagate"``-s.
+
+    Example::
+
+        cfg = QuantDDPConfig(codec="nuqsgd", bits=4, error_feedback=True)
     """
 
     codec: str = "qsgd"

@@ -59,10 +59,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import derive_seed
-from lightning_qcomm.comm.collectives import quantized_all_reduce
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket
+from lightning_qcomm.comm.quantized import quantized_all_reduce
 from lightning_qcomm.comm.side_stream import SideStream
 
 log = logging.getLogger(__name__)

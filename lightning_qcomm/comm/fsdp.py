@@ -47,7 +47,6 @@ import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
-from lightning_qcomm.comm.collectives import all_gather_bytes, all_to_all_bytes
 from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork
 from lightning_qcomm.comm.fsdp_internals import (
     ParamShard,
@@ -62,6 +61,7 @@ from lightning_qcomm.comm.fsdp_internals import (
 )
 from lightning_qcomm.comm.ledger import get_ledger
 from lightning_qcomm.comm.row_codec import RowCodec, Segment, is_quantized_param
+from lightning_qcomm.comm.transport import all_gather_bytes, all_to_all_bytes
 
 try:  # a torch without them is refused at setup by check_torch_fsdp_api, with its version named
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter

@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.comm.collectives import _reduce_scatter_single, quantized_all_reduce
 from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.quantized import quantized_all_reduce
 from lightning_qcomm.comm.topology import NodeGroups
+from lightning_qcomm.comm.transport import _reduce_scatter_single
 
 FP32_BYTES = 4
 SEED_INTER = 4  # folded into the caller's seed, with the local index (no correlated rounding across shards)

@@ -41,37 +41,17 @@ import logging
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.comm.collectives import (
+from lightning_qcomm.comm.buckets import bucket_layout
+from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.quantized import quantized_all_reduce
+from lightning_qcomm.comm.side_stream import SideStream
+from lightning_qcomm.comm.sign_collective import (
     DEFAULT_ONEBIT_PIECE_NUMEL,
     onebit_all_reduce,
     onebit_server_error_numel,
-    quantized_all_reduce,
 )
-from lightning_qcomm.comm.ledger import get_ledger
-from lightning_qcomm.comm.side_stream import SideStream
 
 log = logging.getLogger(__name__)
-
-
-def bucket_layout(numels: list[int], bucket_numel: int) -> list[list[int]]:
-    """Greedy, order-preserving split of tensor indices into buckets of <= ``bucket_numel`` elements.
-
-    A tensor with more elements than ``bucket_numel`` forms a bucket alone. Same input, same output on
-    every rank, so all ranks issue the same collectives.
-    """
-    if not isinstance(bucket_numel, int) or bucket_numel < 1:
-        raise ValueError(f"bucket_numel must be an int >= 1, got {bucket_numel!r}")
-    buckets: list[list[int]] = []
-    size = 0
-    for i, n in enumerate(numels):
-        if n < 1:
-            raise ValueError(f"numels[{i}] must be >= 1, got {n}")
-        if not buckets or size + n > bucket_numel:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += n
-    return buckets
 
 
 class OneBitMomentumSync:

@@ -56,6 +56,10 @@ class LocalSGDFabricStrategy(QCommFabricStrategy, DDPStrategy):
             the arguments of ``LocalSGDStrategy``, the Trainer's class).
         total_steps: training length in optimizer steps: the last round is cut to end on it (None: no cap).
         kwargs: the other keyword arguments go to Fabric's ``DDPStrategy`` (``start_method``, ``timeout``, ...).
+
+    Example::
+
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=LocalSGDFabricStrategy(sync="constant", period=8))
     """
 
     checkpoint_key = "local_sgd"

@@ -44,6 +44,10 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
         config: a ``parallel.QSDPConfig``; or, instead, its fields as keyword arguments (``bits=8``, the
             arguments of ``QSDPStrategy``, the Trainer's class).
         save_distributed_checkpoint, process_group_backend, timeout: Fabric's ``ModelParallelStrategy``'s.
+
+    Example::
+
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=QSDPFabricStrategy(bits=8))
     """
 
     checkpoint_key = "qsdp"

@@ -43,6 +43,10 @@ class QuantDDPFabricStrategy(QCommFabricStrategy, DDPStrategy):
             (``codec="nuqsgd", bits=4``, the arguments of ``QuantDDPStrategy``, the Trainer's class).
         kwargs: the other keyword arguments go to Fabric's ``DDPStrategy`` (``start_method``, ``timeout``, ...)
             and from there to ``DistributedDataParallel`` (``find_unused_parameters``, ``bucket_cap_mb``, ...).
+
+    Example::
+
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=QuantDDPFabricStrategy(codec="uniform", bits=8))
     """
 
     checkpoint_key = "quant_ddp"

@@ -2,8 +2,10 @@
 
 ``config`` holds the validated settings, ``saved_tensors`` the quantized container and the rules for what
 may be quantized, ``recompute`` the norm / activation ops that keep only their quantized input,
-``bit_allocation`` the width policies, ``quantizer`` the runtime that ties them to a forward pass, and
-``grad_storage`` FP8 gradients between accumulation micro-batches. The quantization math is the codecs' (uniform; fp8 for gradients).
+``bit_allocation`` the width policies, ``site_plan`` the per-site plan (calibration across ranks, checkpoint
+state), ``intercept`` which torch functions are intercepted, ``quantizer`` the runtime that ties them to a
+forward pass, and ``grad_storage`` FP8 gradients between accumulation micro-batches. The quantization math
+is the codecs' (uniform; fp8 for gradients).
 """
 
 from lightning_qcomm.memory.bit_allocation import POLICIES, budget_plan, layer_aware_plan, uniform_plan

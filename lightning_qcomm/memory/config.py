@@ -48,6 +48,11 @@ class ActivationQuantConfig:
     (bits..8; None: bits + 1, at most 8); calibration_steps: optimizer steps measured (at 8 bits, about
     twice the saved bytes of a 4-bit step) before the budget plan is fixed;
     stochastic: stochastic rounding (False: round to nearest, biased); seed: folded into every site's seed.
+
+    Example::
+
+        cfg = ActivationQuantConfig(bits=4, policy="layer_aware", edge_bits=8)
+        quantizer = ActivationQuantizer(cfg)
     """
 
     bits: int = 4

@@ -48,7 +48,6 @@ warning and stays off (``begin()`` quantizes nothing).
 from __future__ import annotations
 
 import fnmatch
-import inspect
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -57,20 +56,13 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_qcomm.codecs import Codec, derive_seed, get_codec
 from lightning_qcomm.memory import bit_allocation as alloc
 from lightning_qcomm.memory.config import ActivationQuantConfig
-from lightning_qcomm.memory.recompute import (
-    activation_fn,
-    bypass_active,
-    layer_norm_fn,
-    recompute_from_stored,
-    rms_norm_fn,
-)
+from lightning_qcomm.memory.intercept import _bind, _norm_r2, _QuantMode
+from lightning_qcomm.memory.recompute import bypass_active, recompute_from_stored
 from lightning_qcomm.memory.saved_tensors import (
     SavedBytes,
     derives_from,
@@ -80,29 +72,20 @@ from lightning_qcomm.memory.saved_tensors import (
     restore,
     tensor_nbytes,
 )
+from lightning_qcomm.memory.site_plan import (
+    CALIBRATION_BITS,
+    _SiteCalibration,
+    _Watch,
+    agreed_budget_plan,
+    plan_from_state,
+    plan_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_BITS = 8
 MAX_RECORDS = 100_000
-STATE_VERSION = 2
 # private torch API: (pack, unpack) of the innermost active saved-tensor hooks (None if this torch lacks it)
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-# intercepted functions -> kind
-_KINDS: dict[Callable, str] = {
-    F.linear: "linear",
-    F.layer_norm: "layer_norm",
-    F.rms_norm: "rms_norm",
-    F.gelu: "gelu",
-    F.silu: "silu",
-    F.scaled_dot_product_attention: "attention",
-    F.multi_head_attention_forward: "attention",
-}
-_NORMS = ("layer_norm", "rms_norm")
-_SIG_LAYER_NORM = inspect.signature(F.layer_norm)
-_SIG_RMS_NORM = inspect.signature(F.rms_norm)
-_SIG_SILU = inspect.signature(F.silu)
 
 
 @dataclass(frozen=True)
@@ -120,44 +103,17 @@ class SaveRecord:
     parameter: bool = False
 
 
-@dataclass
-class _SiteCalibration:
-    numel: int = 0
-    coef: float = 0.0  # accumulated A_l = G_l · V_l (bit_allocation module doc)
-
-
-@dataclass
-class _Watch:
-    site: int
-    kind: str
-    numel: int  # elements of the quantized saved tensor (n_l)
-    var_sum: float  # V_l of this save
-    r2: float = 1.0
-
-
-class _QuantMode(TorchFunctionMode):
-    """Routes the intercepted ops of ``_KINDS`` to the quantizer; everything else runs unchanged."""
-
-    def __init__(self, owner: ActivationQuantizer) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        kind = _KINDS.get(func)
-        if kind is None or bypass_active() or not torch.is_grad_enabled():
-            return func(*args, **kwargs)
-        return self.owner._handle(kind, func, args, kwargs)
-
-
 class ActivationQuantizer:
     """Quantize saved activations inside ``begin()`` ... ``end()`` (see module docstring).
 
-    >>> q = ActivationQuantizer(ActivationQuantConfig(bits=4)); q.attach(model)
-    >>> with q.forward_context(step=0):
-    ...     loss = model(x).sum()
-    >>> loss.backward()          # quantized tensors are restored here
-    >>> q.stats.ratio            # stored / baseline bytes of this forward's saved activations
+    Example::
+
+        q = ActivationQuantizer(ActivationQuantConfig(bits=4))
+        q.attach(model)
+        with q.forward_context(step=0):
+            loss = model(x).sum()
+        loss.backward()   # the quantized activations are restored here
+        q.stats.ratio     # stored / baseline bytes of this forward's saved activations
     """
 
     def __init__(self, config: ActivationQuantConfig | None = None) -> None:
@@ -219,71 +175,19 @@ class ActivationQuantizer:
         self.nonfinite_grads = 0
 
     def finish_calibration(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
-        """Fix the budget plan from the calibration statistics.
-
-        ``reduce`` sums a float64 tensor over ranks. Every rank must have measured the same number of sites
-        (checked first, with one reduce of [1, n, n²]: Σn² · ranks = (Σn)² iff all n are equal, so every rank
-        raises the same ``ValueError`` instead of hanging in a mismatched collective); then numels and
-        coefficients are summed, so every rank computes the same plan (for the summed, i.e. mean, sizes).
-        """
-        cfg = self.config
-        n = len(self.calibration)
-        numels = [float(c.numel) for c in self.calibration]
-        coefs = [c.coef for c in self.calibration]
-        if reduce is not None:
-            ranks, total, total_sq = reduce(torch.tensor([1.0, n, n * n], dtype=torch.float64)).tolist()
-            if total_sq * ranks != total * total:
-                raise ValueError(
-                    f"budget calibration: the ranks measured different numbers of quantized sites (this rank {n}, "
-                    f"mean {total / ranks:g} over {ranks:g} ranks); the sites of a forward must not depend on the "
-                    "batch (e.g. a variable sequence length crossing min_numel): fix the shapes, raise min_numel, "
-                    "or use policy='layer_aware' or 'uniform'"
-                )
-            summed = reduce(torch.tensor(numels + coefs, dtype=torch.float64)).tolist()
-            numels, coefs = summed[:n], summed[n:]
-        self.plan = alloc.budget_plan([int(v) for v in numels], coefs, cfg.bits, cfg.budget_bits)
+        """Fix the budget plan from the calibration statistics (``site_plan.agreed_budget_plan``: ``reduce``
+        sums a float64 tensor over ranks; every rank gets the same plan or raises the same ``ValueError``)."""
+        self.plan = agreed_budget_plan(self.calibration, self.config, reduce)
         return self.plan
 
     def state_dict(self) -> dict:
-        cfg = self.config
-        return {
-            "version": STATE_VERSION,
-            "plan": None if self.plan is None else list(self.plan),
-            "policy": cfg.policy,
-            "bits": cfg.bits,
-            "edge_bits": cfg.edge_bits,
-            "budget_bits": cfg.budget_bits,
-        }
+        return plan_state_dict(self.plan, self.config)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the plan. It is used only if it was made for this policy and these widths; otherwise (or
         from a version-1 state, which did not record them) a warning is logged and the policy calibrates anew.
         Widths outside 1..8 or an unknown version raise ``ValueError``."""
-        cfg = self.config
-        version = state.get("version", 1)
-        if version not in (1, STATE_VERSION):
-            raise ValueError(
-                f"ActivationQuantizer state version={version!r} is not supported; allowed: 1, {STATE_VERSION}"
-            )
-        plan = state.get("plan")
-        if plan is not None and not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 8 for b in plan):
-            raise ValueError(f"ActivationQuantizer state plan={plan!r} has widths outside the allowed 1..8")
-        self.plan = None
-        if plan is None or cfg.policy == "uniform":
-            return
-        made_for = {k: state.get(k) for k in ("policy", "bits", "edge_bits", "budget_bits")}
-        wanted = {"policy": cfg.policy, "bits": cfg.bits}
-        wanted.update({"edge_bits": cfg.edge_bits} if cfg.policy == "layer_aware" else {"budget_bits": cfg.budget_bits})
-        if version == 1 or any(made_for[k] != v for k, v in wanted.items()):
-            log.warning(
-                "ActivationQuantizer: the checkpoint's plan was made for %s, not %s; it is discarded and the %s "
-                "policy calibrates again",
-                "an unrecorded policy (state version 1)" if version == 1 else made_for,
-                wanted,
-                cfg.policy,
-            )
-            return
-        self.plan = list(plan)
+        self.plan = plan_from_state(state, self.config, log.warning)
 
     # ------------------------------------------------------------------ module scope
     def is_attention_module(self, name: str, module: nn.Module) -> bool:
@@ -489,39 +393,3 @@ class ActivationQuantizer:
 def _top_saved_tensors_hooks():
     """(pack, unpack) of the innermost active saved-tensor hooks, or None (also when the API is missing)."""
     return None if _TOP_HOOKS is None else _TOP_HOOKS(False)
-
-
-def _bind(kind: str, func, args: tuple, kwargs: dict):
-    """(fn, params) for the recompute path of a norm / activation call, or None when it cannot recompute."""
-    if kind == "layer_norm":
-        a = _SIG_LAYER_NORM.bind(*args, **kwargs)
-        a.apply_defaults()
-        p = a.arguments
-        return layer_norm_fn(p["normalized_shape"], p["eps"]), (p["weight"], p["bias"])
-    if kind == "rms_norm":
-        a = _SIG_RMS_NORM.bind(*args, **kwargs)
-        a.apply_defaults()
-        p = a.arguments
-        return rms_norm_fn(p["normalized_shape"], p["eps"]), (p["weight"],)
-    if kind == "silu":
-        a = _SIG_SILU.bind(*args, **kwargs)
-        a.apply_defaults()
-        return None if a.arguments["inplace"] else (activation_fn(F.silu), ())
-    if kind == "gelu":
-        rest = {k: v for k, v in kwargs.items() if k != "input"}
-        return activation_fn(F.gelu, *args[1:], **rest), ()
-    return None
-
-
-def _norm_r2(kind: str, x: torch.Tensor, args: tuple, kwargs: dict) -> float:
-    """``alloc.norm_r2`` with the call's normalized_shape and eps (RMS norm's default eps: the dtype's); 1 for
-    other ops."""
-    if kind not in _NORMS:
-        return 1.0
-    sig = _SIG_LAYER_NORM if kind == "layer_norm" else _SIG_RMS_NORM
-    a = sig.bind(*args, **kwargs)
-    a.apply_defaults()
-    eps = a.arguments["eps"]
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
-    return alloc.norm_r2(x, len(a.arguments["normalized_shape"]), eps, rms=kind == "rms_norm")

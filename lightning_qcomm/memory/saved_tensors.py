@@ -230,7 +230,14 @@ class SavedBytes:
 
 @contextmanager
 def count_saved_tensors() -> Iterator[SavedBytes]:
-    """Count the bytes autograd saves inside the block without changing anything (a measurement baseline)."""
+    """Count the bytes autograd saves inside the block without changing anything (a measurement baseline).
+
+    Example::
+
+        with count_saved_tensors() as saved:
+            loss = model(x).sum()
+        saved.baseline        # bytes autograd holds for backward
+    """
     stats = SavedBytes()
 
     def pack(t: torch.Tensor) -> torch.Tensor:

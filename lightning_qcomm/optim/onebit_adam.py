@@ -1,6 +1,7 @@
 """OneBitAdam: 1-bit Adam (Tang et al. 2021) as a torch optimizer (docs/design.md, "1-bit Adam").
 
-This file owns the optimizer math and its freeze schedule; the compressed momentum average is
+This file owns the optimizer math and when the variance freezes (the settings and their checks are
+``optim.onebit_adam_config``, the freeze on the state ``optim.variance_freeze``); the compressed momentum average is
 ``comm.onebit.OneBitMomentumSync`` and the Lightning glue (replacing Adam/AdamW, switching DDP's
 gradient all-reduce off, per-rank checkpoints) is ``callbacks.onebit_adam.OneBitAdamCallback``.
 
@@ -61,91 +62,24 @@ Unsupported (ValueError): amsgrad, maximize, sparse gradients, complex parameter
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_qcomm.comm.nonfinite import NonFiniteGuard, check_policy
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks
+from lightning_qcomm.optim.onebit_adam_config import OneBitAdamConfig, check_adam_hparams
+from lightning_qcomm.optim.variance_freeze import freeze_variance, relative_variance_change
 
 log = logging.getLogger(__name__)
-
-FP32_BYTES = 4
 
 
 def _moment_dtype(p: torch.Tensor) -> torch.dtype:
     """fp32 moments for fp16/bf16 parameters (see "Precision" in the module doc), else the parameter's dtype."""
     return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-@dataclass(frozen=True)
-class OneBitAdamConfig:
-    """Optimizer-wide settings of OneBitAdam (per-group hyperparameters live in ``param_groups``).
-
-    Attributes:
-        freeze_step: warm-up length in optimizer steps (>= 1); the variance freezes at the end of this step.
-        auto_freeze_threshold: τ of the auto-freeze test (None: off), 0 < τ < 1.
-        auto_freeze_interval: k, optimizer steps between two auto-freeze checks (>= 1).
-        auto_freeze_patience: consecutive checks with r < τ needed to freeze (>= 1).
-        bucket_mb: maximum size of one flat fused momentum bucket, MiB of fp32 (> 0).
-        nonfinite: a step whose gradient holds NaN/Inf on any rank is ``"skip"``-ped on every rank (m, v, the
-            error buffers and the step count untouched; logged, counted in ``nonfinite.skipped``; after the freeze
-            the ranks agree with one 8-byte all-reduce per step), ``"raise"``-s FloatingPointError, or
-            ``"propagate"``-s.
-    """
-
-    freeze_step: int = 100
-    auto_freeze_threshold: float | None = None
-    auto_freeze_interval: int = 10
-    auto_freeze_patience: int = 3
-    bucket_mb: float = 32.0
-    nonfinite: str = "skip"
-
-    def __post_init__(self) -> None:
-        def bad(name: str, value: Any, allowed: str) -> ValueError:
-            return ValueError(f"OneBitAdam({name}={value!r}): allowed {allowed}")
-
-        if not isinstance(self.freeze_step, int) or isinstance(self.freeze_step, bool) or self.freeze_step < 1:
-            raise bad("freeze_step", self.freeze_step, "an int >= 1 (v needs at least one warm-up update)")
-        t = self.auto_freeze_threshold
-        if t is not None and (not _is_number(t) or not 0.0 < t < 1.0):
-            raise bad("auto_freeze_threshold", t, "None or a float in (0, 1)")
-        for name in ("auto_freeze_interval", "auto_freeze_patience"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise bad(name, v, "an int >= 1")
-        if not _is_number(self.bucket_mb) or not self.bucket_mb > 0 or not math.isfinite(self.bucket_mb):
-            raise bad("bucket_mb", self.bucket_mb, "a finite float > 0")
-        check_policy("OneBitAdam", self.nonfinite)
-
-    @property
-    def bucket_numel(self) -> int:
-        return max(1, int(self.bucket_mb * 1024 * 1024 / FP32_BYTES))
-
-
-def check_adam_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "OneBitAdam") -> None:
-    """ValueError naming the argument unless lr >= 0, 0 <= beta < 1, eps >= 0, weight_decay >= 0 (all finite)."""
-
-    def finite(x: Any) -> bool:
-        return _is_number(x) and math.isfinite(x)
-
-    if not finite(lr) or lr < 0:
-        raise ValueError(f"{where}(lr={lr!r}): allowed a finite float >= 0")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(finite(b) and 0 <= b < 1 for b in betas):
-        raise ValueError(f"{where}(betas={betas!r}): allowed a pair of floats in [0, 1)")
-    if not finite(eps) or eps < 0:
-        raise ValueError(f"{where}(eps={eps!r}): allowed a finite float >= 0")
-    if not finite(weight_decay) or weight_decay < 0:
-        raise ValueError(f"{where}(weight_decay={weight_decay!r}): allowed a finite float >= 0")
 
 
 class OneBitAdam(Optimizer):
@@ -162,6 +96,11 @@ class OneBitAdam(Optimizer):
             see ``OneBitAdamConfig``.
         process_group: the data-parallel group of the momentum all-reduce (None: default group). The
             Lightning callback sets it from the DDP module (``set_process_group``).
+
+    Example::
+
+        optimizer = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100)
+        onebit = onebit_adam_ddp(ddp_model, optimizer)   # plain torch; in Lightning: OneBitAdamCallback
     """
 
     def __init__(
@@ -365,22 +304,7 @@ class OneBitAdam(Optimizer):
 
     def _variance_change(self) -> float:
         """r = ||v̂ - v̂_ref|| / ||v̂|| over all parameters (max over ranks); v̂_ref <- v̂."""
-        diff2 = torch.zeros((), dtype=torch.float64)
-        norm2 = torch.zeros((), dtype=torch.float64)
-        for group in self.param_groups:
-            beta2 = group["betas"][1]
-            for p in group["params"]:
-                state = self.state.get(p)
-                if not state or "exp_avg_sq" not in state:
-                    continue
-                vhat = state["exp_avg_sq"] / (1 - beta2 ** state["step"].item())
-                ref = state.get("exp_avg_sq_ref")
-                diff2 += (vhat - (ref if ref is not None else 0.0)).double().pow(2).sum().cpu()
-                norm2 += vhat.double().pow(2).sum().cpu()
-                state["exp_avg_sq_ref"] = vhat
-        r = float((diff2 / norm2).sqrt()) if norm2 > 0 else 1.0
-        if not math.isfinite(r):
-            r = 1.0  # a non-finite variance never counts as stable
+        r = relative_variance_change(self.param_groups, self.state)
         return max_over_ranks(r, self.process_group, device=self._collective_device())
 
     def _collective_device(self) -> torch.device:
@@ -393,14 +317,7 @@ class OneBitAdam(Optimizer):
         """Freeze v now (v <- v̂, bias-corrected); the next step is a compression-phase step. Idempotent."""
         if self.frozen:
             return
-        for group in self.param_groups:
-            beta2 = group["betas"][1]
-            for p in group["params"]:
-                state = self.state.get(p)
-                if not state or "exp_avg_sq" not in state:
-                    continue
-                state["exp_avg_sq"].div_(1 - beta2 ** state["step"].item())
-                state.pop("exp_avg_sq_ref", None)
+        freeze_variance(self.param_groups, self.state)
         self.frozen_at = self.num_steps
         log.info("OneBitAdam: variance frozen after %d warm-up steps; momentum now travels 1-bit", self.num_steps)
 

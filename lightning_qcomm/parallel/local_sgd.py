@@ -97,6 +97,14 @@ class LocalSGD:
         nonfinite: the non-finite policy's guard (a strategy keeps one, and its count, across fits); default a
             new one for ``config.nonfinite``.
         owner: the name warnings and logs use.
+
+    Example::
+
+        local_sgd = LocalSGD(model, optimizer, LocalSGDConfig(sync="qsr", h_base=4), total_steps=1000)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step()        # syncs the replicas whenever the rule says so
+            optimizer.zero_grad()
     """
 
     def __init__(

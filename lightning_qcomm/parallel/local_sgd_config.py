@@ -47,6 +47,11 @@ class LocalSGDConfig:
         nonfinite: a NaN/Inf gradient ``"skip"``-s the step (a local step on that rank only, still counted so
             every rank syncs on the same steps; a data-parallel step on every rank), ``"raise"``-s
             FloatingPointError, or ``"propagate"``-s.
+
+    Example::
+
+        cfg = LocalSGDConfig(sync="qsr", h_base=4, codec="uniform", bits=8)
+        cfg.build_rule()     # the period rule; ValueError at construction for a bad field
     """
 
     sync: str = "qsr"

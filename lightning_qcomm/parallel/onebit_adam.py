@@ -56,6 +56,12 @@ class OneBitAdamDDP:
         ddp: the ``DistributedDataParallel`` model (a Fabric-wrapped one is unwrapped).
         optimizer: the ``OneBitAdam`` training it (a Lightning / Fabric wrapper is unwrapped).
         register_hooks: switch from the optimizer's step post-hook (the callback calls ``switch_if_frozen``).
+
+    Example::
+
+        onebit = OneBitAdamDDP(ddp_model, optimizer, register_hooks=False)   # the caller switches
+        loss.backward(); optimizer.step()
+        onebit.switch_if_frozen()     # after the freeze: DDP's gradient all-reduce off, momentum 1-bit
     """
 
     def __init__(self, ddp: nn.Module, optimizer: OneBitAdam, register_hooks: bool = True) -> None:
@@ -99,7 +105,12 @@ class OneBitAdamDDP:
 
 
 def onebit_adam_ddp(ddp: nn.Module, optimizer: OneBitAdam) -> OneBitAdamDDP:
-    """Prepare ``ddp`` for ``optimizer`` and switch its gradient all-reduce off once the variance freezes."""
+    """Prepare ``ddp`` for ``optimizer`` and switch its gradient all-reduce off once the variance freezes.
+
+    Example::
+
+        onebit = onebit_adam_ddp(ddp_model, OneBitAdam(ddp_model.parameters(), freeze_step=100))
+    """
     return OneBitAdamDDP(ddp, optimizer)
 
 

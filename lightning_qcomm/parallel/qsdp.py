@@ -63,6 +63,11 @@ class QSDPHandle:
         comm_state: seed and RNG step read by every quantized collective (identical on all ranks).
         config: the ``QSDPConfig`` it was applied with.
         nonfinite: the non-finite gradient policy (the ranks agree through one 8-byte all-reduce).
+
+    Example::
+
+        handle = apply_qsdp(model, mesh, QSDPConfig(bits=8)).attach(optimizer)
+        torch.save(handle.state_dict(), "qsdp_rng.pt")   # the seeds' step counter, to resume
     """
 
     def __init__(
@@ -181,6 +186,11 @@ def apply_qsdp(
 
     Returns:
         a ``QSDPHandle``: ``attach(optimizer)`` after the optimizer is made (it must see the sharded parameters).
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        handle = apply_qsdp(model, mesh, QSDPConfig(bits=8)).attach(optimizer)
     """
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 

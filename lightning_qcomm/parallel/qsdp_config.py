@@ -69,6 +69,10 @@ class QSDPConfig:
             ``comm.topology.node_groups``): ``grad_bits`` / ``grad_codec`` then set the all-reduce across nodes.
         intra_node_bits: with ``hsdp``, the width of the all-gathers and reduce-scatters inside a node (None:
             unquantized, FSDP2's own; ``weight_codec`` / ``grad_codec`` name their codecs).
+
+    Example::
+
+        cfg = QSDPConfig(weight_bits=8, grad_bits=4)   # or QSDPConfig(bits=8) for both
     """
 
     bits: int | None = None

@@ -79,6 +79,11 @@ def quant_ddp_hook(
         loss_scale: returns the loss scale the gradients in DDP's buckets carry (a GradScaler's ``_scale``), or
             None; error-feedback residuals are kept unscaled.
         owner: the name warnings and logs use.
+
+    Example::
+
+        state, hook = quant_ddp_hook(QuantDDPConfig(codec="uniform", bits=8), ddp_model, optimizer=optimizer)
+        ddp_model.register_comm_hook(state, hook)
     """
     if not isinstance(config, QuantDDPConfig):
         raise TypeError(f"{owner}(config={config!r}) must be a QuantDDPConfig")

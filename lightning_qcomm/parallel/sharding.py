@@ -106,7 +106,12 @@ def _size_targets(root: nn.Module, min_wrap_numel: int, blocked: set[nn.Module])
 
 def plan_fsdp_groups(root: nn.Module, layer_classes: set[str] | str | None, min_wrap_numel: int) -> list[nn.Module]:
     """The modules to ``fully_shard``, inner before outer, ``root`` last if it keeps parameters (see the module
-    docstring for the rules). ``layer_classes``: class names (a set, or a comma-separated string)."""
+    docstring for the rules). ``layer_classes``: class names (a set, or a comma-separated string).
+
+    Example::
+
+        groups = plan_fsdp_groups(model, "TransformerBlock", min_wrap_numel=100_000)   # modules to shard
+    """
     if isinstance(layer_classes, str):
         layer_classes = {c.strip() for c in layer_classes.split(",") if c.strip()}
     blocked = untieable_modules(root)

@@ -82,6 +82,10 @@ class LocalSGDStrategy(DDPStrategy):
     The arguments from ``sync`` to ``nonfinite`` are the fields of ``parallel.LocalSGDConfig`` (same names, defaults
     and checks); the strategy keeps them as ``self.config``. The others are ``DDPStrategy``'s. Under Lightning
     Fabric use ``LocalSGDFabricStrategy`` (Fabric takes only its own strategy classes and refuses this one).
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=LocalSGDStrategy(sync="qsr", h_base=4))
     """
 
     strategy_name = "local_sgd"

@@ -82,6 +82,10 @@ class QSDPStrategy(ModelParallelStrategy):
         start_method: "popen" (re-run the script per rank, like ``ModelParallelStrategy``) or a
             multiprocessing start method ("spawn", "fork", "forkserver").
         process_group_backend / timeout: as in ``ModelParallelStrategy``.
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=QSDPStrategy(weight_bits=8, grad_bits=8))
     """
 
     strategy_name = "qsdp"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _launch import FakeBucket
 from conftest import NO_CUDA, ensure_kernels
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -54,24 +55,6 @@ class no_host_sync:
         torch.cuda.set_sync_debug_mode("default")
 
 
-class _Bucket:
-    def __init__(self, params):
-        self._p = params
-        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
-
-    def buffer(self):
-        return self._buf
-
-    def index(self):
-        return 0
-
-    def parameters(self):
-        return self._p
-
-    def is_last(self):
-        return True
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_ddp_hook_side_stream_future_and_no_host_sync(fake_world, dtype, monkeypatch):
     from lightning_qcomm.comm import ddp_hooks
@@ -98,7 +81,7 @@ def test_ddp_hook_side_stream_future_and_no_host_sync(fake_world, dtype, monkeyp
             for p, t in zip(params, grads):
                 p.grad = t.clone()
             streams.clear()
-            bucket = _Bucket(params)
+            bucket = FakeBucket(0, params)
             if call == 1:
                 with no_host_sync():
                     fut = quant_ddp_comm_hook(state, bucket)

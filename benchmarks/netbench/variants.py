@@ -101,10 +101,11 @@ def build_variant(
     uncompressed warm-up inside it, so the timed window sees their steady state. ``lr`` is the peak
     learning rate and ``lr_warmup`` the model's linear lr warm-up length (QSR keeps H = h_base there).
     """
-    from bench_model import BenchLM, BenchLMFSDP2
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
     from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
     from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pls
+
+    from benchmarks.bench_model import BenchLM, BenchLMFSDP2
 
     timeout = timedelta(seconds=timeout_s)
 

@@ -1,4 +1,4 @@
-"""netbench worker: one rank of the two-node job, measuring every scheduled variant (see netbench.py).
+"""netbench worker: one rank of the two-node job, measuring every scheduled variant (see ``benchmarks.netbench``).
 
 Owns the measurement inside a rank: the gloo process group (created once, reused by every
 ``Trainer``), per-step timestamps, interface and ledger snapshots at the edges of the timed window,
@@ -12,14 +12,11 @@ from __future__ import annotations
 import inspect
 import json
 import statistics
-import sys
 import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
-
-HERE = Path(__file__).resolve().parent
 
 
 class TorchCollectiveCounter:
@@ -95,7 +92,8 @@ def _ledger_wire(ledger: Any) -> tuple[float, int]:
 
 def _make_step_timer(warmup: int, steps: int, iface: str, ledgers: dict[str, Any]):
     import lightning.pytorch as pl
-    from netns import iface_bytes
+
+    from benchmarks.netns import iface_bytes
 
     class StepTimer(pl.Callback):
         """Timestamps every step end; snapshots interface and ledger counters after step ``warmup``
@@ -124,8 +122,8 @@ def run_entry(entry: dict, spec: dict, rank: int) -> dict:
     """Train variant ``entry["variant"]`` for ``spec["steps"]`` steps with a fresh Trainer; return the figures."""
     import lightning.pytorch as pl
     from lightning.fabric.plugins.environments import LightningEnvironment
-    from netbench_variants import build_variant
 
+    from benchmarks.netbench.variants import build_variant
     from lightning_qcomm.comm import CommLedger, set_ledger
 
     name = entry["variant"]
@@ -206,7 +204,6 @@ def run_entry(entry: dict, spec: dict, rank: int) -> dict:
 def worker_main(spec_path: str, rank: int, results_path: str) -> int:
     """Run this rank's share of the schedule in ``spec_path``; one JSON line per event to ``results_path``."""
     spec = json.loads(Path(spec_path).read_text())
-    sys.path[:0] = [str(HERE), str(HERE.parent)]
     import logging
     import warnings
     from datetime import timedelta

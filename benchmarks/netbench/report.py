@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from netbench_variants import BASELINE, VARIANT_BY_NAME
+from benchmarks.netbench.variants import BASELINE, VARIANT_BY_NAME
 
 MIN_LEDGER_FOR_RATIO = 1024.0  # bytes/step; below this wire/ledger is header noise, not a check
 

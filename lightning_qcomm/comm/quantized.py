@@ -1,0 +1,355 @@
+"""The quantized collectives: all-gather, reduce-scatter and the precision-preserving all-reduce (comm layer).
+
+This file owns the process logic that moves codec payloads between ranks; the math of each codec lives in
+``lightning_qcomm.codecs``, the bytes' transport in ``comm.transport``, the per-call cross-rank check in
+``comm.call_check`` and the byte accounting in ``comm.ledger`` (docs/design.md, "Collectives").
+
+Seeds: a caller passes ``seed`` (fold step and tensor id into it with ``codecs.derive_seed``). Internally
+the chunk rank r encodes for rank j in phase 1 uses ``derive_seed(seed, 1, r, j)`` and the reduced chunk
+j (encoded by rank j) uses ``derive_seed(seed, 2, j)``; the all-gather shard of rank r uses
+``derive_seed(seed, r)``. Every rank decodes every chunk, its own included, from the same bytes, so the
+results of ``quantized_all_gather`` and ``quantized_all_reduce`` are bit-identical on all ranks.
+
+Consistency check (``check=True``, the default): ``comm.call_check``; one 64-byte all-gather per call.
+
+World size 1 (or torch.distributed not initialised, which is treated as a world of one): no
+torch.distributed call is made, the ledger records zero wire bytes, and the result is exactly what N
+ranks would compute with one rank: the quantized round trip(s) of the input (codec=None: the input).
+
+Non-finite input: a codec bucket holding NaN/Inf decodes entirely to NaN, so a non-finite element on
+any rank makes the corresponding output chunk non-finite on every rank. Error-feedback buffers are
+only updated where the new residual is finite, so a skipped step does not poison later ones.
+
+Every call records one entry (plus the check's entry) into ``get_ledger()``: ``payload_bytes`` = bytes
+of the tensors this rank hands to torch.distributed, ``collective_bytes`` per the ledger convention, and
+the fp32 baseline = 4 bytes per logical element of the same collective.
+
+Example::
+
+    codec = get_codec("uniform", bits=8)
+    quantized_all_reduce(grad, codec, op="avg", seed=derive_seed(7, step))   # in place, same on all ranks
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_qcomm.codecs import Codec, derive_seed
+from lightning_qcomm.comm.call_check import _check_consistent
+from lightning_qcomm.comm.chunked import (
+    FP32_BYTES,
+    _check_codec,
+    _check_piece_numel,
+    _check_reduce_op,
+    _check_tensor,
+    _chunk_len,
+    _copy_back,
+    _decode_rows,
+    _encode_bytes,
+    _encode_rows,
+    _fp32_output,
+    _payload,
+    _update_error,
+)
+from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.transport import (
+    _all_gather,
+    _all_gather_async,
+    _all_to_all,
+    _all_to_all_async,
+    _rank_world,
+    _reduce_scatter_single,
+    _wait,
+)
+
+DEFAULT_PIECE_NUMEL = 1 << 15  # min elements per rank per pipelined piece of quantized_all_reduce (32 KB at 8 bits)
+MAX_ALL_REDUCE_PIECES = 16  # ... and at most this many pieces per call
+
+
+# ---------------------------------------------------------------------------------------------- all-gather
+def quantized_all_gather(
+    out: torch.Tensor,
+    shard: torch.Tensor,
+    codec: Codec | None,
+    group: dist.ProcessGroup | None = None,
+    seed: int = 0,
+    tag: str = "weights",
+    check: bool = True,
+) -> torch.Tensor:
+    """out[r*s:(r+1)*s] = decode(encode(shard_r, derive_seed(seed, r))) for every rank r, on every rank.
+
+    ``out`` has N * shard.numel() elements (any shape, contiguous); ``shard`` any shape. Each rank's own
+    slice is decoded from its own payload too, so all ranks hold identical data. codec=None gathers the
+    raw values (cast to ``out.dtype``) with ``all_gather_single``.
+    Ledger: all_gather, collective = N * P (P = codec.nbytes(s), or s * itemsize), baseline N * s * 4.
+
+    Example::
+
+        out = torch.empty(world_size * shard.numel())
+        quantized_all_gather(out, shard, get_codec("uniform", bits=8), seed=derive_seed(7, step))
+    """
+    _check_tensor("out", out)
+    _check_tensor("shard", shard)
+    _check_codec(codec)
+    rank, world = _rank_world(group)
+    s = shard.numel()
+    if out.numel() != world * s:
+        raise ValueError(f"out must have world_size * shard.numel() = {world} * {s} elements, got {out.numel()}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if check and world > 1:
+        _check_consistent("all_gather", group, world, tag, numel=s, dtype=shard.dtype, codec=codec, device=shard.device)
+    flat_out = out.view(-1)
+    if codec is None:
+        src = shard.detach().reshape(-1).to(out.dtype)
+        _all_gather(flat_out, src, group, world)
+        p = src.numel() * src.element_size()
+    else:
+        mine = _encode_bytes(codec, shard.detach().reshape(-1), derive_seed(seed, rank))
+        p = mine.numel()
+        buf = torch.empty(world * p, dtype=torch.uint8, device=shard.device)
+        _all_gather(buf, mine, group, world)
+        flat_out.copy_(_decode_rows(codec, buf, world, s).view(-1))
+    get_ledger().record("all_gather", world * p, world * s * FP32_BYTES, world, _payload(p, world), tag)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reduce-scatter
+def quantized_reduce_scatter(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    codec: Codec | None,
+    group: dist.ProcessGroup | None = None,
+    op: str = "sum",
+    seed: int = 0,
+    tag: str = "grads",
+    check: bool = True,
+) -> torch.Tensor:
+    """out = sum_i decode(Q(inp_i[row r])) (or that / N for op="avg"), summed in fp32 in rank order.
+
+    ``inp`` has N * out.numel() elements; row j = inp.flatten()[j*s:(j+1)*s] goes to rank j, encoded
+    with ``derive_seed(seed, 1, r, j)``. codec=None is ``reduce_scatter_single`` (SUM or AVG).
+    Ledger: reduce_scatter, collective = payload = N * P, baseline N * s * 4.
+
+    Example::
+
+        out = torch.empty(grad.numel() // world_size)
+        quantized_reduce_scatter(out, grad, get_codec("uniform", bits=8), op="avg")
+    """
+    _check_tensor("out", out)
+    _check_tensor("inp", inp)
+    _check_codec(codec)
+    _check_reduce_op(op)
+    rank, world = _rank_world(group)
+    s = out.numel()
+    if inp.numel() != world * s:
+        raise ValueError(f"inp must have world_size * out.numel() = {world} * {s} elements, got {inp.numel()}")
+    if check and world > 1:
+        _check_consistent(
+            "reduce_scatter", group, world, tag, numel=s, dtype=inp.dtype, codec=codec, reduce_op=op, device=inp.device
+        )
+    rows = inp.detach().reshape(world, s)
+    if codec is None:
+        src = rows.reshape(-1).to(out.dtype).contiguous()
+        dst = out.view(-1) if out.is_contiguous() else torch.empty(s, dtype=out.dtype, device=out.device)
+        if world == 1:
+            dst.copy_(src)
+        else:
+            red = dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM
+            _reduce_scatter_single(dst, src, red, group)
+        if dst.data_ptr() != out.data_ptr():
+            out.copy_(dst.view(out.shape))
+        p = s * src.element_size()
+    else:
+        p = codec.nbytes(s)
+        send = _encode_rows(codec, rows, [derive_seed(seed, 1, rank, j) for j in range(world)])
+        recv = torch.empty_like(send)
+        _all_to_all(recv, send, group, world)
+        acc = _decode_rows(codec, recv, world, s).sum(dim=0)
+        if op == "avg":
+            acc /= world
+        out.copy_(acc.view(out.shape))
+    get_ledger().record("reduce_scatter", world * p, world * s * FP32_BYTES, world, _payload(world * p, world), tag)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- all-reduce
+def all_reduce_pieces(
+    numel: int, world_size: int, codec: Codec | None, piece_numel: int = DEFAULT_PIECE_NUMEL
+) -> list[tuple[int, int]]:
+    """(offset, length) of the pieces ``quantized_all_reduce`` pipelines a tensor of ``numel`` elements in.
+
+    A piece holds N*m elements, m = max(``piece_numel``, ceil(d / (N * MAX_ALL_REDUCE_PIECES))) rounded up
+    to a multiple of the codec's bucket (so the buckets of a piece's chunks are the buckets of the unpieced
+    algorithm); the last piece holds the rest. A tensor of at most N*m elements is one piece. codec=None
+    is never pieced (one fp32 all_reduce).
+    """
+    _check_piece_numel(piece_numel)
+    m = max(piece_numel, -(-numel // (world_size * MAX_ALL_REDUCE_PIECES)))
+    if codec is not None and codec.bucket_size is not None:
+        m = -(-m // codec.bucket_size) * codec.bucket_size
+    step = world_size * m
+    if codec is None or numel <= step:
+        return [(0, numel)]
+    return [(o, min(step, numel - o)) for o in range(0, numel, step)]
+
+
+def _piece_seed(seed: int, k: int) -> int:
+    return seed if k == 0 else derive_seed(seed, 3, k)
+
+
+def quantized_all_reduce(
+    x: torch.Tensor,
+    codec: Codec | None,
+    group: dist.ProcessGroup | None = None,
+    op: str = "sum",
+    error_feedback: torch.Tensor | None = None,
+    seed: int = 0,
+    tag: str = "grads",
+    check: bool = True,
+    piece_numel: int = DEFAULT_PIECE_NUMEL,
+) -> torch.Tensor:
+    """Precision-preserving compressed all-reduce, in place (also returned). Any length, any N.
+
+    The flat tensor is cut into pieces (``all_reduce_pieces``: N*m elements each, m >= ``piece_numel``,
+    at most 16 pieces, m rounded up to the bucket); piece k runs the algorithm below with seed
+    s_k = ``seed`` for k = 0 and ``derive_seed(seed, 3, k)`` after. With y_r = x_r + e_r (e_r = ``error_feedback``, 0 if None) of one
+    piece, zero-padded to N*c, c = ceil(len/N):
+
+    1. rank r encodes chunk j of y_r (seed ``derive_seed(s_k, 1, r, j)``) and sends it to rank j
+       (``all_to_all_single``);
+    2. rank j decodes the N chunks to fp32 and sums them in rank order -- no low-precision accumulation:
+       S_j = sum_r D(Q(y_r[j])) for op="sum", S_j = (1/N) sum_r D(Q(y_r[j])) for op="avg";
+    3. rank j re-encodes S_j (seed ``derive_seed(s_k, 2, j)``); ``all_gather_single`` of the N codes;
+    4. every rank decodes all N chunks from the gathered bytes: x <- D(Q(S))[:len], identical on all ranks.
+
+    Pieces are pipelined: every piece's all-to-all is issued asynchronously as soon as it is encoded, and
+    piece k is reduced and its all-gather issued while later pieces are still on the wire. Two blocking
+    phases in a row leave the link idle between them (gloo's figures: BENCHMARKS.md §3, "Why two blocking
+    phases lose the link"). Small
+    tensors are one piece, and so is every tensor off the CPU (NCCL pipelines by itself, and a piece costs
+    kernel launches). Each phase codes all N chunks of a piece in one pass (``comm.row_batch``), so the
+    launches per call do not grow with N.
+
+    Error feedback (``error_feedback`` = e_r, updated in place): e_r is everything rank r meant to
+    contribute that the output does not contain, so that nothing is lost over steps:
+
+        e_r <- (y_r - D(Q(y_r)))  +  k * [chunk r] (S_r - D(Q(S_r))),      k = 1 (sum) or N (avg)
+
+    The first term is docs/design.md's error feedback e <- (x + e) - decode (this rank's phase-1 residual); the
+    second is the requantization residual of the reduced chunk that rank r itself encoded in step 3
+    (written into the chunk-r slice of each piece of e_r only), measured against the value x finally
+    holds (rounded to x's dtype when x is bf16/fp16; keep e in fp32 so it can hold that rounding). Summed over ranks,
+    sum_r e_r = sum_r y_r - k * x_out, hence over steps t = 1..T (e = 0 at the start, exact up to fp32
+    rounding, for any codec, biased or not):
+
+        k * sum_t x_out,t = sum_t sum_r x_r,t - sum_r e_r,T
+
+    codec=None is ``dist.all_reduce`` (SUM or AVG) of x + e, and e is zeroed.
+    Ledger: one all_reduce record; over pieces, collective = sum_k N*P_k (P_k = codec.nbytes(c_k)),
+    payload = sum_k (N+1)*P_k (all_to_all input plus all-gather input), baseline 4*d;
+    wire = 2(N-1)/N * collective.
+
+    Example::
+
+        ef = torch.zeros_like(grad)       # error feedback, kept across steps
+        quantized_all_reduce(grad, get_codec("uniform", bits=8), op="avg", error_feedback=ef, seed=step)
+    """
+    _check_tensor("x", x)
+    _check_codec(codec)
+    _check_reduce_op(op)
+    _check_piece_numel(piece_numel)
+    if error_feedback is not None:
+        _check_tensor("error_feedback", error_feedback)
+        if error_feedback.numel() != x.numel():
+            raise ValueError(f"error_feedback must have x.numel()={x.numel()} elements, got {error_feedback.numel()}")
+    rank, world = _rank_world(group)
+    d = x.numel()
+    if check and world > 1:
+        _check_consistent(
+            "all_reduce",
+            group,
+            world,
+            tag,
+            numel=d,
+            dtype=x.dtype,
+            codec=codec,
+            reduce_op=op,
+            aux=piece_numel,
+            device=x.device,
+        )
+    ledger = get_ledger()
+    if codec is None:
+        buf = x if x.is_contiguous() else x.contiguous()
+        if error_feedback is not None:
+            buf.add_(error_feedback.reshape(buf.shape).to(buf.dtype))
+            error_feedback.zero_()
+        if world > 1:
+            dist.all_reduce(buf, op=dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM, group=group)
+        if buf.data_ptr() != x.data_ptr():
+            x.copy_(buf)
+        nb = d * x.element_size()
+        ledger.record("all_reduce", nb, d * FP32_BYTES, world, _payload(nb, world), tag)
+        return x
+
+    flat_in = x.detach().reshape(-1)
+    flat_err = None if error_feedback is None else error_feedback.detach().reshape(-1)
+    out_flat = _fp32_output(x)
+    residual = None if error_feedback is None else torch.empty(d, dtype=torch.float32, device=x.device)
+    k_scale = world if op == "avg" else 1
+    # gloo gains from pipelining pieces; NCCL pipelines internally, and each piece costs launches: one piece
+    pieces = all_reduce_pieces(d, world, codec, piece_numel) if x.device.type == "cpu" else [(0, d)]
+    total_p = 0
+    # phase 1 for every piece: encode, issue the all-to-all, move on
+    phase1 = []
+    for k, (o, n) in enumerate(pieces):
+        c = _chunk_len(n, world)
+        s_k = _piece_seed(seed, k)
+        y = torch.zeros(world * c, dtype=torch.float32, device=x.device)
+        y[:n] = flat_in[o : o + n]
+        if flat_err is not None:
+            y[:n] += flat_err[o : o + n].to(torch.float32)
+        chunks = y.view(world, c)
+        send = _encode_rows(codec, chunks, [derive_seed(s_k, 1, rank, j) for j in range(world)])
+        res = None if residual is None else y - _decode_rows(codec, send, world, c).view(-1)
+        recv = torch.empty_like(send)
+        phase1.append((o, n, c, s_k, res, recv, send, _all_to_all_async(recv, send, group, world)))
+        total_p += codec.nbytes(c)
+    # phase 2 in order: reduce piece k while later pieces travel, issue its all-gather
+    phase2 = []
+    for o, n, c, s_k, res, recv, _send, work in phase1:
+        _wait(work)
+        reduced = _decode_rows(codec, recv, world, c).sum(dim=0)
+        if op == "avg":
+            reduced /= world
+        mine = _encode_bytes(codec, reduced, derive_seed(s_k, 2, rank))
+        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=x.device)
+        phase2.append((o, n, c, res, reduced, gathered, mine, _all_gather_async(gathered, mine, group, world)))
+    del phase1
+    low_precision_out = x.dtype != torch.float32
+    for o, n, c, res, reduced, gathered, _mine, work in phase2:
+        _wait(work)
+        rows = _decode_rows(codec, gathered, world, c)  # all N chunks in one codec call
+        out_flat[o : o + n] = rows.view(-1)[:n]
+        if res is not None:
+            # what x finally holds is row rounded to x's dtype: that rounding is residual too (positions past
+            # the piece's n real elements are padding and dropped below)
+            held = rows[rank].to(x.dtype).to(torch.float32) if low_precision_out else rows[rank]
+            res.view(world, c)[rank] += k_scale * (reduced - held)
+            residual[o : o + n] = res[:n]
+    if residual is not None:
+        _update_error(error_feedback, residual)
+    _copy_back(x, out_flat)
+    ledger.record("all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag)
+    return x
+
+
+__all__ = [
+    "DEFAULT_PIECE_NUMEL",
+    "MAX_ALL_REDUCE_PIECES",
+    "all_reduce_pieces",
+    "quantized_all_gather",
+    "quantized_all_reduce",
+    "quantized_reduce_scatter",
+]

@@ -1,0 +1,289 @@
+"""The error-compensated 1-bit all-reduce (docs/design.md, "1-bit all-reduce"; comm layer).
+
+One phase skeleton (``_run_pieces``: pieces, async all-to-all, server step, async all-gather, decode) runs
+either set of phase kernels: ``_ReferencePhases`` through the ``sign1`` codec's encode/decode (the spec)
+or ``_FusedPhases`` through the fused CPU sign ops (``codecs.cpu_fused.sign_*``), which are bit-identical
+to it. The skeleton alone decides the order of reads, writes and collectives, so both paths issue the
+same collectives with the same bytes.
+
+Example::
+
+    ew = torch.zeros(m.numel())                               # worker error, d elements
+    es = torch.zeros(onebit_server_error_numel(m.numel()))    # server error, ceil(d / N) elements
+    onebit_all_reduce(m, ew, es)                              # m <- its 1-bit average, same on all ranks
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_qcomm.codecs import Codec, cpu_fused, get_codec
+from lightning_qcomm.comm.call_check import _check_consistent
+from lightning_qcomm.comm.chunked import (
+    FP32_BYTES,
+    _check_piece_numel,
+    _check_tensor,
+    _chunk_len,
+    _copy_back,
+    _decode_bytes,
+    _decode_rows,
+    _encode_bytes,
+    _encode_rows,
+    _fp32_output,
+    _payload,
+    _update_error,
+)
+from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.transport import _all_gather_async, _all_to_all_async, _rank_world, _wait
+
+DEFAULT_ONEBIT_PIECE_NUMEL = 1 << 18  # min elements per rank per pipelined piece (32 KB of signs per rank)
+
+_SIGN1: Codec | None = None
+
+
+def _sign_codec() -> Codec:
+    global _SIGN1
+    if _SIGN1 is None:
+        _SIGN1 = get_codec("sign1", bits=1, bucket_size=None)
+    return _SIGN1
+
+
+def onebit_pieces(numel: int, world_size: int, piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL) -> list[tuple[int, int]]:
+    """(offset, length) of the pieces ``onebit_all_reduce`` pipelines ``numel`` elements in: N*m each
+    (m = ``piece_numel``), the last one shorter; at most N*m elements are one piece.
+
+    Example::
+
+        onebit_pieces(10, 2, piece_numel=3)   # [(0, 6), (6, 4)]
+    """
+    _check_piece_numel(piece_numel)
+    step = world_size * piece_numel
+    if numel <= step:
+        return [(0, numel)]
+    return [(o, min(step, numel - o)) for o in range(0, numel, step)]
+
+
+def onebit_server_error_numel(numel: int, group: dist.ProcessGroup | None = None) -> int:
+    """Length of ``server_error`` for ``onebit_all_reduce`` of a tensor of ``numel`` elements: ceil(numel/N)
+    (the sum over pieces of each piece's chunk length, which adds up to the same).
+
+    Example::
+
+        es = torch.zeros(onebit_server_error_numel(m.numel(), group))
+    """
+    if not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"numel must be a positive int, got {numel!r}")
+    return _chunk_len(numel, _rank_world(group)[1])
+
+
+# ------------------------------------------------------------------ the phase kernels
+class _ReferencePhases:
+    """The three per-piece steps through the sign1 codec's encode/decode (the spec). New residuals go to
+    temporary buffers and enter the error buffers at the end where finite (``_update_error``)."""
+
+    def __init__(self, worker_error: torch.Tensor, server_error: torch.Tensor, world: int, device) -> None:
+        self.sign, self.world = _sign_codec(), world
+        self.worker_error, self.server_error = worker_error, server_error
+        self.flat_es = server_error.detach().reshape(-1)
+        self.new_ew = torch.empty(worker_error.numel(), dtype=torch.float32, device=device)
+        self.new_es = torch.empty(self.flat_es.numel(), dtype=torch.float32, device=device)
+
+    def worker(self, y: torch.Tensor, o: int, n: int, c: int) -> torch.Tensor:
+        """Payloads C(y[chunk j]) for every rank j; e_w[o:o+n] <- y - C(y)."""
+        send = _encode_rows(self.sign, y.view(self.world, c), [0] * self.world)
+        decoded = _decode_rows(self.sign, send, self.world, c).view(-1)[:n]
+        torch.sub(y[:n], decoded, out=self.new_ew[o : o + n])
+        return send
+
+    def server(self, recv: torch.Tensor, c: int, e_off: int, valid: int) -> torch.Tensor:
+        """z = mean of the received chunks (rank order) + e_s, padding zeroed; payload C(z); e_s <- z - C(z)."""
+        received = _decode_rows(self.sign, recv, self.world, c)
+        z = received[0].clone()
+        for r in range(1, self.world):  # in rank order, as the fused path sums (a decode-sum codec op would fuse this)
+            z += received[r]
+        z.div_(self.world)
+        z += self.flat_es[e_off : e_off + c].to(torch.float32)
+        if valid < c:
+            z[valid:] = 0.0
+        mine = _encode_bytes(self.sign, z, 0)
+        es = torch.sub(z, _decode_bytes(self.sign, mine, c), out=self.new_es[e_off : e_off + c])
+        if valid < c:
+            es[valid:] = 0.0
+        return mine
+
+    def decode(self, gathered: torch.Tensor, c: int, out: torch.Tensor) -> None:
+        """out <- concat_j C(z_j)[:len(out)]."""
+        out.copy_(_decode_rows(self.sign, gathered, self.world, c).view(-1)[: out.numel()])
+
+    def finish(self) -> None:
+        _update_error(self.worker_error, self.new_ew)
+        _update_error(self.server_error, self.new_es)
+
+
+class _FusedPhases:
+    """The same steps in fused CPU passes, bit for bit: per chunk one norm (torch) and one pass for the codes
+    and the residual, written straight into the error buffers (finite residuals only) and the payloads; the
+    server sum and the final decode are one pass each. Error buffers must be contiguous fp32 on the CPU."""
+
+    def __init__(self, worker_error: torch.Tensor, server_error: torch.Tensor, world: int) -> None:
+        self.sign, self.world = _sign_codec(), world
+        self.flat_ew = worker_error.detach().view(-1)
+        self.flat_es = server_error.detach().view(-1)
+
+    def worker(self, y: torch.Tensor, o: int, n: int, c: int) -> torch.Tensor:
+        p = self.sign.nbytes(c)
+        send = torch.empty(self.world * p, dtype=torch.uint8)
+        for j in range(self.world):
+            yj = y[j * c : (j + 1) * c]
+            length = max(min(c, n - j * c), 0)
+            ew_j = self.flat_ew[o + j * c : o + j * c + length] if length else self.flat_ew[:0]
+            cpu_fused.sign_encode_err(yj, cpu_fused.sign_scale(yj), send[j * p : (j + 1) * p], ew_j, length, length)
+        return send
+
+    def server(self, recv: torch.Tensor, c: int, e_off: int, valid: int) -> torch.Tensor:
+        es = self.flat_es[e_off : e_off + c]
+        z = torch.empty(c, dtype=torch.float32)
+        cpu_fused.sign_server_sum(recv, self.world, c, es, valid, z)
+        mine = torch.empty(self.sign.nbytes(c), dtype=torch.uint8)
+        cpu_fused.sign_encode_err(z, cpu_fused.sign_scale(z), mine, es, valid, c)
+        return mine
+
+    def decode(self, gathered: torch.Tensor, c: int, out: torch.Tensor) -> None:
+        p, n = self.sign.nbytes(c), out.numel()
+        for j in range(self.world):
+            length = max(min(c, n - j * c), 0)
+            if length:
+                cpu_fused.sign_decode(gathered[j * p : (j + 1) * p], c, out[j * c : j * c + length])
+
+    def finish(self) -> None:
+        pass  # the residuals are already in the error buffers
+
+
+# ------------------------------------------------------------------ the skeleton
+def _run_pieces(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    phases: _ReferencePhases | _FusedPhases,
+    group,
+    rank: int,
+    world: int,
+    pieces: list[tuple[int, int]],
+) -> int:
+    """``onebit_all_reduce``'s pieces, pipelined; returns the payload bytes of one chunk summed over pieces.
+    x is read whole (phase 1) before it is written (phase 3)."""
+    sign = _sign_codec()
+    flat_x = x.detach().reshape(-1)
+    flat_ew = worker_error.detach().reshape(-1)
+    out_flat = _fp32_output(x)
+    total_p = 0
+    phase1 = []
+    es_off = 0
+    for o, n in pieces:
+        c = _chunk_len(n, world)
+        y = torch.empty(world * c, dtype=torch.float32, device=x.device)
+        torch.add(flat_x[o : o + n], flat_ew[o : o + n], out=y[:n])
+        y[n:] = 0.0
+        send = phases.worker(y, o, n, c)
+        recv = torch.empty_like(send)
+        phase1.append((o, n, c, es_off, recv, send, _all_to_all_async(recv, send, group, world)))
+        es_off += c
+        total_p += sign.nbytes(c)
+    phase2 = []
+    for o, n, c, e_off, recv, _send, work in phase1:
+        _wait(work)
+        valid = max(min(c, n - rank * c), 0)  # real (unpadded) elements of this rank's chunk
+        mine = phases.server(recv, c, e_off, valid)
+        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=x.device)
+        phase2.append((o, n, c, gathered, mine, _all_gather_async(gathered, mine, group, world)))
+    del phase1
+    for o, n, c, gathered, _mine, work in phase2:
+        _wait(work)
+        phases.decode(gathered, c, out_flat[o : o + n])
+    phases.finish()
+    _copy_back(x, out_flat)
+    return total_p
+
+
+def onebit_all_reduce(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    tag: str = "momentum",
+    check: bool = True,
+    piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL,
+) -> torch.Tensor:
+    """Error-compensated 1-bit average over ranks (docs/design.md, "1-bit all-reduce"), in place on a flat fused buffer.
+
+    The buffer is cut into pieces of N*m elements (``onebit_pieces``, m = ``piece_numel``); each piece,
+    of length n, runs the algorithm below on its own, with chunks of c = ceil(n/N) elements.
+    C(v) = (||v||_2 / sqrt(len v)) * sign(v), sign(0) = +1, applied per chunk (the ``sign1`` codec with one
+    bucket per chunk; the zero tail padding of the last chunk counts in its length). With e_w =
+    ``worker_error`` (d elements) and e_s = ``server_error`` (this rank's chunk of every piece, in piece
+    order: ceil(d/N) elements, see ``onebit_server_error_numel``)::
+
+        worker r:  y = x + e_w (zero-padded to N*c); send C(y[chunk j]) to rank j; e_w <- y - C(y)  (n elements)
+        server j:  z = (1/N) sum_r C(y_r[chunk j]) + e_s  (sum in rank order; padding positions of z set to 0);
+                   send C(z) to all; e_s <- z - C(z)  (padding positions kept 0)
+        all:       x <- concat_j C(z_j)[:n], identical on every rank.
+
+    Pieces are pipelined as in ``quantized_all_reduce`` (async all-to-all per piece; each piece's
+    all-gather issued once its all-to-all is done). Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1)
+    bytes of scales per piece (1/32 of an fp32 ring all-reduce). The error buffers move on only where
+    the new residual is finite.
+    Ledger: all_reduce, collective = sum_k N*P_k with P_k = ceil(c_k/8) + 4, payload sum_k (N+1)*P_k,
+    baseline 4*d.
+
+    Example::
+
+        ew, es = torch.zeros(d), torch.zeros(onebit_server_error_numel(d))
+        onebit_all_reduce(momentum.view(-1), ew, es, tag="momentum")
+    """
+    _check_tensor("x", x)
+    _check_tensor("worker_error", worker_error)
+    _check_tensor("server_error", server_error)
+    _check_piece_numel(piece_numel)
+    rank, world = _rank_world(group)
+    d = x.numel()
+    if worker_error.numel() != d:
+        raise ValueError(f"worker_error must have x.numel()={d} elements, got {worker_error.numel()}")
+    if server_error.numel() != _chunk_len(d, world):
+        raise ValueError(
+            f"server_error must have ceil(x.numel()/world_size)={_chunk_len(d, world)} elements, "
+            f"got {server_error.numel()}"
+        )
+    if check and world > 1:
+        _check_consistent(
+            "onebit_all_reduce",
+            group,
+            world,
+            tag,
+            numel=d,
+            dtype=x.dtype,
+            codec=None,
+            aux=piece_numel,
+            device=x.device,
+        )
+    pieces = onebit_pieces(d, world, piece_numel)
+    fused = (
+        worker_error.dtype == torch.float32
+        and server_error.dtype == torch.float32
+        and worker_error.is_contiguous()
+        and server_error.is_contiguous()
+        and worker_error.device.type == "cpu"
+        and server_error.device.type == "cpu"
+        and cpu_fused.use_fused(_sign_codec(), x, _chunk_len(pieces[0][1], world))
+    )
+    if fused:
+        phases = _FusedPhases(worker_error, server_error, world)
+    else:
+        phases = _ReferencePhases(worker_error, server_error, world, x.device)
+    total_p = _run_pieces(x, worker_error, phases, group, rank, world, pieces)
+    get_ledger().record(
+        "all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag
+    )
+    return x
+
+
+__all__ = ["DEFAULT_ONEBIT_PIECE_NUMEL", "onebit_all_reduce", "onebit_pieces", "onebit_server_error_numel"]

@@ -1,0 +1,177 @@
+"""Byte transport of the compressed collectives: all-to-all and all-gather of uint8 rows (comm layer).
+
+This file owns how payload bytes reach the other ranks; what the bytes mean is the collectives' (codecs)
+business. Only two torch primitives carry payloads: ``all_to_all_single`` (gloo has no list
+``all_to_all``) and ``all_gather_single`` (called ``all_gather_into_tensor`` before torch 2.13); both run on
+gloo and NCCL. The version shims look the function up on ``torch.distributed`` per call, so wrappers
+installed there (tests, benchmarks) are seen.
+
+On CPU/gloo a row longer than ``TRANSFER_PIECE_BYTES`` is cut into at most ``MAX_TRANSFER_PIECES`` column
+ranges issued as concurrent exchanges (a blocking gloo exchange of a few MB leaves a shaped TCP link partly
+idle: BENCHMARKS.md §3, "Why two blocking phases lose the link"); the bytes and the result are those of one
+call. CUDA tensors go as one call (NCCL pipelines internally).
+
+Example::
+
+    recv = torch.empty_like(send)            # send: N rows of equal length, row j for rank j
+    all_to_all_bytes(recv, send, group)      # recv row r: what rank r sent to this rank
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# min bytes per rank per concurrent sub-exchange of all_to_all_bytes / all_gather_bytes (the choice is
+# measured in BENCHMARKS.md §3, "Transfer pieces"); smaller pieces cost per-call overhead on fast links
+TRANSFER_PIECE_BYTES = 1 << 17
+MAX_TRANSFER_PIECES = 16  # ... and at most this many sub-exchanges per call
+
+
+def _all_gather_fn():
+    """``all_gather_single`` (torch >= 2.13), else its older name ``all_gather_into_tensor`` (looked up per
+    call, so wrappers installed on ``torch.distributed`` are seen)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    _all_gather_fn()(out, inp, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, op, group) -> None:
+    """``reduce_scatter_single`` (torch >= 2.13), else its older name ``reduce_scatter_tensor``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=op, group=group)
+
+
+def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank in group, group size); (0, 1) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("group was given but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _column_pieces(row_bytes: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """[a, b) byte ranges of a row cut for ``all_to_all_bytes`` / ``all_gather_bytes``: pieces of at least
+    ``piece_bytes``, at most ``MAX_TRANSFER_PIECES`` of them; one range if the row is short."""
+    if row_bytes <= piece_bytes:
+        return [(0, row_bytes)]
+    size = max(piece_bytes, -(-row_bytes // MAX_TRANSFER_PIECES))
+    return [(a, min(a + size, row_bytes)) for a in range(0, row_bytes, size)]
+
+
+def _exchange_columns(dst: torch.Tensor, cols: list[tuple[int, int]], world: int, issue) -> None:
+    """Issue ``issue(piece_out, a, b)`` (async) for every column range, then write each piece's N rows into
+    ``dst`` (world, row) as it completes."""
+    works = []
+    for a, b in cols:
+        piece_out = torch.empty(world * (b - a), dtype=dst.dtype, device=dst.device)
+        works.append((a, b, piece_out, issue(piece_out, a, b)))
+    for a, b, piece_out, work in works:
+        work.wait()
+        dst[:, a:b] = piece_out.view(world, b - a)
+
+
+def all_to_all_bytes(
+    recv: torch.Tensor,
+    send: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    piece_bytes: int = TRANSFER_PIECE_BYTES,
+) -> None:
+    """``all_to_all_single`` of N equal rows of bytes (row j of ``send`` to rank j, row r of ``recv`` from
+    rank r), issued on CPU/gloo as up to ``MAX_TRANSFER_PIECES`` concurrent exchanges of >= ``piece_bytes``
+    per row. CUDA tensors go as one call. Same bytes, same result either way.
+
+    Example::
+
+        send = torch.arange(2 * 4, dtype=torch.uint8)    # 2 ranks: bytes 0..3 to rank 0, 4..7 to rank 1
+        recv = torch.empty_like(send)
+        all_to_all_bytes(recv, send)                     # world of one: recv == send
+    """
+    _, world = _rank_world(group)
+    if world == 1:
+        recv.copy_(send)
+        return
+    row = send.numel() // world
+    cols = _column_pieces(row, piece_bytes) if send.device.type == "cpu" else [(0, row)]
+    if len(cols) == 1:
+        dist.all_to_all_single(recv, send, group=group)
+        return
+    src = send.view(world, row)
+
+    def issue(piece_out: torch.Tensor, a: int, b: int):
+        return dist.all_to_all_single(piece_out, src[:, a:b].contiguous().view(-1), group=group, async_op=True)
+
+    _exchange_columns(recv.view(world, row), cols, world, issue)
+
+
+def all_gather_bytes(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    piece_bytes: int = TRANSFER_PIECE_BYTES,
+) -> None:
+    """``all_gather_single`` (rank r's ``inp`` into row r of ``out``), issued on CPU/gloo as up to
+    ``MAX_TRANSFER_PIECES`` concurrent gathers of >= ``piece_bytes`` per rank (see ``all_to_all_bytes``).
+
+    Example::
+
+        mine = torch.full((4,), 7, dtype=torch.uint8)
+        out = torch.empty(world_size * 4, dtype=torch.uint8)
+        all_gather_bytes(out, mine)                      # out row r: rank r's four bytes
+    """
+    _, world = _rank_world(group)
+    if world == 1:
+        out.copy_(inp)
+        return
+    row = inp.numel()
+    cols = _column_pieces(row, piece_bytes) if inp.device.type == "cpu" else [(0, row)]
+    if len(cols) == 1:
+        _all_gather_single(out, inp, group)
+        return
+    fn = _all_gather_fn()
+    src = inp.view(-1)
+
+    def issue(piece_out: torch.Tensor, a: int, b: int):
+        return fn(piece_out, src[a:b], group=group, async_op=True)
+
+    _exchange_columns(out.view(world, row), cols, world, issue)
+
+
+# ------------------------------------------------------------------ world-size-aware forms the collectives call
+def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group, world: int) -> None:
+    if world == 1:
+        recv.copy_(send)
+    else:
+        all_to_all_bytes(recv, send, group)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, world: int) -> None:
+    if world == 1:
+        out.copy_(inp)
+    else:
+        all_gather_bytes(out, inp, group)
+
+
+def _all_to_all_async(recv: torch.Tensor, send: torch.Tensor, group, world: int):
+    if world == 1:
+        recv.copy_(send)
+        return None
+    return dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+
+def _all_gather_async(out: torch.Tensor, inp: torch.Tensor, group, world: int):
+    if world == 1:
+        out.copy_(inp)
+        return None
+    return _all_gather_fn()(out, inp, group=group, async_op=True)
+
+
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
+
+
+__all__ = ["MAX_TRANSFER_PIECES", "TRANSFER_PIECE_BYTES", "all_gather_bytes", "all_to_all_bytes"]

@@ -1,0 +1,145 @@
+"""The layer order holds: no module of lightning_qcomm imports from a layer above its own (docs/design.md,
+"Architecture"; README, "Architecture").
+
+    0  codecs, kernels, _checks          the math of the codes and the kernels that run it
+    1  comm                              collectives, ledger, DDP/FSDP hooks over torch.distributed
+    2  memory, optim                     adapters: saved-activation storage, OneBitAdam
+    3  parallel                          the plain-torch entry points and their configs
+    4  strategies, callbacks, fabric,    Lightning glue; the package root
+       cli, demo, consolidate, root
+
+(docs/design.md's picture: codecs -> comm -> adapters -> plain-torch entry points -> Lightning.)
+
+Imports within one layer are free. Every import counts, also those inside functions and under
+``TYPE_CHECKING``. Read with ``ast``, nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "lightning_qcomm"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+LAYERS = {
+    "_checks": 0,
+    "codecs": 0,
+    "kernels": 0,
+    "comm": 1,
+    "optim": 2,
+    "memory": 2,
+    "parallel": 3,
+    "strategies": 4,
+    "callbacks": 4,
+    "fabric": 4,
+    "cli": 4,
+    "demo": 4,
+    "consolidate": 4,
+    "__main__": 4,
+    "": 4,  # the package root (lightning_qcomm/__init__.py re-exports every layer)
+}
+
+
+def _module_name(path: Path, root: Path, package: str) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join([package, *parts])
+
+
+def _component(module: str, root: Path, package: str) -> str:
+    """The first name below the package ("" for the root itself)."""
+    rest = module[len(package) + 1 :] if module != package else ""
+    return rest.split(".")[0]
+
+
+def _targets(node: ast.AST, module: str, is_package: bool, root: Path, package: str) -> list[str]:
+    """The package modules an import statement loads (names of ``from X import name`` that are submodules
+    count as those submodules; other names as X itself)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name == package or a.name.startswith(package + ".")]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        src = ".".join(base + ([node.module] if node.module else []))
+    else:
+        src = node.module or ""
+    if src != package and not src.startswith(package + "."):
+        return []
+    out = []
+    for alias in node.names:
+        sub = f"{src}.{alias.name}"
+        sub_path = root.joinpath(*sub.split(".")[1:])
+        out.append(sub if sub_path.with_suffix(".py").exists() or sub_path.is_dir() else src)
+    return out
+
+
+def upward_imports(root: Path = ROOT, package: str = PACKAGE, layers: dict[str, int] = LAYERS) -> list[str]:
+    """'file:line: src (layer a) imports dst (layer b)' for every import of a higher layer; also a line for
+    every top-level name of the package that has no layer."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root, package)
+        src = _component(module, root, package)
+        if src not in layers:
+            problems.append(f"{path}: {src!r} has no layer in LAYERS")
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        found = []
+        for node in ast.walk(tree):
+            for target in _targets(node, module, path.name == "__init__.py", root, package):
+                dst = _component(target, root, package)
+                if dst not in layers:
+                    found.append((node.lineno, f"{path}:{node.lineno}: imports {target}, whose {dst!r} has no layer"))
+                elif layers[dst] > layers[src]:
+                    found.append(
+                        (
+                            node.lineno,
+                            f"{path.relative_to(root.parent)}:{node.lineno}: {module} (layer {layers[src]}) imports "
+                            f"{target} (layer {layers[dst]})",
+                        )
+                    )
+        problems += [text for _, text in sorted(found)]
+    return problems
+
+
+def test_no_import_runs_upward():
+    problems = upward_imports()
+    assert not problems, "imports against the layer order:\n" + "\n".join(problems)
+
+
+def test_every_top_level_name_has_a_layer():
+    names = {
+        p.stem if p.is_file() else p.name for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    names.discard("__init__")
+    assert names <= set(LAYERS), f"give these a layer in LAYERS: {sorted(names - set(LAYERS))}"
+
+
+def test_checker_sees_upward_imports_of_every_form(tmp_path):
+    """The checker itself can fail: a miniature package with one upward import of each form."""
+    pkg = tmp_path / PACKAGE
+    for d in ("codecs", "comm", "strategies"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from lightning_qcomm.codecs import x\n")  # downward: fine
+    (pkg / "strategies" / "s.py").write_text("")
+    (pkg / "codecs" / "a.py").write_text(
+        "import lightning_qcomm.comm\n"  # upward, absolute
+        "def f():\n"
+        "    from lightning_qcomm.strategies import s\n"  # upward, inside a function, a submodule
+        "from lightning_qcomm import get_codec\n"  # the root re-exports everything: upward
+        "from ..comm import y\n"  # upward, relative
+        "from . import b\n"  # same layer
+    )
+    (pkg / "comm" / "c.py").write_text("from lightning_qcomm.codecs import a\n")  # downward: fine
+    found = upward_imports(pkg, PACKAGE)
+    assert [p.split(": ", 1)[1] for p in found] == [
+        "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm.comm (layer 1)",
+        "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm.strategies.s (layer 4)",
+        "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm (layer 4)",
+        "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm.comm (layer 1)",
+    ], found
