@@ -80,6 +80,28 @@ def install_inter_node_average(
     return hooks
 
 
+def hsdp_mesh(config, node_size: int | None, devices_per_node: int | None, owner: str, timeout=None):
+    """(config, mesh) for a strategy asked for ``hsdp``: the 2-D ("inter", "intra") mesh of this job's nodes
+    (``node_size`` if given, else the launcher's devices per node, else ``LOCAL_WORLD_SIZE``), its groups made
+    with ``timeout``. On one node, or one rank per node, there is nothing to replicate across: one warning and
+    flat QSDP (config with ``hsdp=False``, mesh None). Collective."""
+    import dataclasses
+
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    from lightning_qcomm.comm.topology import Topology, node_groups, resolve_node_size
+
+    world = dist.get_world_size()
+    topo = Topology(world, resolve_node_size(world, node_size, devices_per_node))
+    if not topo.hierarchical:
+        rank_zero_warn(
+            f"{owner}(hsdp=True): {topo.num_nodes} node(s) of {topo.node_size} rank(s) (node_size={node_size}) has "
+            "no second level; training as flat QSDP over all ranks"
+        )
+        return dataclasses.replace(config, hsdp=False, intra_node_bits=None), None
+    return config, node_groups(topo, timeout=timeout).mesh
+
+
 def fsdp_groups(root: torch.nn.Module) -> list[torch.nn.Module]:
     """The FSDP modules under ``root`` that own parameters, in ``root.modules()`` order (the group ids)."""
     from torch.distributed.fsdp import FSDPModule
@@ -89,4 +111,11 @@ def fsdp_groups(root: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in root.modules() if isinstance(m, FSDPModule) and fsdp_param_shards(m)]
 
 
-__all__ = ["HSDP_DIMS", "InterNodeGradAverage", "check_hsdp_mesh", "fsdp_groups", "install_inter_node_average"]
+__all__ = [
+    "HSDP_DIMS",
+    "InterNodeGradAverage",
+    "check_hsdp_mesh",
+    "fsdp_groups",
+    "hsdp_mesh",
+    "install_inter_node_average",
+]

@@ -44,13 +44,14 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_qcomm._checks import START_METHODS, build_as, check_bool, check_choice, check_timeout
+from lightning_qcomm._checks import START_METHODS, build_as, check_bool, check_choice, check_int, check_timeout
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.fsdp import QSDPCommState, sync_unsharded_requires_grad
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import max_over_ranks
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
+from lightning_qcomm.parallel.hsdp import hsdp_mesh
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint
 from lightning_qcomm.parallel.qsdp_config import DEFAULT_MIN_WRAP_NUMEL, QSDPConfig
 from lightning_qcomm.strategies.presets import QSDP_PRESETS, register_presets
@@ -76,6 +77,9 @@ class QSDPStrategy(ModelParallelStrategy):
     (Fabric takes only its own strategy classes and refuses this one).
 
     Args:
+        hsdp / intra_node_bits: shard inside a node, replicate across nodes; ``grad_bits`` is then the width of
+            the gradient all-reduce across nodes (``parallel.hsdp``; docs/design.md, "Topology").
+        node_size: ranks per node for ``hsdp`` (default: Lightning's devices per node).
         save_distributed_checkpoint: True saves one shard per rank (a folder, replaced atomically, see
             ``qsdp_checkpoint``; ``python -m lightning_qcomm.consolidate IN OUT`` makes it one file for
             ``load_from_checkpoint``), False a full state dict in one file, gathered on rank 0 at each save.
@@ -106,6 +110,9 @@ class QSDPStrategy(ModelParallelStrategy):
         reshard_after_forward: bool | None = None,
         overlap_comm: bool = True,
         nonfinite: str = "skip",
+        hsdp: bool = False,
+        intra_node_bits: int | None = None,
+        node_size: int | None = None,
         save_distributed_checkpoint: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -114,6 +121,7 @@ class QSDPStrategy(ModelParallelStrategy):
         check_bool("QSDPStrategy", "save_distributed_checkpoint", save_distributed_checkpoint)
         check_choice("QSDPStrategy", "start_method", start_method, START_METHODS)
         check_timeout("QSDPStrategy", timeout)
+        self._node_size = check_int("QSDPStrategy", "node_size", node_size, optional=True, minimum=1)
         self.config: QSDPConfig = build_as("QSDPStrategy", QSDPConfig, locals())
         super().__init__(
             data_parallel_size="auto",
@@ -130,6 +138,7 @@ class QSDPStrategy(ModelParallelStrategy):
         self._start_method = start_method
         self.comm_state = QSDPCommState(seed=seed, step=0)
         self._qsdp: QSDPHandle | None = None
+        self._hsdp: tuple[QSDPConfig, Any] | None = None  # (config, 2-D mesh) once resolved, for every stage
         self._root_is_group = False
         self._in_root_step = False
         self._warned_no_effect = False
@@ -167,7 +176,11 @@ class QSDPStrategy(ModelParallelStrategy):
     def config_fingerprint(self) -> dict[str, Any]:
         """Everything that decides the FSDP groups and what their collectives send (compared across ranks at
         setup: codecs with equal payload sizes would otherwise decode each other's bytes as garbage)."""
-        return {**config_fingerprint(self.config), "save_distributed_checkpoint": self._save_distributed_checkpoint}
+        return {
+            **config_fingerprint(self.config),
+            "node_size": self._node_size,
+            "save_distributed_checkpoint": self._save_distributed_checkpoint,
+        }
 
     @property
     def dp_mesh(self):
@@ -186,10 +199,15 @@ class QSDPStrategy(ModelParallelStrategy):
         if not sharded and is_overridden("configure_model", self.lightning_module):
             log.warning("QSDP: configure_model did not call fully_shard; sharding the model with the default policy")
         # the whole QSDP setup (also Fabric's and plain torch's); checked across ranks in setup_environment
+        config, mesh = self.config, self.dp_mesh
+        if config.hsdp:  # shard inside a node, replicate across nodes (parallel.hsdp)
+            if self._hsdp is None:
+                self._hsdp = hsdp_mesh(config, self._node_size, self.num_processes, "QSDPStrategy", self._timeout)
+            config, mesh = self._hsdp[0], self._hsdp[1] or mesh
         self._qsdp = apply_qsdp(
             self.model,
-            self.dp_mesh,
-            self.config,
+            mesh,
+            config,
             comm_state=self.comm_state,
             background=self._background,
             owner=type(self).__name__,
