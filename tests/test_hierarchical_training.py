@@ -253,6 +253,8 @@ def _two_by_two(rank: int, world: int, per_node: int, outdir: str) -> dict:
     )
     res["onebit_resumed"] = _params(again)
 
+    res["plain"] = _plain_torch()
+
     # a node_size that does not divide the world: refused at setup, on every rank
     try:
         _fit(world, per_node, _quant(codec="uniform", bits=8, hierarchical=True, node_size=3), max_steps=1)
@@ -261,6 +263,57 @@ def _two_by_two(rank: int, world: int, per_node: int, outdir: str) -> dict:
         res["bad_node_size"] = str(err)
     dist.barrier()
     return res
+
+
+def _plain_torch(steps: int = 6) -> dict:
+    """No Lightning: ``quant_ddp_hook(QuantDDPConfig(hierarchical=True, node_size=2))`` with codec none against DDP
+    without a hook, and ``onebit_adam_ddp(hierarchical=True)`` with ranks per node from ``LOCAL_WORLD_SIZE``."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_qcomm import OneBitAdam, QuantDDPConfig, onebit_adam_ddp, quant_ddp_hook
+    from lightning_qcomm.comm.ledger import CommLedger, set_ledger
+
+    x, y = _dataset().tensors
+    rank = dist.get_rank()
+    batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(rank * BATCH, N_SAMPLES, 4 * BATCH)][:steps]
+
+    def train(hook_config=None, onebit=False):
+        net = _module().body
+        ddp = DistributedDataParallel(net)
+        state = None
+        if onebit:
+            opt = OneBitAdam(ddp.parameters(), lr=0.01, freeze_step=2)
+            os.environ["LOCAL_WORLD_SIZE"] = str(NODE)  # what torchrun sets
+            try:
+                tie = onebit_adam_ddp(ddp, opt, hierarchical=True)
+            finally:
+                del os.environ["LOCAL_WORLD_SIZE"]
+            state = tie.node_groups
+        else:
+            opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
+            if hook_config is not None:
+                state, hook = quant_ddp_hook(hook_config, ddp, optimizer=opt)
+                ddp.register_comm_hook(state, hook)
+        for bx, by in batches:
+            torch.nn.functional.cross_entropy(ddp(bx), by).backward()
+            opt.step()
+            opt.zero_grad()
+        return net, state
+
+    ledger = CommLedger()
+    set_ledger(ledger)
+    plain, _ = train()
+    hier, state = train(QuantDDPConfig(codec="none", hierarchical=True, node_size=NODE))
+    onebit, groups = train(onebit=True)
+    set_ledger(None)
+    return {
+        "hook_hierarchical": state.node_groups is not None,
+        "max_diff": max(float((p - q).abs().max()) for p, q in zip(plain.parameters(), hier.parameters())),
+        "onebit_topology": None if groups is None else (groups.topology.num_nodes, groups.topology.node_size),
+        "onebit_identical": _identical_across_ranks(onebit),
+        "momentum_inter_calls": ledger.cumulative[("all_reduce", "momentum@inter")].calls,
+    }
 
 
 def _other_topology(rank: int, world: int, per_node: int, outdir: str) -> dict:
@@ -451,6 +504,14 @@ def test_hierarchical_onebit_adam(runs):
     # (8 warm-up steps) by more than that, which is 1-bit Adam's, not the hierarchy's
     assert hier["loss"] < 0.7 * r0["init_loss"]
     assert _rel(hier["loss"], flat["loss"]) <= 0.03, (hier["loss"], flat["loss"], r0["adamw"])
+
+
+def test_plain_torch_entry_points(runs):
+    for r in runs["2x2"]:
+        plain = r["plain"]
+        assert plain["hook_hierarchical"] and plain["max_diff"] <= 1e-6, plain
+        assert plain["onebit_topology"] == (2, NODE) and plain["onebit_identical"]
+        assert plain["momentum_inter_calls"] == 6 - 2  # the compressed steps after freeze_step=2
 
 
 def test_node_size_that_does_not_divide_the_world_is_refused(runs):
