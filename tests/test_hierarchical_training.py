@@ -254,6 +254,7 @@ def _two_by_two(rank: int, world: int, per_node: int, outdir: str) -> dict:
     res["onebit_resumed"] = _params(again)
 
     res["plain"] = _plain_torch()
+    res["fabric"] = _fabric_hierarchical(outdir)
 
     # a node_size that does not divide the world: refused at setup, on every rank
     try:
@@ -313,6 +314,45 @@ def _plain_torch(steps: int = 6) -> dict:
         "onebit_topology": None if groups is None else (groups.topology.num_nodes, groups.topology.node_size),
         "onebit_identical": _identical_across_ranks(onebit),
         "momentum_inter_calls": ledger.cumulative[("all_reduce", "momentum@inter")].calls,
+    }
+
+
+def _fabric_hierarchical(outdir: str, steps: int = 6, save_at: int = 3) -> dict:
+    """``QuantDDPFabricStrategy(hierarchical=True)`` under ``Fabric(devices=2, num_nodes=2)``, error feedback: saved
+    at ``save_at``, finished, and resumed from there (``fabric.save`` / ``fabric.load``)."""
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+
+    from lightning_qcomm import QuantDDPFabricStrategy
+
+    x, y = _dataset().tensors
+    rank = dist.get_rank()
+    batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(rank * BATCH, N_SAMPLES, 4 * BATCH)][:steps]
+    ckpt = os.path.join(outdir, "fabric.ckpt")
+
+    def run(load: bool):
+        fabric = Fabric(accelerator="cpu", devices=NODE, num_nodes=2, strategy=QuantDDPFabricStrategy(**EF))
+        fabric.launch()
+        net = _module().body
+        model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
+        start = 0
+        if load:
+            fabric.load(ckpt, {"model": model, "optimizer": opt})
+            start = save_at
+        for step, (bx, by) in enumerate(batches[start:], start + 1):
+            fabric.backward(torch.nn.functional.cross_entropy(model(bx), by))
+            opt.step()
+            opt.zero_grad()
+            if step == save_at and not load:
+                fabric.save(ckpt, {"model": model, "optimizer": opt})
+        return fabric.strategy.hook_state, _params(net)
+
+    state, straight = run(load=False)
+    resumed_state, resumed = run(load=True)
+    return {
+        "hierarchical": state.node_groups is not None and resumed_state.node_groups is not None,
+        "step": resumed_state.step,
+        "exact": all(torch.equal(p, q) for p, q in zip(straight, resumed)),
     }
 
 
@@ -512,6 +552,11 @@ def test_plain_torch_entry_points(runs):
         assert plain["hook_hierarchical"] and plain["max_diff"] <= 1e-6, plain
         assert plain["onebit_topology"] == (2, NODE) and plain["onebit_identical"]
         assert plain["momentum_inter_calls"] == 6 - 2  # the compressed steps after freeze_step=2
+
+
+def test_fabric_hierarchical_resumes_exactly(runs):
+    for r in runs["2x2"]:
+        assert r["fabric"] == {"hierarchical": True, "step": 6, "exact": True}, r["fabric"]
 
 
 def test_node_size_that_does_not_divide_the_world_is_refused(runs):
