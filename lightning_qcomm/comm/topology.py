@@ -105,6 +105,11 @@ def hierarchical_topology(
     ``node_size`` that does not divide ``world_size``: ValueError naming ``owner``, the value and the allowed
     divisors. One node, or one rank per node: nothing is hierarchical, so the flat collective runs, said once
     (``rank_zero_warn``), never silently.
+
+    Example::
+
+        hierarchical_topology("QuantDDPStrategy", 8, devices_per_node=4)   # Topology(world_size=8, node_size=4)
+        hierarchical_topology("QuantDDPStrategy", 8, node_size=8)          # None, warned: one node
     """
     from lightning_utilities.core.rank_zero import rank_zero_warn
 

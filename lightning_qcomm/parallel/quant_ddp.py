@@ -129,7 +129,13 @@ def resolve_hierarchy(
 ) -> tuple[QuantDDPConfig, Topology | None]:
     """(the config the hook runs with, its topology): ``config`` itself and its topology when hierarchical; made
     flat (``hierarchical=False``) when there is no hierarchy (warned once by ``hierarchical_topology``).
-    ValueError for a ``node_size`` that does not divide ``world_size``."""
+    ValueError for a ``node_size`` that does not divide ``world_size``.
+
+    Example::
+
+        config, topo = resolve_hierarchy(QuantDDPConfig(hierarchical=True), "QuantDDPStrategy", 4, devices_per_node=2)
+        topo.num_nodes, config.hierarchical        # 2, True
+    """
     if not config.hierarchical:
         return config, None
     topo = hierarchical_topology(owner, world_size, config.node_size, devices_per_node)
