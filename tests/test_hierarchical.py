@@ -3,7 +3,8 @@
 Checks: the intra/inter groups and the 2-D mesh; codec=None equals a flat fp32 all-reduce to fp32 rounding;
 8-bit results are identical on all ranks and within the two quantizations' bound; error feedback's
 telescoping identity; and the bytes each rank hands to torch.distributed for ranks on the other node match
-the formulas, 1/node_size of a flat compressed all-reduce's.
+the formulas, 1/node_size of a flat compressed all-reduce's. The same for the hierarchical 1-bit average
+(1-bit Adam's momentum): bit-identical to the exact node mean 1-bit-averaged over the inter group.
 """
 
 from __future__ import annotations
@@ -147,8 +148,61 @@ def check_inter_node_bytes(rank, groups):
     assert abs(ratio - 1 / topo.node_size) < 0.02, ratio
 
 
+def check_onebit_equals_reference(rank, groups):
+    """hierarchical_onebit_all_reduce = the exact node mean of this rank's shard, onebit_all_reduce'd over the inter
+    group with this rank's errors, all-gathered in the node: bit for bit, over two steps (errors carried)."""
+    from lightning_qcomm.comm import onebit_all_reduce, onebit_server_error_numel
+    from lightning_qcomm.comm.hierarchical import hierarchical_onebit_all_reduce
+
+    topo = groups.topology
+    c = shard_numel(D, NODE)
+    we, se = torch.zeros(c), torch.zeros(onebit_server_error_numel(c, groups.inter))
+    we_ref, se_ref = we.clone(), se.clone()
+    for step in range(2):
+        xs = _inputs(20 + step)
+        out = hierarchical_onebit_all_reduce(xs[rank].clone(), we, se, groups)
+        a, b = topo.intra_ranks(topo.node_of(rank))
+        mean = torch.zeros(NODE * c)
+        mean[:D] = (xs[a] + xs[b]) / NODE
+        local = topo.local_of(rank)
+        shard = mean[local * c : (local + 1) * c].clone()
+        onebit_all_reduce(shard, we_ref, se_ref, group=groups.inter)
+        ref = torch.empty(NODE * c)
+        dist.all_gather_into_tensor(ref, shard, group=groups.intra)
+        assert torch.equal(out, ref[:D]), float((out - ref[:D]).abs().max())
+        assert torch.equal(we, we_ref) and torch.equal(se, se_ref)
+    every = [torch.empty_like(out) for _ in range(WORLD)]
+    dist.all_gather(every, out)
+    assert all(torch.equal(every[0], o) for o in every), "ranks hold different results"
+
+
+def check_onebit_inter_node_bytes(rank, groups):
+    from lightning_qcomm.comm import onebit_all_reduce, onebit_pieces, onebit_server_error_numel
+    from lightning_qcomm.comm.hierarchical import hierarchical_onebit_all_reduce
+
+    topo = groups.topology
+    n_nodes, n = topo.num_nodes, topo.world_size
+    x = _inputs(4)[rank]
+    c = shard_numel(D, topo.node_size)
+    with _OffNodeBytes(topo) as hier:
+        hierarchical_onebit_all_reduce(
+            x.clone(), torch.zeros(c), torch.zeros(onebit_server_error_numel(c, groups.inter)), groups, check=False
+        )
+    with _OffNodeBytes(topo) as flat:
+        onebit_all_reduce(x.clone(), torch.zeros(D), torch.zeros(onebit_server_error_numel(D)), check=False)
+
+    sign = get_codec("sign1", bits=1, bucket_size=None)  # one scale per chunk: ceil(chunk / 8) + 4 bytes
+
+    def two_phase(numel, size, off_peers):  # per piece: one chunk to each off-node peer, twice
+        return sum(2 * off_peers * sign.nbytes(-(-ln // size)) for _, ln in onebit_pieces(numel, size))
+
+    assert hier.bytes == two_phase(c, n_nodes, n_nodes - 1), (hier.bytes, two_phase(c, n_nodes, n_nodes - 1))
+    assert flat.bytes == two_phase(D, n, n - topo.node_size), (flat.bytes, two_phase(D, n, n - topo.node_size))
+    assert abs(hier.bytes / flat.bytes - 1 / topo.node_size) < 0.02, hier.bytes / flat.bytes
+
+
 CHECKS = [check_topology, check_fp32_equals_flat, check_8bit_identical_and_bounded, check_error_feedback_identity,
-          check_inter_node_bytes]  # fmt: skip
+          check_inter_node_bytes, check_onebit_equals_reference, check_onebit_inter_node_bytes]  # fmt: skip
 
 
 def _worker(rank: int, port: int, outdir: str) -> None:

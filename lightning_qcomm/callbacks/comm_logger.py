@@ -18,7 +18,8 @@ What it owns:
   ``comm/bytes_sent``, ``comm/ddp_bytes`` (the DDP-fp32 baseline), ``comm/vs_ddp``, ``comm/baseline_bytes``
   and ``comm/ratio`` (same collective in fp32), ``comm/collectives`` (calls), and since training start
   ``comm/cum_bytes_sent``, ``comm/cum_ddp_bytes``, ``comm/cum_vs_ddp``, ``comm/cum_baseline_bytes``,
-  ``comm/cum_ratio``. With ``per_op``: ``comm/op/<op>/{bytes_sent,baseline_bytes,ratio,collectives}``
+  ``comm/cum_ratio``, ``comm/scope/<scope>/bytes_sent`` (scope ``intra`` / ``inter``: inside / between nodes,
+  recorded by the hierarchical collectives; ``flat``: a collective over the whole group). With ``per_op``: ``comm/op/<op>/{bytes_sent,baseline_bytes,ratio,collectives}``
   for each torch.distributed primitive and ``comm/tag/<tag>/...`` for each purpose (grads, weights,
   param_average, momentum, buffers, control). Under Local SGD also ``comm/syncs`` and ``comm/mean_h``
   (read from the strategy's ``num_syncs``); under 1-bit Adam ``comm/onebit_compressed`` (0 for a step of
@@ -28,7 +29,8 @@ What it owns:
   all-reduce of a small fp64 tensor (a plain ``torch.distributed`` call, not recorded in the ledger),
   printed on global rank 0 (``summary_table``, ``summary_doc``) and optionally written as JSON
   (``summary_file``): the vs-DDP headline for the training steps, Local SGD's syncs and mean H, 1-bit
-  Adam's phase, then the per-collective table.
+  Adam's phase, then the per-collective table, each row split into ``intra MB`` and ``inter MB``
+  (``callbacks.comm_report`` formats it).
 * **Resume.** The totals since training start (all traffic, training-step traffic, the DDP-fp32
   baseline, steps counted): each rank writes its own to its side file (``parallel.rank_files``) and restores
   it, so after a resume the header's step count, the summary and ``comm/cum_*`` continue; the checkpoint keeps
@@ -74,12 +76,14 @@ from lightning_qcomm.callbacks.comm_report import (
     ddp_fp32_step_bytes,
     diff_totals,
     format_summary,
+    local_sgd_info,
     metrics_from_totals,
+    onebit_info,
     overall,
     snapshot,
+    summary_notes,
     totals_from_rows,
     totals_to_rows,
-    vs_ddp_line,
     write_summary_json,
 )
 from lightning_qcomm.comm.ledger import CommLedger, ensure_ledger, get_ledger
@@ -109,29 +113,6 @@ def trainable_numel(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def local_sgd_info(strategy: Any, steps: int) -> dict[str, float] | None:
-    """Syncs and mean H of a strategy that exposes ``num_syncs`` (LocalSGDStrategy), else None."""
-    syncs = getattr(strategy, "num_syncs", None)
-    if not isinstance(syncs, int):
-        return None
-    forced = getattr(strategy, "num_forced_syncs", 0)
-    return {"syncs": syncs, "mean_h": steps / syncs if syncs else None, "forced_syncs": int(forced)}
-
-
-def onebit_info(optimizers: list) -> dict[str, Any] | None:
-    """Phase of an optimizer with ``frozen_at`` (OneBitAdam): warm-up until it is set, compressed after.
-
-    ``last_step_compressed``: the optimizer step just taken was a compressed one (``num_steps > frozen_at``;
-    the step at which the variance froze was still a warm-up step).
-    """
-    for opt in optimizers:
-        if hasattr(opt, "frozen_at") and hasattr(opt, "num_steps"):
-            frozen_at = opt.frozen_at
-            last = frozen_at is not None and opt.num_steps > frozen_at
-            return {"phase": "warm-up" if frozen_at is None else "compressed", "frozen_at": frozen_at, "last": last}
-    return None
-
-
 class CommVolumeLogger(pl.Callback):
     """Log communication volume from the ``CommLedger`` against DDP fp32, and print a summary at the end.
 
@@ -142,6 +123,10 @@ class CommVolumeLogger(pl.Callback):
         summary_file: if set, global rank 0 also writes the summary as JSON to this path.
         prog_bar: show ``comm/vs_ddp`` (this rank, this step; ``comm/ratio`` on one process) in the progress bar.
         count_ddp: attach the counting hook to plain DDP models (see module docstring).
+
+    Example::
+
+        trainer = Trainer(strategy=QuantDDPStrategy(codec="nuqsgd", bits=4), callbacks=[CommVolumeLogger()])
     """
 
     def __init__(
@@ -358,36 +343,10 @@ class CommVolumeLogger(pl.Callback):
         self.summary_totals = totals
         steps = trainer.global_step
         train_sent = overall(train).wire_bytes
-        doc: dict[str, Any] = {
-            "vs_ddp": {
-                "train_wire_bytes": train_sent,
-                "ddp_fp32_bytes": ddp_bytes,
-                "ratio": train_sent / ddp_bytes if ddp_bytes else None,
-                "trainable_params": self._numel,
-            }
-        }
-        notes = [vs_ddp_line(train_sent, ddp_bytes, self._numel)]
         outside = overall(totals).wire_bytes - train_sent
-        if outside > 0:
-            notes.append(f"outside training steps (sanity check, validation): {outside / 1e6:.3f} MB more")
-        sgd = local_sgd_info(trainer.strategy, self._steps)
-        if sgd is not None:
-            doc["local_sgd"] = sgd
-            mean_h = "no sync yet" if sgd["mean_h"] is None else f"mean H {sgd['mean_h']:.2f}"
-            notes.append(
-                f"Local SGD: {sgd['syncs']} parameter averages in {self._steps} optimizer steps ({mean_h}), "
-                f"{sgd['forced_syncs']} more before validation / checkpoint / end"
-            )
-        onebit = onebit_info(trainer.optimizers)
-        if onebit is not None:
-            doc["onebit_adam"] = {"phase": onebit["phase"], "frozen_at": onebit["frozen_at"]}
-            k = onebit["frozen_at"]
-            notes.append(
-                f"1-bit Adam: still in the fp32 AdamW warm-up after {steps} optimizer steps"
-                if k is None
-                else f"1-bit Adam: warm-up (fp32 AdamW) for the first {k} optimizer steps, compressed since "
-                f"(1-bit momentum for {steps - k} steps)"
-            )
+        doc, notes = summary_notes(
+            trainer.strategy, trainer.optimizers, steps, self._steps, train_sent, ddp_bytes, self._numel, outside
+        )
         self.summary_doc = doc
         extra = {
             k: float(v) for k, v in trainer.callback_metrics.items() if ("loss" in k or "acc" in k) and v.numel() == 1

@@ -11,6 +11,15 @@ parameters once per optimizer step (what ``strategy="ddp"`` does), counted from 
 same collective uncompressed (an all-gather with an fp32 all-gather), which says how well a codec
 compresses but not what a method saves against DDP (QSDP gathers weights twice per step; Local SGD
 sends fp32 but rarely).
+
+Scopes (``comm.ledger.scope_of``): the hierarchical collectives tag their traffic ``<purpose>@intra`` (inside a
+node) or ``<purpose>@inter`` (between nodes). Grouping by tag sums a purpose's scopes; the table's ``intra MB``
+and ``inter MB`` columns split each row by scope, and a flat collective (no suffix) is in neither column
+(``sent MB`` minus the two): it runs over the whole group, across the nodes' links too when the world spans
+several nodes. The same split is logged as ``comm/scope/<scope>/...`` and written as ``by_scope``.
+
+Also here: what the summary says about the method (``summary_notes``: the vs-DDP headline, Local SGD's syncs,
+1-bit Adam's phase), read duck-typed from the strategy and optimizers.
 """
 
 from __future__ import annotations
@@ -20,11 +29,12 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.comm.ledger import OpTotals, wire_factor
+from lightning_qcomm.comm.ledger import OpTotals, purpose_of, scope_of, wire_factor
 
 Totals = dict[tuple[str, str], OpTotals]
 FP32_BYTES = 4
@@ -72,10 +82,24 @@ def snapshot(totals: Totals) -> Totals:
 
 
 def group_totals(totals: Totals, by: str) -> dict[str, OpTotals]:
-    """Group by ``op`` or ``tag`` (untagged traffic is listed under ``untagged``), or everything as ``all``."""
+    """Group by ``op``, ``tag`` (the purpose, scopes summed; untagged traffic is listed under ``untagged``),
+    ``scope`` (intra, inter, flat), or everything as ``all``."""
     out: dict[str, OpTotals] = defaultdict(OpTotals)
     for (op, tag), t in totals.items():
-        out[{"op": op, "tag": tag or "untagged", "all": "all"}[by]].add(t)
+        key = {"op": op, "tag": purpose_of(tag) or "untagged", "scope": scope_of(tag), "all": "all"}[by]
+        out[key].add(t)
+    return dict(out)
+
+
+def scope_split(totals: Totals, by: str) -> dict[str, dict[str, float]]:
+    """Per ``by`` group (as ``group_totals``): wire bytes of each scope, ``{name: {"intra": b, "inter": b}}``."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"intra": 0.0, "inter": 0.0})
+    for (op, tag), t in totals.items():
+        name = {"op": op, "tag": purpose_of(tag) or "untagged", "scope": scope_of(tag), "all": "all"}[by]
+        scope = scope_of(tag)
+        out[name]  # a flat-only group still gets its (zero) entry
+        if scope != "flat":
+            out[name][scope] += t.wire_bytes
     return dict(out)
 
 
@@ -122,6 +146,8 @@ def metrics_from_totals(
     if ddp_cum_bytes:
         m["comm/cum_ddp_bytes"] = ddp_cum_bytes
         m["comm/cum_vs_ddp"] = c.wire_bytes / ddp_cum_bytes
+    for scope, t in sorted(group_totals(step, "scope").items()):
+        m[f"comm/scope/{scope}/bytes_sent"] = t.wire_bytes
     if per_op:
         for by in ("op", "tag"):
             for name, t in sorted(group_totals(step, by).items()):
@@ -153,28 +179,36 @@ def format_summary(
 
     ``notes`` (the vs-DDP headline, Local SGD's syncs, 1-bit Adam's phase) are printed above the table.
     """
-    header = f"{'group':<6} {'name':<16} {'calls':>8} {'sent MB':>12} {'fp32 MB':>12} {'ratio':>7} {'saving':>8}"
+    header = (
+        f"{'group':<6} {'name':<16} {'calls':>8} {'sent MB':>12} {'intra MB':>10} {'inter MB':>10} {'fp32 MB':>12} "
+        f"{'ratio':>7} {'saving':>8}"
+    )
     lines = [
         f"lightning_qcomm communication summary: {world_size} rank(s), {steps} optimizer steps, "
         "bytes summed over ranks (wire estimate)",
         *notes,
-        "per collective, against the same collective uncompressed in fp32 (all traffic since training start):",
+        "per collective, against the same collective uncompressed in fp32 (all traffic since training start); "
+        "intra / inter: inside / between nodes (hierarchical collectives; flat ones are in neither):",
         header,
         "-" * len(header),
     ]
 
-    def row(group: str, name: str, t: OpTotals) -> str:
+    def row(group: str, name: str, t: OpTotals, split: dict[str, float]) -> str:
         if t.baseline_bytes == 0 and t.wire_bytes > 0:  # pure overhead (e.g. a metadata check): no ratio
             ratio, saving = "-", "-"
         else:
             ratio, saving = f"{t.ratio:.3f}", (f"{1 / t.ratio:.1f}x" if t.ratio > 0 else "inf")
-        return f"{group:<6} {name:<16} {t.calls:>8d} {t.wire_bytes / MB:>12.3f} {t.baseline_bytes / MB:>12.3f} {ratio:>7} {saving:>8}"
+        return (
+            f"{group:<6} {name:<16} {t.calls:>8d} {t.wire_bytes / MB:>12.3f} {split['intra'] / MB:>10.3f} "
+            f"{split['inter'] / MB:>10.3f} {t.baseline_bytes / MB:>12.3f} {ratio:>7} {saving:>8}"
+        )
 
     for by in ("op", "tag"):
+        splits = scope_split(totals, by)
         for name, t in sorted(group_totals(totals, by).items()):
-            lines.append(row(by, name, t))
+            lines.append(row(by, name, t, splits[name]))
     lines.append("-" * len(header))
-    lines.append(row("total", "", overall(totals)))
+    lines.append(row("total", "", overall(totals), scope_split(totals, "all").get("all", {"intra": 0.0, "inter": 0.0})))
     if not totals:
         lines.append("(no collective was recorded)")
     for name, value in sorted((extra or {}).items()):
@@ -212,7 +246,7 @@ def _as_numbers(t: OpTotals) -> list[float]:
 def write_summary_json(
     path: str, totals: Totals, world_size: int, steps: int, extra: dict[str, float], headline: dict | None = None
 ) -> None:
-    """JSON with ``total``, ``by_op``, ``by_tag`` (each calls/payload_bytes/wire_bytes/baseline_bytes/ratio),
+    """JSON with ``total``, ``by_op``, ``by_tag``, ``by_scope`` (each calls/payload_bytes/wire_bytes/baseline_bytes/ratio),
     the headline ``vs_ddp`` block and any method notes given in ``headline``, and the final ``metrics``."""
 
     def as_dict(t: OpTotals) -> dict[str, float]:
@@ -230,8 +264,77 @@ def write_summary_json(
         "total": as_dict(overall(totals)),
         "by_op": {k: as_dict(v) for k, v in sorted(group_totals(totals, "op").items())},
         "by_tag": {k: as_dict(v) for k, v in sorted(group_totals(totals, "tag").items())},
+        "by_scope": {k: as_dict(v) for k, v in sorted(group_totals(totals, "scope").items())},
         "metrics": {k: v for k, v in extra.items() if math.isfinite(v)},
         **(headline or {}),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=2, sort_keys=True))
+
+
+# ------------------------------------------------------------------------------------------- method notes
+def local_sgd_info(strategy: Any, steps: int) -> dict[str, float] | None:
+    """Syncs and mean H of a strategy that exposes ``num_syncs`` (LocalSGDStrategy), else None."""
+    syncs = getattr(strategy, "num_syncs", None)
+    if not isinstance(syncs, int):
+        return None
+    forced = getattr(strategy, "num_forced_syncs", 0)
+    return {"syncs": syncs, "mean_h": steps / syncs if syncs else None, "forced_syncs": int(forced)}
+
+
+def onebit_info(optimizers: list) -> dict[str, Any] | None:
+    """Phase of an optimizer with ``frozen_at`` (OneBitAdam): warm-up until it is set, compressed after.
+
+    ``last``: the optimizer step just taken was a compressed one (``num_steps > frozen_at``; the step at which
+    the variance froze was still a warm-up step).
+    """
+    for opt in optimizers:
+        if hasattr(opt, "frozen_at") and hasattr(opt, "num_steps"):
+            frozen_at = opt.frozen_at
+            last = frozen_at is not None and opt.num_steps > frozen_at
+            return {"phase": "warm-up" if frozen_at is None else "compressed", "frozen_at": frozen_at, "last": last}
+    return None
+
+
+def summary_notes(
+    strategy: Any,
+    optimizers: list,
+    steps: int,
+    steps_counted: int,
+    train_sent: float,
+    ddp_bytes: float,
+    trainable: int,
+    outside: float,
+) -> tuple[dict[str, Any], list[str]]:
+    """(the summary's headline document, the lines printed above the table): vs DDP fp32, traffic outside
+    training steps, Local SGD's syncs and 1-bit Adam's phase (``steps``: the trainer's global step)."""
+    doc: dict[str, Any] = {
+        "vs_ddp": {
+            "train_wire_bytes": train_sent,
+            "ddp_fp32_bytes": ddp_bytes,
+            "ratio": train_sent / ddp_bytes if ddp_bytes else None,
+            "trainable_params": trainable,
+        }
+    }
+    notes = [vs_ddp_line(train_sent, ddp_bytes, trainable)]
+    if outside > 0:
+        notes.append(f"outside training steps (sanity check, validation): {outside / 1e6:.3f} MB more")
+    sgd = local_sgd_info(strategy, steps_counted)
+    if sgd is not None:
+        doc["local_sgd"] = sgd
+        mean_h = "no sync yet" if sgd["mean_h"] is None else f"mean H {sgd['mean_h']:.2f}"
+        notes.append(
+            f"Local SGD: {sgd['syncs']} parameter averages in {steps_counted} optimizer steps ({mean_h}), "
+            f"{sgd['forced_syncs']} more before validation / checkpoint / end"
+        )
+    onebit = onebit_info(optimizers)
+    if onebit is not None:
+        doc["onebit_adam"] = {"phase": onebit["phase"], "frozen_at": onebit["frozen_at"]}
+        k = onebit["frozen_at"]
+        notes.append(
+            f"1-bit Adam: still in the fp32 AdamW warm-up after {steps} optimizer steps"
+            if k is None
+            else f"1-bit Adam: warm-up (fp32 AdamW) for the first {k} optimizer steps, compressed since "
+            f"(1-bit momentum for {steps - k} steps)"
+        )
+    return doc, notes

@@ -33,6 +33,13 @@ What it does (the math is ``optim.OneBitAdam``, the compressed momentum average 
   optimizer state. With another world size the buffers restart at zero (logged). A checkpoint loaded by
   ``validate``/``test``/``predict`` is ignored, and each ``fit`` starts without a previous one's loaded buffers.
 
+* **Hierarchical** (``hierarchical=True``, docs/design.md "Topology"): the compressed momentum average only
+  across nodes, exact (fp32) inside a node; ranks per node are Lightning's devices per node unless ``node_size``
+  is given (it must divide the world: ValueError at setup); the groups are made once, at the first setup, with
+  the strategy's timeout. One node or one rank per node: flat, warned once. The warm-up is unchanged. The
+  checkpoint entry records the topology; resuming on another one (2 x 2 -> 4 x 1, or another world size)
+  restarts the error buffers at zero, warned once (the optimizer state is kept).
+
 Requirements (ValueError at setup otherwise): automatic optimization (with ``automatic_optimization =
 False`` Lightning switches DDP's gradient sync back on after every forward); exactly one optimizer; a
 DDP-wrapped model when more than one process trains (not FSDP/QSDP/LocalSGD); no fp16 ``GradScaler``
@@ -55,8 +62,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_qcomm._checks import check_bool, check_int
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.onebit import OneBitGradHookState
+from lightning_qcomm.comm.topology import NodeGroups, Topology, hierarchical_topology, node_groups
 from lightning_qcomm.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
 from lightning_qcomm.parallel import rank_files
 from lightning_qcomm.parallel.onebit_adam import OneBitAdamDDP
@@ -83,6 +92,12 @@ class OneBitAdamCallback(pl.Callback):
         bucket_mb: size of one flat fused momentum bucket in MiB of fp32 (> 0; default 32).
         nonfinite: a step with a NaN/Inf gradient on any rank: "skip" (default; on every rank, logged and
             counted), "raise" (FloatingPointError) or "propagate".
+        hierarchical: 1-bit momentum only across nodes, exact inside a node (see the module doc).
+        node_size: ranks per node for ``hierarchical`` (None: Lightning's devices per node).
+
+    Example::
+
+        Trainer(num_nodes=2, devices=8, strategy="ddp", callbacks=[OneBitAdamCallback(freeze_step=100, hierarchical=True)])
     """
 
     def __init__(
@@ -93,7 +108,16 @@ class OneBitAdamCallback(pl.Callback):
         auto_freeze_patience: int | None = None,
         bucket_mb: float | None = None,
         nonfinite: str | None = None,
+        hierarchical: bool = False,
+        node_size: int | None = None,
     ) -> None:
+        self.hierarchical = check_bool("OneBitAdamCallback", "hierarchical", hierarchical)
+        self.node_size = check_int("OneBitAdamCallback", "node_size", node_size, minimum=1, optional=True)
+        if node_size is not None and not hierarchical:
+            rank_zero_warn(
+                f"OneBitAdamCallback(node_size={node_size}, hierarchical=False): node_size has no effect without "
+                "hierarchical=True"
+            )
         given = dict(
             freeze_step=freeze_step,
             auto_freeze_threshold=auto_freeze_threshold,
@@ -111,6 +135,8 @@ class OneBitAdamCallback(pl.Callback):
         self.hook_state: OneBitGradHookState | None = None
         self._ddp: OneBitAdamDDP | None = None
         self._loaded: dict | None = None
+        self._topology: Topology | None = None  # resolved at setup; None: flat
+        self._node_groups: NodeGroups | None = None  # made once (collective), reused by later fits
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -131,11 +157,21 @@ class OneBitAdamCallback(pl.Callback):
             )
         # every rank must run the callback with the same schedule (one without it would wait in DDP's all-reduce
         # while the others send 1-bit momenta)
+        self._topology = None
+        if self.hierarchical:
+            per_node = getattr(trainer.strategy, "num_processes", None)
+            self._topology = hierarchical_topology("OneBitAdamCallback", trainer.world_size, self.node_size, per_node)
+        resolved = None if self._topology is None else self._topology.node_size
+        timeout = getattr(trainer.strategy, "_timeout", None)
         check_same_config(
             "OneBitAdamCallback",
-            dataclasses.asdict(self.config),
-            timeout=presence_timeout(getattr(trainer.strategy, "_timeout", None)),
+            {**dataclasses.asdict(self.config), "hierarchical": self.hierarchical, "resolved_node_size": resolved},
+            timeout=presence_timeout(timeout),
         )
+        if self._topology is not None and (self._node_groups is None or self._node_groups.topology != self._topology):
+            self._node_groups = node_groups(
+                self._topology, timeout=timeout, device_type=trainer.strategy.root_device.type
+            )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -152,7 +188,8 @@ class OneBitAdamCallback(pl.Callback):
         self.optimizer = opt
         model = strategy.model
         if isinstance(model, DistributedDataParallel):
-            self._ddp = OneBitAdamDDP(model, opt, register_hooks=False)  # switched from on_train_batch_start
+            groups = self._node_groups if self._topology is not None else None
+            self._ddp = OneBitAdamDDP(model, opt, register_hooks=False, node_groups=groups)  # switched per batch
             self.hook_state = self._ddp.hook_state
             if self._ddp.existing_hook:
                 rank_zero_info(
@@ -237,10 +274,17 @@ class OneBitAdamCallback(pl.Callback):
         # after Lightning restored the optimizer state: apply this rank's error buffers
         if self._loaded is not None and self.optimizer is not None:
             saved, self._loaded = self._loaded, None
-            if saved["world_size"] == trainer.world_size:
+            topology = self._topology_entry()
+            if saved["world_size"] == trainer.world_size and saved.get("topology") == topology:
                 per_rank = saved.get("per_rank")  # a checkpoint of an earlier version: every rank's in one file
                 own = saved["own"] if per_rank is None else per_rank[trainer.global_rank]
                 self.optimizer.load_rank_state_dict(own)
+            elif saved["world_size"] == trainer.world_size:
+                rank_zero_warn(
+                    f"OneBitAdamCallback: the checkpoint's 1-bit error buffers belong to the topology "
+                    f"{saved.get('topology') or 'flat'}, now {topology or 'flat'} ([nodes, ranks per node]); "
+                    "they restart at zero"
+                )
             else:
                 rank_zero_warn(
                     f"OneBitAdamCallback: the checkpoint's 1-bit error buffers were written by {saved['world_size']} "
@@ -255,8 +299,13 @@ class OneBitAdamCallback(pl.Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if self.optimizer is None:
             return
-        checkpoint[CHECKPOINT_KEY] = {"world_size": trainer.world_size}
+        checkpoint[CHECKPOINT_KEY] = {"world_size": trainer.world_size, "topology": self._topology_entry()}
         rank_files.stash(checkpoint, CHECKPOINT_KEY, self.optimizer.rank_state_dict())  # this rank's own
+
+    def _topology_entry(self) -> list[int] | None:
+        """[num_nodes, node_size] the error buffers belong to; None when flat."""
+        t = self._topology
+        return None if t is None else [t.num_nodes, t.node_size]
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if trainer.state.fn != TrainerFn.FITTING:  # validate/test/predict(ckpt_path=...): no optimizer to feed

@@ -48,6 +48,12 @@ class QuantDDPConfig:
             its own, so it overlaps the rest of the backward pass; bit-identical to inline. CUDA runs inline.
         nonfinite: a step with a NaN/Inf gradient is ``"skip"``-ped (the averaged gradients are the same on every
             rank, so every rank decides alike), ``"raise"``-s FloatingPointError, or ``"propagate"``-s.
+        hierarchical: reduce each bucket exactly (fp32) inside a node and compress only across nodes
+            (``comm.hierarchical``: intra reduce-scatter, compressed all-reduce of 1/node_size of the bucket
+            across nodes, intra all-gather); error feedback then keeps this rank's residual of its shard. On one
+            node, or one rank per node, the flat all-reduce runs (warned once). docs/design.md, "Topology".
+        node_size: ranks per node for ``hierarchical``; None takes the launcher's (Lightning's devices per node,
+            torchrun's ``LOCAL_WORLD_SIZE``). Must divide the world size (checked at setup).
 
     Example::
 
@@ -63,6 +69,8 @@ class QuantDDPConfig:
     seed: int = 0
     overlap_comm: bool = True
     nonfinite: str = "skip"
+    hierarchical: bool = False
+    node_size: int | None = None
 
     def __post_init__(self) -> None:
         own = type(self).__name__
@@ -81,6 +89,8 @@ class QuantDDPConfig:
         check_int(own, "seed", self.seed, minimum=0)
         check_bool(own, "overlap_comm", self.overlap_comm)
         check_policy(own, self.nonfinite)
+        check_bool(own, "hierarchical", self.hierarchical)
+        check_int(own, "node_size", self.node_size, minimum=1, optional=True)
         try:
             self.build_codec()
         except (ValueError, TypeError) as err:
@@ -96,7 +106,13 @@ class QuantDDPConfig:
 
 
 def warn_if_not_contractive(config: QuantDDPConfig, owner: str) -> None:
-    """Warn (once per call, rank 0) when ``config`` asks for error feedback with a codec that is not contractive."""
+    """Warn (once per call, rank 0) when ``config`` asks for error feedback with a codec that is not contractive,
+    or sets ``node_size`` without ``hierarchical`` (it has no effect then)."""
+    if config.node_size is not None and not config.hierarchical:
+        rank_zero_warn(
+            f"{owner}(node_size={config.node_size}, hierarchical=False): node_size has no effect without "
+            "hierarchical=True"
+        )
     codec = config.build_codec()
     if not config.error_feedback or codec is None:
         return

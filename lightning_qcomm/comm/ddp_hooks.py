@@ -46,6 +46,12 @@ The canonical, checkpointed form is per parameter name (``ef_state_dict``), inde
 The members of each bucket are saved too: DDP starts a resumed run on its initial buckets, and until they
 are the saved ones again the hook reduces by the saved layout (``ddp_relayout.LayoutReplay``), so a
 resumed run is bit-identical to an uninterrupted one whatever DDP's rebuild does.
+Hierarchical (``node_groups`` given, docs/design.md "Topology"): every all-reduce above becomes
+``comm.hierarchical.hierarchical_all_reduce`` -- fp32 reduce-scatter inside the node, the codec's all-reduce of
+1/L of the bucket across nodes, fp32 all-gather inside the node -- on the bucket's quantized elements laid out
+by ``ParamShards`` (each rank's shard holds the l-th ceil(n/L)-element piece of every parameter). The
+error-feedback residual is this rank's residual of its shard, kept per parameter name with ceil(n/L) elements,
+so DDP's re-bucketing and checkpoints work as in the flat case.
 A non-finite gradient stays non-finite through the hook (so GradScaler skips the step), and the
 collective keeps the previous residual wherever the new one is non-finite, so it cannot poison later steps.
 """
@@ -62,8 +68,10 @@ from lightning_qcomm.codecs import derive_seed
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket
+from lightning_qcomm.comm.hierarchical import ParamShards, hierarchical_all_reduce, shard_numel
 from lightning_qcomm.comm.quantized import quantized_all_reduce
 from lightning_qcomm.comm.side_stream import SideStream
+from lightning_qcomm.comm.topology import NodeGroups
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +87,12 @@ class _BucketPlan:
     big_numel: int
     members: tuple[str, ...] = ()  # every parameter of the bucket, in DDP's bucket order
     checked: set[bool] = field(default_factory=set)  # modes (compressed or not) already cross-rank checked
+    shards: ParamShards | None = None  # hierarchical: the quantized elements' shard layout
+
+    @property
+    def ef_numels(self) -> tuple[int, ...]:
+        """Residual elements per quantized parameter on this rank (its shard's piece when hierarchical)."""
+        return self.big_numels if self.shards is None else self.shards.chunks
 
 
 class QuantDDPHookState:
@@ -93,6 +107,8 @@ class QuantDDPHookState:
         worker: run CPU buckets' collectives on this background thread (overlap with backward).
         loss_scale: returns the loss scale the current gradients carry (a tensor, e.g. a GradScaler's
             scale), or None when they are unscaled; read once per bucket on the autograd thread.
+        node_groups: reduce hierarchically over these intra-/inter-node groups (``comm.topology.node_groups``
+            over the default group, which must be DDP's); None: flat over ``process_group``.
     """
 
     def __init__(
@@ -102,8 +118,10 @@ class QuantDDPHookState:
         process_group: dist.ProcessGroup | None = None,
         worker: CommWorker | None = None,
         loss_scale: Callable[[], torch.Tensor | None] | None = None,
+        node_groups: NodeGroups | None = None,
     ) -> None:
         self.config = config
+        self.node_groups = node_groups
         self.loss_scale = loss_scale
         self.codec = config.build_codec()
         self.process_group = process_group
@@ -112,6 +130,8 @@ class QuantDDPHookState:
         self._names = {id(p): n for p, n in param_names.items()}
         self._params_by_name = {n: p for p, n in param_names.items()}
         self._numel_by_name = {n: p.numel() for p, n in param_names.items()}
+        node = 1 if node_groups is None else node_groups.topology.node_size
+        self._ef_numel_by_name = {n: shard_numel(k, node) if node_groups else k for n, k in self._numel_by_name.items()}
         # Canonical order of quantized elements: reverse definition order (what DDP's rebuilt buckets
         # usually are, so the common case needs no copy). See "Canonical order" in the module doc.
         self._canonical = {id(p): -i for i, p in enumerate(param_names)}
@@ -162,6 +182,8 @@ class QuantDDPHookState:
             numels = tuple(self._numel_by_name[n] for n in names)
             members = tuple(self._names[id(p)] for p in params)
             plan = _BucketPlan(big, small, names, numels, sum(numels), members)
+            if self.node_groups is not None:
+                plan.shards = ParamShards(numels, self.node_groups.topology.node_size)
             self._plans[key] = plan
         return plan
 
@@ -169,7 +191,7 @@ class QuantDDPHookState:
     def _explode(self) -> None:
         """Move every bucket's residual into per-parameter pieces (``_pending``)."""
         for names, buf in self._ef.values():
-            numels = [self._numel_by_name[n] for n in names]
+            numels = [self._ef_numel_by_name[n] for n in names]
             for name, piece in zip(names, torch.split(buf, numels)):
                 self._pending[name] = piece.clone()
         self._ef.clear()
@@ -184,7 +206,7 @@ class QuantDDPHookState:
             log.debug("quant_ddp: bucket %d layout changed; re-assembling error-feedback buffers", bucket_index)
             self._explode()
         pieces = []
-        for name, n in zip(plan.big_names, plan.big_numels):
+        for name, n in zip(plan.big_names, plan.ef_numels):
             piece = self._pending.pop(name, None)
             if piece is None or piece.numel() != n:
                 if piece is not None:
@@ -204,7 +226,7 @@ class QuantDDPHookState:
         """This rank's residuals per parameter name (CPU fp32), independent of DDP's bucketing."""
         out = {name: t.detach().to("cpu", torch.float32).clone() for name, t in self._pending.items()}
         for names, buf in self._ef.values():
-            numels = [self._numel_by_name[n] for n in names]
+            numels = [self._ef_numel_by_name[n] for n in names]
             for name, piece in zip(names, torch.split(buf, numels)):
                 out[name] = piece.detach().to("cpu", torch.float32).clone()
         return out
@@ -223,12 +245,18 @@ class QuantDDPHookState:
         return [self._members[i] for i in range(len(self._members))]
 
     def state_dict(self) -> dict:
-        """Everything this rank needs to continue: step counter, residuals and DDP's bucket layout."""
+        """Everything this rank needs to continue: step counter, residuals, DDP's bucket layout, the topology."""
         return {
             "step": self.step,
             "error_feedback": self.ef_state_dict() if self.config.error_feedback else {},
             "bucket_layout": [list(m) for m in self.bucket_layout()],
+            "topology": self.topology(),
         }
+
+    def topology(self) -> list[int] | None:
+        """[num_nodes, node_size] of the hierarchical reduction the residuals belong to; None when flat."""
+        t = None if self.node_groups is None else self.node_groups.topology
+        return None if t is None else [t.num_nodes, t.node_size]
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
@@ -289,20 +317,33 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
     if bucket.is_last():
         state.advance_round()
 
+    groups = state.node_groups
+
+    def plain_average(t: torch.Tensor) -> None:
+        if groups is None:
+            quantized_all_reduce(t, None, group=group, op="avg", tag="grads", check=check)
+        else:
+            hierarchical_all_reduce(t, None, groups, op="avg", tag="grads", check=check)
+
     def job() -> torch.Tensor:
         if not compress:
-            quantized_all_reduce(buf, None, group=group, op="avg", tag="grads", check=check)
+            plain_average(buf)
             return buf
         if plan.small:
             plain = _gather(buf, plan.small)
-            quantized_all_reduce(plain, None, group=group, op="avg", tag="grads", check=check)
+            plain_average(plain)
             _scatter(buf, plan.small, plain)
         big = _gather(buf, plan.big)
         if scale is not None:
             ef.mul_(scale)  # into the gradients' (scaled) units for the collective ...
-        quantized_all_reduce(
-            big, state.codec, group=group, op="avg", error_feedback=ef, seed=seed, tag="grads", check=check
-        )
+        if plan.shards is None:
+            quantized_all_reduce(
+                big, state.codec, group=group, op="avg", error_feedback=ef, seed=seed, tag="grads", check=check
+            )
+        else:
+            rows = plan.shards.to_rows(big)
+            hierarchical_all_reduce(rows, state.codec, groups, "avg", ef, seed, tag="grads", check=check)
+            plan.shards.from_rows(rows, big)
         if scale is not None:
             ef.div_(scale)  # ... and back: the residual outlives this step's scale
         _scatter(buf, plan.big, big)

@@ -3,7 +3,12 @@
 Each record carries, for this rank:
 
 * ``op``: the torch.distributed primitive (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast),
-* ``tag``: what the traffic is for (grads, weights, param_average, momentum, control, ...),
+* ``tag``: what the traffic is for (grads, weights, param_average, momentum, control, ...), optionally with
+  the link it crosses as a suffix: ``"grads@intra"`` (inside a node), ``"grads@inter"`` (between nodes; the
+  hierarchical collectives of ``comm.hierarchical`` record these). ``scope_of(tag)`` reads it back; a tag
+  without a suffix is scope ``"flat"``: a collective over the whole group, which the ledger cannot split (its
+  traffic crosses the nodes' links too when the world spans several nodes: counted as neither intra nor inter,
+  docs/design.md "Byte accounting"). ``purpose_of(tag)`` is the tag without the suffix,
 * ``payload_bytes``: bytes of the input tensors this rank handed to torch.distributed,
 * ``wire_bytes``: estimated bytes this rank sends, ``factor(op, N) * collective_bytes`` with the
   usual ring/pairwise factors: all_reduce 2(N-1)/N; all_gather, reduce_scatter, all_to_all and
@@ -22,6 +27,23 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+SCOPES = ("intra", "inter", "flat")
+
+
+def scope_of(tag: str) -> str:
+    """``"intra"`` / ``"inter"`` for a tag ending in ``@intra`` / ``@inter``, else ``"flat"``.
+
+    Example::
+
+        scope_of("grads@inter"), scope_of("grads")   # ("inter", "flat")
+    """
+    head, sep, tail = tag.rpartition("@")
+    return tail if sep and tail in ("intra", "inter") else "flat"
+
+
+def purpose_of(tag: str) -> str:
+    """The tag without its scope suffix (``"grads@inter"`` -> ``"grads"``)."""
+    return tag.rpartition("@")[0] if scope_of(tag) != "flat" else tag
 
 
 def wire_factor(op: str, world_size: int) -> float:
@@ -72,6 +94,12 @@ class CommLedger:
 
     ``keep_records`` retains every ``CommRecord`` of the current step (tests and debugging); totals
     are always kept per (op, tag) for the current step and cumulatively.
+
+    Example::
+
+        ledger = ensure_ledger()
+        quantized_all_reduce(grad, get_codec("uniform", bits=8))
+        ledger.summarize(ledger.next_step(), by="tag")   # {"grads": OpTotals(calls=1, wire_bytes=..., ...)}
     """
 
     keep_records: bool = False
@@ -132,12 +160,13 @@ class CommLedger:
 
     @staticmethod
     def summarize(totals: dict[tuple[str, str], OpTotals], by: str = "all") -> dict[str, OpTotals]:
-        """Group totals by ``"op"``, ``"tag"`` or into one ``"all"`` entry."""
-        if by not in ("op", "tag", "all"):
-            raise ValueError(f"by must be 'op', 'tag' or 'all', got {by!r}")
+        """Group totals by ``"op"``, ``"tag"`` (the purpose: scopes of one tag summed), ``"scope"`` (``SCOPES``)
+        or into one ``"all"`` entry."""
+        if by not in ("op", "tag", "scope", "all"):
+            raise ValueError(f"by must be 'op', 'tag', 'scope' or 'all', got {by!r}")
         out: dict[str, OpTotals] = defaultdict(OpTotals)
         for (op, tag), t in totals.items():
-            key = {"op": op, "tag": tag or op, "all": "all"}[by]
+            key = {"op": op, "tag": purpose_of(tag) or op, "scope": scope_of(tag), "all": "all"}[by]
             out[key].add(t)
         return dict(out)
 
@@ -164,12 +193,22 @@ _active: CommLedger = _NULL
 
 
 def get_ledger() -> CommLedger:
-    """The process-wide ledger collectives record into (a ``NullLedger`` unless one was set)."""
+    """The process-wide ledger collectives record into (a ``NullLedger`` unless one was set).
+
+    Example::
+
+        get_ledger().cumulative   # {(op, tag): OpTotals} since the ledger was installed
+    """
     return _active
 
 
 def set_ledger(ledger: CommLedger | None) -> CommLedger:
-    """Install ``ledger`` (None restores the null ledger); returns the previous one."""
+    """Install ``ledger`` (None restores the null ledger); returns the previous one.
+
+    Example::
+
+        previous = set_ledger(CommLedger(keep_records=True))
+    """
     global _active
     prev = _active
     _active = _NULL if ledger is None else ledger
@@ -177,7 +216,12 @@ def set_ledger(ledger: CommLedger | None) -> CommLedger:
 
 
 def ensure_ledger() -> CommLedger:
-    """The active ledger, installing a fresh ``CommLedger`` if only the null one is active."""
+    """The active ledger, installing a fresh ``CommLedger`` if only the null one is active.
+
+    Example::
+
+        ledger = ensure_ledger(); ledger.next_step()   # one optimizer step's totals by (op, tag)
+    """
     if not get_ledger().enabled:
         set_ledger(CommLedger())
     return get_ledger()

@@ -17,8 +17,13 @@ This file owns the collectives 1-bit Adam issues and knows nothing of Lightning 
   fp32 ring all-reduce of the d momentum elements. Memory: e_w (d fp32), e_s (ceil(d_b/N) fp32 per
   bucket) and one temporary flat bucket.
 
+  Hierarchical (``process_group`` a ``comm.topology.NodeGroups``, docs/design.md "Topology"): each bucket goes
+  through ``comm.hierarchical.hierarchical_onebit_all_reduce`` instead -- exact fp32 mean inside the node, the
+  1-bit average of this rank's 1/L shard across the M nodes, all-gather inside the node -- so e_w holds
+  ceil(d_b/L) and e_s ceil(ceil(d_b/L)/M) elements per bucket, and 1/L of the 1-bit bytes leave each rank's node.
+
   ``rank_state_dict`` / ``load_rank_state_dict`` hold the error buffers, which differ per rank and
-  must be saved per rank; a saved state only loads into the same layout and world size (else
+  must be saved per rank; a saved state only loads into the same layout, world size and topology (else
   ``ValueError``; the caller decides to reset). ``sync_(tensors, read_only=...)`` lets a tensor take
   part without being overwritten (a parameter that is not trained: its slot keeps the bucket layout).
 
@@ -42,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.comm.buckets import bucket_layout
+from lightning_qcomm.comm.hierarchical import hierarchical_onebit_all_reduce, shard_numel
 from lightning_qcomm.comm.ledger import get_ledger
 from lightning_qcomm.comm.quantized import quantized_all_reduce
 from lightning_qcomm.comm.side_stream import SideStream
@@ -50,6 +56,7 @@ from lightning_qcomm.comm.sign_collective import (
     onebit_all_reduce,
     onebit_server_error_numel,
 )
+from lightning_qcomm.comm.topology import NodeGroups
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +68,7 @@ class OneBitMomentumSync:
         numels: element counts of the tensors, in the order ``sync_`` will receive them.
         bucket_numel: maximum elements per flat bucket (>= 1).
         process_group: the group to average over (None: the default group, or a world of one when
-            torch.distributed is not initialised).
+            torch.distributed is not initialised); a ``NodeGroups``: hierarchically over the default group.
         tag: ledger tag of the collectives.
         piece_numel: ``onebit_all_reduce``'s pipelining piece (elements per rank). It decides where each
             server-error element belongs, so it is part of the saved layout.
@@ -71,7 +78,7 @@ class OneBitMomentumSync:
         self,
         numels: list[int],
         bucket_numel: int,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | NodeGroups | None = None,
         tag: str = "momentum",
         piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL,
     ) -> None:
@@ -88,17 +95,31 @@ class OneBitMomentumSync:
         self._checked = [False] * len(self.buckets)
 
     def world_size(self) -> int:
+        if isinstance(self.process_group, NodeGroups):
+            return self.process_group.topology.world_size
         if not (dist.is_available() and dist.is_initialized()):
             return 1
         return dist.get_world_size(self.process_group)
 
+    def topology(self) -> list[int] | None:
+        """[num_nodes, node_size] when hierarchical (the error buffers are this rank's shard's), else None."""
+        if not isinstance(self.process_group, NodeGroups):
+            return None
+        return [self.process_group.topology.num_nodes, self.process_group.topology.node_size]
+
+    def _error_numels(self, n: int) -> tuple[int, int]:
+        """(worker, server) error elements of a bucket of ``n`` elements on this rank."""
+        groups = self.process_group
+        if isinstance(groups, NodeGroups):
+            c = shard_numel(n, groups.topology.node_size)
+            return c, onebit_server_error_numel(c, groups.inter)
+        return n, onebit_server_error_numel(n, groups)
+
     def _ensure_errors(self, device: torch.device) -> None:
         if self.worker_error is None:
-            self.worker_error = [torch.zeros(n, dtype=torch.float32, device=device) for n in self.bucket_numels]
-            self.server_error = [
-                torch.zeros(onebit_server_error_numel(n, self.process_group), dtype=torch.float32, device=device)
-                for n in self.bucket_numels
-            ]
+            sizes = [self._error_numels(n) for n in self.bucket_numels]
+            self.worker_error = [torch.zeros(w, dtype=torch.float32, device=device) for w, _ in sizes]
+            self.server_error = [torch.zeros(s, dtype=torch.float32, device=device) for _, s in sizes]
 
     def sync_(self, tensors: list[torch.Tensor], read_only: list[bool] | None = None) -> None:
         """Replace every tensor by the compressed average over ranks, in place (same values on all ranks).
@@ -123,11 +144,14 @@ class OneBitMomentumSync:
                 flat = torch.cat(parts).to(torch.float32)
             else:
                 flat = parts[0].to(torch.float32, copy=read_only[members[0]])
-            onebit_all_reduce(
+            reduce = onebit_all_reduce
+            if isinstance(self.process_group, NodeGroups):
+                reduce = hierarchical_onebit_all_reduce
+            reduce(
                 flat,
                 self.worker_error[b],
                 self.server_error[b],
-                group=self.process_group,
+                self.process_group,
                 tag=self.tag,
                 check=not self._checked[b],
                 piece_numel=self.piece_numel,
@@ -145,6 +169,7 @@ class OneBitMomentumSync:
             "bucket_numels": list(self.bucket_numels),
             "world_size": self.world_size(),
             "piece_numel": self.piece_numel,
+            "topology": self.topology(),
             "worker_error": None
             if self.worker_error is None
             else [t.detach().cpu().clone() for t in self.worker_error],
@@ -155,14 +180,15 @@ class OneBitMomentumSync:
 
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore error buffers saved by ``rank_state_dict`` on this rank; ValueError if the layout differs."""
-        mine = (self.numels, self.bucket_numels, self.world_size(), self.piece_numel)
+        mine = (self.numels, self.bucket_numels, self.world_size(), self.piece_numel, self.topology())
         saved_piece = state.get("piece_numel")  # absent: saved before the piece was recorded
-        theirs = (list(state["numels"]), list(state["bucket_numels"]), int(state["world_size"]), saved_piece)
+        saved = (list(state["numels"]), list(state["bucket_numels"]), int(state["world_size"]), saved_piece)
+        theirs = (*saved, state.get("topology"))  # absent: flat
         if mine != theirs:
             raise ValueError(
                 "saved 1-bit error buffers belong to another layout (tensor numels, bucket numels, world size, "
-                f"piece): saved {theirs[1]} buckets over {theirs[2]} ranks in pieces of {theirs[3]}, now {mine[1]} "
-                f"over {mine[2]} in pieces of {mine[3]}"
+                f"piece, topology): saved {theirs[1]} buckets over {theirs[2]} ranks in pieces of {theirs[3]} "
+                f"(topology {theirs[4]}), now {mine[1]} over {mine[2]} in pieces of {mine[3]} (topology {mine[4]})"
             )
         if state["worker_error"] is None:
             self.worker_error = self.server_error = None
@@ -179,7 +205,10 @@ class OneBitMomentumSync:
 
 
 def max_over_ranks(
-    value: float, group: dist.ProcessGroup | None = None, device: torch.device | None = None, tag: str = "control"
+    value: float,
+    group: dist.ProcessGroup | NodeGroups | None = None,
+    device: torch.device | None = None,
+    tag: str = "control",
 ) -> float:
     """max(value) over the ranks of ``group``: one 8-byte fp64 all-reduce on ``device`` (CPU if None).
 
@@ -188,6 +217,8 @@ def max_over_ranks(
     """
     if not (dist.is_available() and dist.is_initialized()):
         return float(value)
+    if isinstance(group, NodeGroups):  # a hierarchical momentum sync's groups: the decision is over the world
+        group = None
     world = dist.get_world_size(group)
     if world == 1:
         return float(value)

@@ -93,6 +93,40 @@ def resolve_node_size(
     return world_size
 
 
+def hierarchical_topology(
+    owner: str,
+    world_size: int,
+    node_size: int | None = None,
+    devices_per_node: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Topology | None:
+    """The topology a ``hierarchical=True`` setting of ``owner`` runs on, or None for the flat path.
+
+    ``node_size`` that does not divide ``world_size``: ValueError naming ``owner``, the value and the allowed
+    divisors. One node, or one rank per node: nothing is hierarchical, so the flat collective runs, said once
+    (``rank_zero_warn``), never silently.
+
+    Example::
+
+        hierarchical_topology("QuantDDPStrategy", 8, devices_per_node=4)   # Topology(world_size=8, node_size=4)
+        hierarchical_topology("QuantDDPStrategy", 8, node_size=8)          # None, warned: one node
+    """
+    from lightning_utilities.core.rank_zero import rank_zero_warn
+
+    try:
+        topo = Topology(world_size, resolve_node_size(world_size, node_size, devices_per_node, env))
+    except (TypeError, ValueError) as err:
+        raise type(err)(str(err).replace("Topology(", f"{owner}(", 1)) from None
+    if not topo.hierarchical:
+        rank_zero_warn(
+            f"{owner}(hierarchical=True): {world_size} rank(s) as {topo.num_nodes} node(s) of {topo.node_size}: "
+            "there is no intra-node level to keep exact and no inter-node level to compress alone; "
+            "running the flat (non-hierarchical) collectives"
+        )
+        return None
+    return topo
+
+
 @dataclass
 class NodeGroups:
     """This rank's intra-node and inter-node process groups, and the 2-D mesh made of them."""
@@ -131,4 +165,4 @@ def node_groups(
     return NodeGroups(topology, intra, inter, mesh)
 
 
-__all__ = ["NodeGroups", "Topology", "divisors", "node_groups", "resolve_node_size"]
+__all__ = ["NodeGroups", "Topology", "divisors", "hierarchical_topology", "node_groups", "resolve_node_size"]

@@ -8,6 +8,10 @@ rank write its hook state (step counter, error-feedback residuals, DDP's bucket 
 ``fabric.load`` gives each rank its own back (``parallel.quant_ddp.select_rank_state``), so a resumed run
 continues bit for bit.
 
+``hierarchical=True`` (docs/design.md, "Topology"): exact inside a node, compressed across nodes; ranks per node
+are Fabric's devices per node unless ``node_size`` is given; the groups are made at the first ``setup_module``
+and kept; one node runs flat (warned once); on another topology a resume resets the residuals (warned once).
+
 Example::
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy=QuantDDPFabricStrategy(codec="nuqsgd", bits=4))
@@ -29,8 +33,16 @@ from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig, warn_if_not_contractive
 from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
+from lightning_qcomm.comm.topology import NodeGroups, Topology, node_groups
 from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, config_from
-from lightning_qcomm.parallel.quant_ddp import checkpoint_entries, config_fingerprint, quant_ddp_hook, select_rank_state
+from lightning_qcomm.parallel.quant_ddp import (
+    checkpoint_entries,
+    config_fingerprint,
+    quant_ddp_hook,
+    resolve_hierarchy,
+    select_rank_state,
+    topology_entry,
+)
 from lightning_qcomm.strategies.presets import QUANT_DDP_PRESETS
 from lightning_qcomm.strategies.quant_ddp import check_no_comm_hook_kwargs
 
@@ -63,6 +75,8 @@ class QuantDDPFabricStrategy(QCommFabricStrategy, DDPStrategy):
         self.hook_state: QuantDDPHookState | None = None  # set by setup_module
         self._pending_state: dict | None = None
         self._background = BackgroundComm("lightning_qcomm-quant_ddp", timeout=self._timeout)
+        self._topology: Topology | None = None
+        self._node_groups: NodeGroups | None = None  # made at the first setup_module (collective), then kept
 
     @override
     def config_fingerprint(self) -> dict[str, Any]:
@@ -71,13 +85,18 @@ class QuantDDPFabricStrategy(QCommFabricStrategy, DDPStrategy):
     @override
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
         ddp = super().setup_module(module)
+        owner = type(self).__name__
+        config, self._topology = resolve_hierarchy(self.config, owner, self.world_size, self.num_processes)
+        if self._topology is not None and (self._node_groups is None or self._node_groups.topology != self._topology):
+            self._node_groups = node_groups(self._topology, timeout=self._timeout, device_type=self.root_device.type)
         state, hook = quant_ddp_hook(
-            self.config,
+            config,
             module,
             process_group=ddp.process_group,
             background=self._background,
             loss_scale=self._gradient_loss_scale,
-            owner=type(self).__name__,
+            owner=owner,
+            node_groups=self._node_groups if self._topology is not None else None,
         )
         if self._pending_state is not None:
             state.load_state_dict(self._pending_state)
@@ -111,7 +130,13 @@ class QuantDDPFabricStrategy(QCommFabricStrategy, DDPStrategy):
     @override
     def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any], own: Any = None) -> None:
         mine = select_rank_state(
-            entry, self.world_size, self.global_rank, global_step=0, owner=type(self).__name__, own=own
+            entry,
+            self.world_size,
+            self.global_rank,
+            global_step=0,
+            owner=type(self).__name__,
+            own=own,
+            topology=topology_entry(self._topology),
         )
         if self.hook_state is not None:
             self.hook_state.load_state_dict(mine)

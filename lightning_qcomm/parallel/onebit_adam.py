@@ -12,6 +12,11 @@ things around it, which this file owns (docs/design.md, "1-bit Adam"):
    momentum travels 1-bit. DDP then also stops broadcasting buffers, and gradient clipping clips each rank's
    local gradient.
 
+Hierarchical (``hierarchical=True``, docs/design.md "Topology"): the momentum average of step 3 is exact (fp32)
+inside a node and 1-bit only across nodes (``comm.hierarchical.hierarchical_onebit_all_reduce``; each rank's
+error buffers belong to its 1/node_size shard of each bucket). Ranks per node: ``node_size``, else torchrun's
+``LOCAL_WORLD_SIZE``; one node or one rank per node runs flat (warned once). The warm-up is unchanged.
+
 ``OneBitAdamDDP.switch_if_frozen()`` does step 3; ``onebit_adam_ddp`` runs it from the optimizer's step
 post-hook, right after the step that froze the variance. ``OneBitAdamCallback`` (Trainer) calls the same
 object; under Fabric, pass the model and optimizer ``fabric.setup`` returned. Checkpoints: the optimizer's
@@ -22,7 +27,7 @@ Example::
 
     ddp = DistributedDataParallel(model)
     optimizer = OneBitAdam(ddp.parameters(), lr=1e-3, freeze_step=100)
-    onebit_adam_ddp(ddp, optimizer)
+    onebit_adam_ddp(ddp, optimizer)          # or onebit_adam_ddp(ddp, optimizer, hierarchical=True) on many nodes
     for x, y in batches:                     # AdamW for 100 steps, then 1-bit momentum only
         loss_fn(ddp(x), y).backward()
         optimizer.step()
@@ -32,12 +37,15 @@ Example::
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
-from lightning_utilities.core.rank_zero import rank_zero_info
+import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_qcomm.comm.onebit import OneBitGradHookState, onebit_adam_grad_hook
+from lightning_qcomm.comm.topology import NodeGroups, hierarchical_topology, node_groups
 from lightning_qcomm.optim.onebit_adam import OneBitAdam
 from lightning_qcomm.parallel.step_hooks import attach_step_hooks
 
@@ -56,6 +64,8 @@ class OneBitAdamDDP:
         ddp: the ``DistributedDataParallel`` model (a Fabric-wrapped one is unwrapped).
         optimizer: the ``OneBitAdam`` training it (a Lightning / Fabric wrapper is unwrapped).
         register_hooks: switch from the optimizer's step post-hook (the callback calls ``switch_if_frozen``).
+        node_groups: average the momentum hierarchically over these groups (``comm.topology.node_groups``, over
+            the default group, which must be DDP's); None: flat over DDP's process group.
 
     Example::
 
@@ -64,7 +74,9 @@ class OneBitAdamDDP:
         onebit.switch_if_frozen()     # after the freeze: DDP's gradient all-reduce off, momentum 1-bit
     """
 
-    def __init__(self, ddp: nn.Module, optimizer: OneBitAdam, register_hooks: bool = True) -> None:
+    def __init__(
+        self, ddp: nn.Module, optimizer: OneBitAdam, register_hooks: bool = True, node_groups: NodeGroups | None = None
+    ) -> None:
         ddp = _unwrap_ddp(ddp)
         optimizer = getattr(optimizer, "optimizer", optimizer)
         if not isinstance(ddp, DistributedDataParallel):
@@ -74,7 +86,13 @@ class OneBitAdamDDP:
         self.ddp = ddp
         self.optimizer = optimizer
         self.switched = False
-        optimizer.set_process_group(ddp.process_group)
+        self.node_groups = node_groups
+        if node_groups is not None and dist.get_world_size(ddp.process_group) != node_groups.topology.world_size:
+            raise ValueError(
+                f"onebit_adam_ddp(hierarchical=True): DDP's process group has {dist.get_world_size(ddp.process_group)} "
+                f"ranks, the node layout {node_groups.topology.world_size}; allowed: DDP over the whole world"
+            )
+        optimizer.set_process_group(ddp.process_group if node_groups is None else node_groups)
         self.existing_hook = ddp._get_ddp_logging_data().get("comm_hook") or None
         if self.existing_hook:
             self.hook_state = None  # warm-up gradients go through the model's own hook
@@ -104,14 +122,30 @@ class OneBitAdamDDP:
         self._hooks = []
 
 
-def onebit_adam_ddp(ddp: nn.Module, optimizer: OneBitAdam) -> OneBitAdamDDP:
+def onebit_adam_ddp(
+    ddp: nn.Module,
+    optimizer: OneBitAdam,
+    hierarchical: bool = False,
+    node_size: int | None = None,
+    timeout: timedelta | None = None,
+) -> OneBitAdamDDP:
     """Prepare ``ddp`` for ``optimizer`` and switch its gradient all-reduce off once the variance freezes.
+
+    ``hierarchical``: the compressed momentum average only across nodes (module doc); ``node_size`` ranks per
+    node (None: ``LOCAL_WORLD_SIZE``); the groups are made here, collectively, with ``timeout`` (None: the
+    default group's).
 
     Example::
 
         onebit = onebit_adam_ddp(ddp_model, OneBitAdam(ddp_model.parameters(), freeze_step=100))
     """
-    return OneBitAdamDDP(ddp, optimizer)
+    groups = None
+    if hierarchical:
+        topo = hierarchical_topology("onebit_adam_ddp", dist.get_world_size(), node_size)
+        groups = None if topo is None else node_groups(topo, timeout=timeout)
+    elif node_size is not None:
+        rank_zero_warn(f"onebit_adam_ddp(node_size={node_size}, hierarchical=False): node_size has no effect")
+    return OneBitAdamDDP(ddp, optimizer, node_groups=groups)
 
 
 __all__ = ["OneBitAdamDDP", "onebit_adam_ddp"]

@@ -40,6 +40,14 @@ QUANT_DDP_PRESETS: Presets = {
         "DDP with quantized gradient all-reduce (codec='fp8_e4m3', bits=8)",
         {"codec": "fp8_e4m3", "bits": 8},
     ),
+    "quant_ddp_hier_uniform8": (
+        "Hierarchical DDP: fp32 inside a node, 8-bit uniform all-reduce across nodes",
+        {"codec": "uniform", "bits": 8, "hierarchical": True},
+    ),
+    "quant_ddp_hier_nuqsgd4": (
+        "Hierarchical DDP: fp32 inside a node, 4-bit NUQSGD all-reduce across nodes",
+        {"codec": "nuqsgd", "bits": 4, "hierarchical": True},
+    ),
 }
 
 LOCAL_SGD_PRESETS: Presets = {

@@ -19,6 +19,15 @@ own hook state (optimizer-step counter, error-feedback residuals per parameter n
 On load each rank reads its own file; ``ModelCheckpoint``'s top-k deletion removes the side files with the
 checkpoint (copy a checkpoint together with them). If the world size changed, the step counter is restored and
 the residuals are reset to zero (logged): a residual belongs to one rank's data stream.
+
+Hierarchical (``hierarchical=True``, docs/design.md "Topology"): exact fp32 inside a node, the codec only across
+nodes; ranks per node are Lightning's devices per node (``Trainer(devices=..., num_nodes=...)``) unless
+``node_size`` overrides them. The intra-/inter-node groups are made once per strategy, at setup, with the
+strategy's ``timeout``; the resolved node size is part of the cross-rank config check. A ``node_size`` that does
+not divide the world is a ValueError at setup; one node (or one rank per node) runs flat, warned once. Resuming
+on another topology (2 x 2 -> 1 x 2 or 4 x 1) restores the step counter and resets the residuals (warned once).
+
+    Trainer(num_nodes=2, devices=8, strategy=QuantDDPStrategy(codec="uniform", bits=8, hierarchical=True))
 """
 
 from __future__ import annotations
@@ -43,8 +52,16 @@ from lightning_qcomm.comm.ddp_config import DDP_CODECS, QuantDDPConfig, warn_if_
 from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
+from lightning_qcomm.comm.topology import NodeGroups, Topology, node_groups
 from lightning_qcomm.parallel import rank_files
-from lightning_qcomm.parallel.quant_ddp import checkpoint_entries, config_fingerprint, quant_ddp_hook, select_rank_state
+from lightning_qcomm.parallel.quant_ddp import (
+    checkpoint_entries,
+    config_fingerprint,
+    quant_ddp_hook,
+    resolve_hierarchy,
+    select_rank_state,
+    topology_entry,
+)
 from lightning_qcomm.strategies.presets import QUANT_DDP_PRESETS, register_presets
 
 log = logging.getLogger(__name__)
@@ -75,6 +92,10 @@ class QuantDDPStrategy(DDPStrategy):
     Args:
         ddp_kwargs: everything ``DDPStrategy`` accepts (``find_unused_parameters``, ``start_method``,
             ``bucket_cap_mb``, ...) except its comm-hook arguments, which this strategy owns.
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=QuantDDPStrategy(codec="uniform", bits=8))
     """
 
     strategy_name = "quant_ddp"
@@ -91,6 +112,8 @@ class QuantDDPStrategy(DDPStrategy):
         seed: int = 0,
         overlap_comm: bool = True,
         nonfinite: str = "skip",
+        hierarchical: bool = False,
+        node_size: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -108,6 +131,9 @@ class QuantDDPStrategy(DDPStrategy):
         self._hook_state: QuantDDPHookState | None = None
         self._pending_state: dict | None = None
         self._background = BackgroundComm("lightning_qcomm-quant_ddp", timeout=timeout)
+        self._topology: Topology | None = None  # resolved at setup; None: flat
+        self._run_config = self.config  # what the hook runs with: made flat at setup if there is no hierarchy
+        self._node_groups: NodeGroups | None = None  # made once (collective), reused by later fits
 
     @property
     def hook_config(self) -> QuantDDPConfig:
@@ -118,11 +144,16 @@ class QuantDDPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_gloo_group_at_exit()  # a finished rank must not abort in interpreter teardown
+        owner = type(self).__name__
+        self._run_config, self._topology = resolve_hierarchy(self.config, owner, self.world_size, self.num_processes)
         check_same_config("QuantDDPStrategy", self.config_fingerprint(), timeout=presence_timeout(self._timeout))
+        if self._topology is not None and (self._node_groups is None or self._node_groups.topology != self._topology):
+            self._node_groups = node_groups(self._topology, timeout=self._timeout, device_type=self.root_device.type)
 
     def config_fingerprint(self) -> dict[str, Any]:
         """Everything that decides what this strategy's collectives send (compared across ranks at setup)."""
-        return config_fingerprint(self.config, self._ddp_kwargs)
+        node_size = None if self._topology is None else self._topology.node_size
+        return config_fingerprint(self.config, self._ddp_kwargs, node_size)
 
     # ------------------------------------------------------------------ hook registration
     @property
@@ -136,12 +167,13 @@ class QuantDDPStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         assert self.lightning_module is not None
         state, hook = quant_ddp_hook(
-            self.config,
+            self._run_config,
             self.lightning_module,
             process_group=self.model.process_group,
             background=self._background,  # one group for every fit of this strategy (collective the first time)
             loss_scale=self._gradient_loss_scale,
             owner=type(self).__name__,
+            node_groups=self._node_groups if self._topology is not None else None,
         )
         # a restored checkpoint, else the previous fit of this strategy (a second ``fit`` continues it)
         previous = self._pending_state
@@ -220,6 +252,7 @@ class QuantDDPStrategy(DDPStrategy):
             global_step=int(checkpoint.get("global_step", 0)),
             owner=type(self).__name__,
             own=rank_files.own_entry(checkpoint, CHECKPOINT_KEY),
+            topology=topology_entry(self._topology),
         )
         if self._hook_state is not None:
             self._hook_state.load_state_dict(state)
