@@ -4,7 +4,8 @@ Each rank gets the variables a launcher sets (``LOCAL_RANK`` / ``NODE_RANK`` / `
 ``tests/_launch.lightning_env``), so Lightning sees ``Trainer(num_nodes=2, devices=2)`` with global rank !=
 local rank. Checks: the job trains with 8-bit gradients across nodes; the replicas of each shard (ranks 0/2,
 1/3) stay bit-identical; a sharded checkpoint saved at step 4 resumes with exactly the saved weights and
-continues; and ``node_size=1`` (no second level) warns and trains as flat QSDP.
+continues; ``node_size=1`` (no second level) warns and trains as flat QSDP; and ``QSDPFabricStrategy(hsdp=True)``
+under Fabric keeps the replicas identical too.
 """
 
 from __future__ import annotations
@@ -68,6 +69,28 @@ def _trainer(strategy, steps: int, root: str):
     )
 
 
+def _fabric_run() -> dict:
+    """The same HSDP under Lightning Fabric (``QSDPFabricStrategy(hsdp=True)``): 3 steps, this rank's shards."""
+    from lightning.fabric import Fabric
+
+    from lightning_qcomm import QSDPFabricStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=NODE, num_nodes=WORLD // NODE, strategy=QSDPFabricStrategy(hsdp=True))
+    fabric.launch()  # processes made outside (the launcher's variables): joins them
+    fabric.seed_everything(1)
+    model = fabric.setup_module(Net())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    losses = []
+    for step in range(3):
+        t = torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(10 * step + fabric.global_rank))
+        loss = torch.nn.functional.cross_entropy(model(t).flatten(0, 1), torch.roll(t, 1, dims=1).flatten())
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "local": {n: p.to_local().reshape(-1)[:8].tolist() for n, p in model.named_parameters()}}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     import warnings
 
@@ -98,6 +121,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             flat = LitNet()
             _trainer(QSDPStrategy(hsdp=True, node_size=1, grad_bits=8), 2, out).fit(flat)
         result["flat_warnings"] = [str(w.message) for w in caught if "no second level" in str(w.message)]
+        result["fabric"] = _fabric_run()
     except Exception:
         result["error"] = traceback.format_exc()
     write_rank_result(out, rank, result)
@@ -139,3 +163,10 @@ def test_resume_restores_the_saved_weights_and_continues(runs):
 def test_one_rank_per_node_warns_and_trains_flat(runs):
     assert len(runs[0]["flat_warnings"]) == 1
     assert all(not r["flat_warnings"] for r in runs[1:])  # rank_zero_warn
+
+
+def test_fabric_hsdp_replicas_identical(runs):
+    for local in range(NODE):
+        assert runs[local]["fabric"]["local"] == runs[local + NODE]["fabric"]["local"]
+    assert runs[0]["fabric"]["local"] != runs[1]["fabric"]["local"]
+    assert all(all(map(lambda v: v == v, r["fabric"]["losses"])) for r in runs)  # finite, ran 3 steps

@@ -31,6 +31,7 @@ from lightning_qcomm._checks import check_bool, check_timeout
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.fsdp import QSDPCommState
 from lightning_qcomm.fabric._base import QCommFabricStrategy, config_from
+from lightning_qcomm.parallel.hsdp import hsdp_mesh
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
 from lightning_qcomm.strategies.presets import QSDP_PRESETS
@@ -76,6 +77,7 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
         )
         self.comm_state = QSDPCommState(seed=self.config.seed, step=0)
         self.qsdp: QSDPHandle | None = None  # set by setup_module
+        self._hsdp: tuple[QSDPConfig, Any] | None = None  # (config, 2-D mesh) once resolved
         self._background = BackgroundComm("lightning_qcomm-qsdp", timeout=timeout)
 
     @override
@@ -90,11 +92,17 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
         return {**config_fingerprint(self.config), "save_distributed_checkpoint": self._save_distributed_checkpoint}
 
     def _parallelize(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        """Fabric's ``parallelize_fn``: the whole QSDP setup is ``apply_qsdp``."""
+        """Fabric's ``parallelize_fn``: the whole QSDP setup is ``apply_qsdp`` (with ``hsdp``, on the 2-D mesh of
+        this job's nodes: ranks per node = Fabric's devices, or ``LOCAL_WORLD_SIZE``)."""
+        config, mesh = self.config, device_mesh["data_parallel"]
+        if config.hsdp:
+            if self._hsdp is None:
+                self._hsdp = hsdp_mesh(config, None, self.num_processes, type(self).__name__, self._timeout)
+            config, mesh = self._hsdp[0], self._hsdp[1] or mesh
         self.qsdp = apply_qsdp(
             module,
-            device_mesh["data_parallel"],
-            self.config,
+            mesh,
+            config,
             comm_state=self.comm_state,
             background=self._background,
             owner=type(self).__name__,

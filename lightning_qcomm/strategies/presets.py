@@ -23,6 +23,10 @@ QSDP_PRESETS: Presets = {
     "qsdp": ("QSDP: FSDP2 with 8-bit quantized weights and gradients", {}),
     "qsdp_w8g8": ("QSDP: FSDP2 with 8-bit weight all-gather and 8-bit gradient reduce-scatter", {"bits": 8}),
     "qsdp_w4g4": ("QSDP: FSDP2 with 4-bit weight all-gather and 4-bit gradient reduce-scatter", {"bits": 4}),
+    "qsdp_hsdp_g8": (
+        "QSDP over HSDP: sharded inside a node, the gradient all-reduce across nodes in 8 bits",
+        {"hsdp": True, "grad_bits": 8},
+    ),
 }
 
 QUANT_DDP_PRESETS: Presets = {
