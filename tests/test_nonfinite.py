@@ -258,3 +258,26 @@ def test_policy_is_validated():
             cls(nonfinite="ignore")
         with pytest.raises(TypeError, match="nonfinite"):
             cls(nonfinite=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nonfinite_params_flags_exactly_the_bad_gradients(dtype):
+    from lightning_qcomm.comm.nonfinite import nonfinite_params
+
+    big = torch.finfo(dtype).max
+    grads = {
+        "finite extremes": torch.tensor([big, -big, 0.0, 1e-30]),
+        "nan": torch.tensor([1.0, float("nan")]),
+        "+inf": torch.tensor([float("inf"), 1.0]),
+        "-inf": torch.tensor([-float("inf")]),
+        "both infs": torch.tensor([float("inf"), -float("inf")]),
+        "empty": torch.zeros(0),
+        "plain": torch.randn(1000),
+    }
+    params = []
+    for g in grads.values():
+        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=dtype))
+        p.grad = g.to(dtype)
+        params.append(p)
+    bad = {list(grads)[i] for i in nonfinite_params(params)}
+    assert bad == {"nan", "+inf", "-inf", "both infs"}

@@ -54,13 +54,23 @@ def nonfinite_params(params: list[torch.nn.Parameter]) -> list[int]:
     """Indices of the parameters whose gradient holds a NaN or Inf (one host sync for all of them)."""
     if not params:
         return []
-    # max |g| cannot overflow (a sum or norm of finite values can) and is NaN/Inf iff an element is
+    # min and max cannot overflow (a sum or norm of finite values can), are NaN/Inf iff an element is, and
+    # come from one pass without a temporary (aminmax), where max |g| needs |g| materialised first
     local = [_local(p.grad.detach()) for p in params]
-    peaks = [g.abs().amax().float() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in local]
+    peaks = [_min_plus_max(g) for g in local]
     # One device-to-host copy of the flags, then the indices on the host: the step's one sync, as GradScaler's
     # found-inf check is (nonfinite="propagate" makes none).
     flags = (~torch.isfinite(torch.stack([t.to(peaks[0].device) for t in peaks]))).cpu()
     return flags.nonzero().reshape(-1).tolist()
+
+
+def _min_plus_max(g: torch.Tensor) -> torch.Tensor:
+    """min(g) + max(g), added in fp64: finite iff every element of g is (NaN or ±Inf make min or max non-finite,
+    +Inf with -Inf makes the sum NaN; two finite values of at most FLT_MAX cannot overflow fp64)."""
+    if not g.numel():
+        return g.new_zeros((), dtype=torch.float32)
+    lo, hi = torch.aminmax(g)
+    return lo.double() + hi.double()
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
