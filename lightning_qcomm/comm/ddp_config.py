@@ -23,9 +23,10 @@ from lightning_qcomm._checks import check_bool, check_int
 from lightning_qcomm.codecs import Codec, codec_names, get_codec
 from lightning_qcomm.comm.nonfinite import check_policy
 
-DDP_CODECS = codec_names(family="quantizer", with_none=True)
+DDP_CODECS = (*codec_names(family="quantizer", with_none=True), "auto")
 """Codec names the DDP hook accepts (the registry's quantizers); ``"none"`` is the uncompressed fp32 path
-(through our ledger)."""
+(through our ledger); ``"auto"`` is resolved at setup to uniform 8/4/2-bit or "none" (``comm.auto_width``)."""
+AUTO_MIN_BITS = (2, 4, 8)
 
 UNCOMPRESSED_BITS = 32
 
@@ -54,6 +55,9 @@ class QuantDDPConfig:
             node, or one rank per node, the flat all-reduce runs (warned once). docs/design.md, "Topology".
         node_size: ranks per node for ``hierarchical``; None takes the launcher's (Lightning's devices per node,
             torchrun's ``LOCAL_WORLD_SIZE``). Must divide the world size (checked at setup).
+        min_bits: with ``codec="auto"``, the narrowest width it may choose (2, 4 or 8): the accuracy rule. The
+            width (or no compression) is chosen at setup from the measured link and codec speeds
+            (``comm.auto_width``), the same on every rank, and logged; ``resolve_auto`` makes the concrete config.
 
     Example::
 
@@ -71,15 +75,21 @@ class QuantDDPConfig:
     nonfinite: str = "skip"
     hierarchical: bool = False
     node_size: int | None = None
+    min_bits: int = 4
 
     def __post_init__(self) -> None:
         own = type(self).__name__
         if not isinstance(self.codec, str) or self.codec.lower() not in DDP_CODECS:
             raise ValueError(f"{own}(codec={self.codec!r}) is not supported; allowed: {', '.join(DDP_CODECS)}")
         object.__setattr__(self, "codec", self.codec.lower())
-        if self.bits is None:
+        if self.min_bits not in AUTO_MIN_BITS or isinstance(self.min_bits, bool):
+            raise ValueError(f"{own}(min_bits={self.min_bits!r}) is not allowed; allowed: 2, 4, 8")
+        auto = self.codec == "auto"
+        if auto and self.bits is not None:
+            raise ValueError(f"{own}(codec='auto', bits={self.bits}): 'auto' chooses the width; set min_bits")
+        if self.bits is None and not auto:
             object.__setattr__(self, "bits", UNCOMPRESSED_BITS if self.codec == "none" else 8)
-        check_int(own, "bits", self.bits, minimum=1)
+        check_int(own, "bits", self.bits, minimum=1, optional=auto)
         if self.codec == "none" and self.bits != UNCOMPRESSED_BITS:
             raise ValueError(f"{own}(codec='none', bits={self.bits}): the uncompressed path is fp32; use bits=32")
         check_int(own, "bucket_size", self.bucket_size, minimum=1)
@@ -91,6 +101,10 @@ class QuantDDPConfig:
         check_policy(own, self.nonfinite)
         check_bool(own, "hierarchical", self.hierarchical)
         check_int(own, "node_size", self.node_size, minimum=1, optional=True)
+        if auto:
+            if self.hierarchical:
+                raise ValueError(f"{own}(codec='auto', hierarchical=True) is not supported; choose codec and bits")
+            return  # the codec is built once the width is chosen
         try:
             self.build_codec()
         except (ValueError, TypeError) as err:
@@ -98,8 +112,22 @@ class QuantDDPConfig:
                 f"{own}(codec={self.codec!r}, bits={self.bits}, bucket_size={self.bucket_size}): {err}"
             ) from err
 
+    def resolve_auto(self, bits: int) -> QuantDDPConfig:
+        """This config with ``codec="auto"`` replaced by what it chose: ``"none"`` for 32 bits, else uniform."""
+        import dataclasses
+
+        from lightning_qcomm.comm.auto_width import AUTO_CODEC, UNCOMPRESSED
+
+        codec = "none" if bits == UNCOMPRESSED else AUTO_CODEC
+        return dataclasses.replace(self, codec=codec, bits=bits)
+
     def build_codec(self) -> Codec | None:
         """The codec object (None for ``"none"``); raises ValueError/TypeError on bad combinations."""
+        if self.codec == "auto":
+            raise ValueError(
+                "codec='auto' is resolved by QuantDDPStrategy at setup; elsewhere measure and choose first: "
+                "config.resolve_auto(choose_bits(numel, world_size, measure_costs(group), config.min_bits))"
+            )
         if self.codec == "none":
             return None
         return get_codec(self.codec, bits=self.bits, bucket_size=self.bucket_size)
@@ -113,6 +141,8 @@ def warn_if_not_contractive(config: QuantDDPConfig, owner: str) -> None:
             f"{owner}(node_size={config.node_size}, hierarchical=False): node_size has no effect without "
             "hierarchical=True"
         )
+    if config.codec == "auto":
+        return  # checked once the width is chosen
     codec = config.build_codec()
     if not config.error_feedback or codec is None:
         return
