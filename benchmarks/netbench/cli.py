@@ -28,7 +28,10 @@ address and stays on that namespace's ``lo`` (unshaped), while inter-node traffi
 The veth counters are per node (both ranks of a node read the same counter): inter-node bytes per step per
 node, next to the ledger's ``inter`` scope summed over the node's ranks (``report_nodes``). Local rank i of
 every node is pinned to core i, so on 2 cores each core runs one rank of each node (two per core). ``all``
-runs ``variants.MULTI_RANK_ALL``: the flat rows next to their hierarchical / HSDP counterparts.
+runs ``variants.MULTI_RANK_ALL``: the flat rows next to their hierarchical / HSDP counterparts. Expected
+duration of ``--rates 100,1000 --steps 14 --warmup 4 --repeats 1`` on 2 cores: ~10 min (an estimate from a
+3-step smoke run on a shared machine: ~4 s per entry outside the steps, ~22 s per step over all 16 rows at
+100 Mbit/s; ``--repeats 2`` doubles it).
 
 Compute floor. The same two-node job with each rank training its own copy: no DDP wrapper, no
 traffic (same launcher, processes, optimizer and data). ``floor_ddp`` (DDP with torch's no-op comm
