@@ -196,18 +196,26 @@ class BenchLM(pl.LightningModule):
 class BenchLMFSDP2(BenchLM):
     """``BenchLM`` that applies FSDP2 itself in ``configure_model`` (for ``ModelParallelStrategy``):
     one ``fully_shard`` group per block, then the root. ``mp_dtype`` ("bfloat16") sets a
-    ``MixedPrecisionPolicy`` so parameters are gathered and gradients reduced in that dtype."""
+    ``MixedPrecisionPolicy`` so parameters are gathered and gradients reduced in that dtype.
+    ``hsdp_shape`` = (nodes, ranks per node) shards on a 2-D ("replicate", "shard") mesh instead (HSDP:
+    parameters sharded inside a node, gradients all-reduced across nodes)."""
 
-    def __init__(self, *args, mp_dtype: str | None = None, **kwargs) -> None:
+    def __init__(self, *args, mp_dtype: str | None = None, hsdp_shape: tuple[int, int] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if mp_dtype not in (None, "bfloat16", "float16"):
             raise ValueError(f"mp_dtype must be None, 'bfloat16' or 'float16', got {mp_dtype!r}")
         self.mp_dtype = mp_dtype
+        self.hsdp_shape = None if hsdp_shape is None else tuple(int(n) for n in hsdp_shape)
 
     def configure_model(self) -> None:  # noqa: D102
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = self.device_mesh["data_parallel"]
+        if self.hsdp_shape is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", self.hsdp_shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = self.device_mesh["data_parallel"]
         kw = {"mesh": mesh}
         if self.mp_dtype is not None:
             dt = getattr(torch, self.mp_dtype)

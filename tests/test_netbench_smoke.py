@@ -140,3 +140,85 @@ def test_reduced_loopback_run(tmp_path):
         assert (tmp_path / "netbench.png").stat().st_size > 0
     except ImportError:
         pass
+
+
+@pytest.mark.slow
+def test_reduced_loopback_run_two_ranks_per_node(tmp_path):
+    """``--ranks-per-node 2``: four ranks as a num_nodes=2, devices=2 job; the ledger's scopes are exact.
+
+    DDP fp32 is one whole-world all-reduce: 2(N-1)/N x 4 bytes = 6 bytes per parameter per rank at N = 4, all
+    of it "flat". FSDP2 HSDP all-reduces each rank's half shard across the two nodes (a 2-rank group, factor
+    1): 2 bytes per parameter per rank in the "inter" scope, which only the worker's group classifier can
+    assign. Hierarchical QuantDDP sends its 8-bit inter-node leg: less than half of HSDP's fp32 one.
+    """
+    variants = ["floor", "ddp_fp32", "fsdp2_hsdp"]
+    if netbench.variant_available(netbench.VARIANT_BY_NAME["qddp_uniform8_hier"])[0]:
+        variants.append("qddp_uniform8_hier")
+    cmd = [sys.executable, "-m", "benchmarks.netbench", "--loopback", "--ranks-per-node", "2", "--model", "tiny"]
+    cmd += ["--steps", "3", "--warmup", "1", "--repeats", "1", "--variants", ",".join(variants)]
+    cmd += ["--out", str(tmp_path), "--variant-timeout", "120", "--collective-timeout", "120"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "netbench.json").read_text())
+    assert data["meta"]["ranks_per_node"] == 2
+    raw = [r for r in data["raw"] if r.get("event") == "done"]
+    assert {(r["variant"], r["rank"], r["node"], r["local_rank"]) for r in raw} == {
+        (v, k, k // 2, k % 2) for v in variants for k in range(4)
+    }
+    params = raw[0]["params"]
+    by = {(r["variant"], r["rank"]): r for r in raw}
+    for rank in range(4):
+        control = by[("floor", rank)]["ledger_flat_per_step"]
+        assert 0.0 <= control < 64.0 and by[("floor", rank)]["ledger_inter_per_step"] == 0.0
+        fp32 = by[("ddp_fp32", rank)]
+        assert fp32["steps_measured"] == 2 and fp32["lo_tx_per_step"] is None  # loopback: no intra split
+        assert fp32["ledger_flat_per_step"] - control == pytest.approx(6.0 * params)
+        assert fp32["ledger_inter_per_step"] == 0.0 and fp32["ledger_intra_per_step"] == 0.0
+        hsdp = by[("fsdp2_hsdp", rank)]
+        assert hsdp["ledger_inter_per_step"] == pytest.approx(2.0 * params)
+        assert hsdp["ledger_intra_per_step"] > 0.0
+        if "qddp_uniform8_hier" in variants:
+            q = by[("qddp_uniform8_hier", rank)]
+            assert q["ledger_source"] == "lightning_qcomm CommLedger"
+            assert 0.0 < q["ledger_inter_per_step"] < 0.5 * 2.0 * params
+    rows = data["table"]["None"]["rows"]
+    assert set(rows) == set(variants)
+    # same seed, same global batch: HSDP computes the same fp32 update as DDP
+    assert rows["fsdp2_hsdp"]["train_loss"] == pytest.approx(rows["ddp_fp32"]["train_loss"], rel=1e-4)
+    md = (tmp_path / "netbench.md").read_text()
+    assert "2 nodes x 2 ranks" in md and "inter MB/step/node (veth)" in md
+    assert all(f"| {v} |" in md for v in variants)
+    assert netbench.main(["--render", str(tmp_path / "netbench.json"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "netbench.md").read_text() == md
+
+
+def test_multi_rank_variants_need_two_ranks_per_node(capsys):
+    with pytest.raises(SystemExit):
+        netbench.main(["--loopback", "--variants", "floor,qddp_uniform8_hier", "--out", "/nonexistent-never-created"])
+    assert "--ranks-per-node 2" in capsys.readouterr().err
+    assert netbench.parse_args(["--ranks-per-node", "2"]).variant_list[:2] == ["floor", "ddp_fp32"]
+    assert netbench.parse_args([]).variant_list == [v.name for v in netbench.VARIANTS if v.in_all]
+
+
+def _node_row(variant, rank, step, tx, inter, flat=0.0, rate=100.0):
+    row = _row(variant, 0, rank, step, tx, inter + flat, rate=rate)
+    row.update(node=rank // 2, local_rank=rank % 2, lo_tx_per_step=1e6, ledger_inter_per_step=inter)
+    row.update(ledger_flat_per_step=flat, ledger_intra_per_step=0.0)
+    return row
+
+
+def test_aggregate_nodes_per_node_bytes_and_bound_ratio():
+    from benchmarks.netbench.report_nodes import aggregate_nodes
+
+    res = [_node_row("floor", k, 0.2 + 0.01 * k, 0.0, 0.0) for k in range(4)]  # floor = the slowest rank, 0.23 s
+    # both ranks of a node read one veth counter: node 1 reads 25.0e6 and 25.5e6 -> 25.25e6 B = 2.02 s at 100 Mbit/s
+    res += [_node_row("ddp_fp32", k, 2.5, (10e6, 10e6, 25.0e6, 25.5e6)[k], 0.0, 6e6) for k in range(4)]
+    res += [_node_row("hier", k, 0.25 + 0.05 * (k == 3), 1.0e6, 0.9e6) for k in range(4)]  # wire 0.08 s < floor
+    rows = aggregate_nodes(res, [100.0], ["floor", "ddp_fp32", "hier"])["100.0"]["rows"]
+    assert rows["ddp_fp32"]["tx_max"] == pytest.approx(25.25e6)
+    assert rows["ddp_fp32"]["ledger_flat"] == pytest.approx(12e6)  # summed over a node's two ranks
+    assert rows["ddp_fp32"]["t_inter_wire_s"] == pytest.approx(25.25e6 / 12.5e6)
+    assert rows["ddp_fp32"]["bound_ratio"] == pytest.approx(2.5 / (25.25e6 / 12.5e6))
+    assert rows["hier"]["ledger_inter"] == pytest.approx(1.8e6)
+    assert rows["hier"]["bound_ratio"] == pytest.approx(0.30 / 0.23)  # the floor is the larger bound here
+    assert rows["hier"]["speedup_vs_fp32"] == pytest.approx(2.5 / 0.30)

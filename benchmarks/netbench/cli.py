@@ -21,6 +21,18 @@ variant, every repeat; odd repeats in reverse order) with a fresh ``Trainer`` pe
 interpreter start-up and rendezvous stay out of every timing. If a worker fails or stalls, both are
 killed and a fresh pair resumes after the failed entry.
 
+Two ranks per node (``--ranks-per-node 2``, issue 16): each namespace hosts two ranks of a
+``num_nodes=2, devices=2`` job (LOCAL_RANK 0/1, NODE_RANK = the namespace, WORLD_SIZE=4). All ranks of a
+node bind gloo to their node's veth address, so traffic between two ranks of one node goes to a local
+address and stays on that namespace's ``lo`` (unshaped), while inter-node traffic crosses the shaped veth.
+The veth counters are per node (both ranks of a node read the same counter): inter-node bytes per step per
+node, next to the ledger's ``inter`` scope summed over the node's ranks (``report_nodes``). Local rank i of
+every node is pinned to core i, so on 2 cores each core runs one rank of each node (two per core). ``all``
+runs ``variants.MULTI_RANK_ALL``: the flat rows next to their hierarchical / HSDP counterparts. Expected
+duration of ``--rates 100,1000 --steps 14 --warmup 4 --repeats 1`` on 2 cores: ~10 min (an estimate from a
+3-step smoke run on a shared machine: ~4 s per entry outside the steps, ~22 s per step over all 16 rows at
+100 Mbit/s; ``--repeats 2`` doubles it).
+
 Compute floor. The same two-node job with each rank training its own copy: no DDP wrapper, no
 traffic (same launcher, processes, optimizer and data). ``floor_ddp`` (DDP with torch's no-op comm
 hook) is kept as a reference: DDP's bucket copies and hooks cost ~20% of a step here, and strategies
@@ -56,7 +68,8 @@ from typing import Any
 from benchmarks.netbench.net import make_net
 from benchmarks.netbench.orchestrate import make_schedule, run_schedule
 from benchmarks.netbench.report import aggregate, machine_line, plot, render_markdown
-from benchmarks.netbench.variants import VARIANT_BY_NAME, VARIANTS, variant_available
+from benchmarks.netbench.report_nodes import aggregate_nodes, render_markdown_nodes
+from benchmarks.netbench.variants import MULTI_RANK_ALL, VARIANT_BY_NAME, VARIANTS, variant_available
 
 __all__ = ["aggregate", "main", "make_schedule", "parse_args", "run_schedule"]
 
@@ -79,6 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         default="all",
         help=f"comma list or 'all' (ablations only by name): {','.join(VARIANT_BY_NAME)}",
+    )
+    p.add_argument("--nodes", type=int, default=2, help="nodes (network namespaces); only 2 is supported")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="ranks per node: 1 (default) or 2 (intra-node traffic on the namespace's lo, inter-node on the veth)",
     )
     p.add_argument("--model", default="bench", help="bench_model preset: bench (3.3M params), small, tiny")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (default 4)")
@@ -112,13 +132,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--rates must be comma-separated numbers (Mbit/s), got {args.rates!r}")
     if not args.rate_list or any(r <= 0 for r in args.rate_list):
         p.error(f"--rates must be positive, got {args.rates!r}")
+    if args.nodes != 2 or args.ranks_per_node not in (1, 2):
+        p.error(f"need --nodes 2 and --ranks-per-node 1 or 2, got {args.nodes}, {args.ranks_per_node}")
     if args.variants == "all":
-        args.variant_list = [v.name for v in VARIANTS if v.in_all]
+        multi = args.ranks_per_node > 1
+        args.variant_list = list(MULTI_RANK_ALL) if multi else [v.name for v in VARIANTS if v.in_all]
     else:
         args.variant_list = [n.strip() for n in args.variants.split(",") if n.strip()]
         unknown = [n for n in args.variant_list if n not in VARIANT_BY_NAME]
         if unknown:
             p.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANT_BY_NAME)}")
+        single = [n for n in args.variant_list if VARIANT_BY_NAME[n].multi_rank_only and args.ranks_per_node == 1]
+        if single:
+            p.error(f"--variants: {single} need --ranks-per-node 2 (hierarchical / HSDP rows)")
     return args
 
 
@@ -130,8 +156,12 @@ def write_report(
     results: list[dict], rates: list[float | None], names: list[str], meta: dict, out: Path, name: str
 ) -> int:
     """Aggregate, write NAME.md / NAME.json / NAME.png under ``out``, print the markdown."""
-    table = aggregate(results, rates, names)
-    md = render_markdown(table, meta, names)
+    if meta.get("ranks_per_node", 1) > 1:
+        table = aggregate_nodes(results, rates, names)
+        md = render_markdown_nodes(table, meta, names)
+    else:
+        table = aggregate(results, rates, names)
+        md = render_markdown(table, meta, names)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(md)
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "table": table, "raw": results}, indent=1))
@@ -226,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         "link_checks": link_checks,
         "variants": names,
     }
+    if args.ranks_per_node > 1:  # keys only in multi-rank runs: the one-rank-per-node JSON stays as it was
+        meta.update(nodes=args.nodes, ranks_per_node=args.ranks_per_node)
     write_report(results, rates, names, meta, out, args.name)
     failed = [r for r in results if r.get("event") == "error"]
     return 1 if (interrupted or failed) else 0

@@ -1,7 +1,8 @@
 """netbench's orchestration: the interleaved schedule and the worker pairs that run it.
 
 Each rank is one long-lived worker (``python -m benchmarks.netbench --worker``) running the whole
-schedule; if a worker fails or stalls, both are killed and a fresh pair resumes after the failed entry.
+schedule (one per node, or ``--ranks-per-node`` per node); if a worker fails or stalls, all are killed and a
+fresh set resumes after the failed entry.
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _worker_env(net: Any, rank: int, port: int, threads: int) -> dict[str, str]:
+def _worker_env(
+    net: Any, node: int, port: int, threads: int, local_rank: int = 0, ranks_per_node: int = 1
+) -> dict[str, str]:
+    """Lightning's env-based launch for one process: NODE_RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT.
+
+    Every rank of a node binds gloo to its node's veth address: traffic to a peer in the same namespace
+    goes to a local address, which the kernel delivers over that namespace's ``lo`` (unshaped), while
+    traffic to the other node crosses the shaped veth."""
     env = dict(os.environ)
     for k in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME"):
         env.pop(k, None)  # keep Lightning on LightningEnvironment (not torchelastic / SLURM detection)
@@ -66,10 +74,10 @@ def _worker_env(net: Any, rank: int, port: int, threads: int) -> dict[str, str]:
         MKL_NUM_THREADS=str(threads),
         MASTER_ADDR=net.master_addr,
         MASTER_PORT=str(port),
-        NODE_RANK=str(rank),
-        LOCAL_RANK="0",
-        WORLD_SIZE="2",
-        GLOO_SOCKET_IFNAME=net.iface(rank),
+        NODE_RANK=str(node),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(2 * ranks_per_node),
+        GLOO_SOCKET_IFNAME=net.iface(node),
         PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
         PYTHONUNBUFFERED="1",
     )
@@ -87,6 +95,10 @@ def run_schedule(
     remaining = list(schedule)
     ncpu = os.cpu_count() or 1
     pin = args.pin and ncpu >= 2 and shutil.which("taskset") is not None
+    rpn = getattr(args, "ranks_per_node", 1)
+    # (global rank, node, local rank); one rank per node pins rank i to core i, two per node pin local rank
+    # i of every node to core i (so with 2 cores each core runs one rank of each node)
+    ranks = [(node * rpn + lr, node, lr) for node in (0, 1) for lr in range(rpn)]
     attempt = 0
     while remaining:
         attempt += 1
@@ -105,20 +117,24 @@ def run_schedule(
             "flush_denormal": not args.no_flush_denormal,
             "collective_timeout": args.collective_timeout,
             "ifaces": [net.iface(0), net.iface(1)],
-            "wire_divisor": 2 if net.mode == "loopback" else 1,  # on lo both ranks' packets are counted
+            # on lo both nodes' packets are counted: halve for a per-node (= per-rank at 1 rank/node) share
+            "wire_divisor": 2 if net.mode == "loopback" else 1,
         }
+        if rpn > 1:  # keys only in multi-rank runs, so the one-rank-per-node spec stays as it was
+            spec.update(nodes=2, ranks_per_node=rpn)
         spec_path = workdir / f"spec_{tag}.json"
         spec_path.write_text(json.dumps(spec))
         port = free_port() if net.mode == "loopback" else 29500 + attempt
         procs, res_paths, log_paths = [], [], []
-        for rank in (0, 1):
+        for rank, node, local_rank in ranks:
             res_paths.append(workdir / f"results_{tag}_rank{rank}.jsonl")
             log_paths.append(workdir / f"log_{tag}_rank{rank}.txt")
-            cmd = [*net.prefix(rank), *(["taskset", "-c", str(rank % ncpu)] if pin else [])]
+            core = rank if rpn == 1 else local_rank
+            cmd = [*net.prefix(node), *(["taskset", "-c", str(core % ncpu)] if pin else [])]
             cmd += [sys.executable, "-m", "benchmarks.netbench", "--worker", "--spec", str(spec_path)]
             cmd += ["--rank", str(rank), "--results", str(res_paths[-1])]
             with open(log_paths[-1], "w") as log:
-                env = _worker_env(net, rank, port, args.threads)
+                env = _worker_env(net, node, port, args.threads, local_rank, rpn)
                 procs.append(
                     subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                 )
@@ -127,7 +143,7 @@ def run_schedule(
             while True:
                 time.sleep(0.5)
                 rows0 = _read_jsonl(res_paths[0])
-                n = len(rows0) + len(_read_jsonl(res_paths[1]))
+                n = len(rows0) + sum(len(_read_jsonl(p)) for p in res_paths[1:])
                 if n != seen:
                     seen, last_progress = n, time.time()
                 for r in rows0[printed:]:
@@ -152,7 +168,7 @@ def run_schedule(
             _kill(procs)
         rows = [_read_jsonl(p) for p in res_paths]
         done_ids = [{r["id"] for r in rr if r.get("event") == "done"} for rr in rows]
-        both = done_ids[0] & done_ids[1]
+        both = set.intersection(*done_ids)  # entries every rank finished
         results += [r for rr in rows for r in rr if r.get("event") == "done" and r["id"] in both]
         remaining = [e for e in remaining if e["id"] not in both]
         if failed and remaining:
@@ -160,7 +176,7 @@ def run_schedule(
             errs = [r for rr in rows for r in rr if r.get("event") == "error" and r["id"] == bad["id"]]
             tails = "".join("".join(p.read_text().splitlines(True)[-20:]) for p in log_paths)
             msg = errs[0]["error"].splitlines()[0][:300] if errs else failed
-            if len(errs) < 2:  # a rank that died without a Python exception: its log tells why
+            if len(errs) < len(ranks):  # a rank that died without a Python exception: its log tells why
                 msg += f" (ranks with an error line: {[e['rank'] for e in errs]}; {failed})"
             print(f"[netbench] {rate} Mbit/s  {bad['variant']} rep {bad['repeat']} FAILED: {msg}", flush=True)
             if args.verbose:

@@ -23,6 +23,7 @@ class Variant:
     label: str
     needs: tuple[str, ...] = ()  # "module:Attr" candidates; one must import for the variant to run
     in_all: bool = True  # False: an ablation, run only when named in --variants
+    multi_rank_only: bool = False  # needs several ranks per node (--ranks-per-node 2): hierarchical/HSDP rows
 
 
 QSDP = ("lightning_qcomm.strategies:QSDPStrategy", "lightning_qcomm.strategies.qsdp:QSDPStrategy")
@@ -58,15 +59,56 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant("localsgd_h4", "lq", "LocalSGDStrategy(sync='constant', period=4)", LSGD),
     Variant("onebit_adam", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps)", ONEBIT),
-)
+    # --ranks-per-node 2 only: the hierarchical / HSDP counterparts of the flat rows above
+    Variant(
+        "fsdp2_hsdp", "torch", "FSDP2 HSDP fp32: fully_shard on a 2-D mesh (replicate across nodes x shard inside a node)",
+        multi_rank_only=True,
+    ),
+    Variant("qsdp_w8g8_hsdp", "lq", "QSDPStrategy(weight_bits=8, grad_bits=8, hsdp=True)", QSDP, multi_rank_only=True),
+    Variant(
+        "qddp_uniform8_hier", "lq", "QuantDDPStrategy(codec='uniform', bits=8, hierarchical=True)", QDDP,
+        multi_rank_only=True,
+    ),
+    Variant(
+        "qddp_nuqsgd4_hier", "lq", "QuantDDPStrategy(codec='nuqsgd', bits=4, hierarchical=True)", QDDP,
+        multi_rank_only=True,
+    ),
+    Variant(
+        "onebit_adam_hier", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps, hierarchical=True)", ONEBIT,
+        multi_rank_only=True,
+    ),
+    # DiLoCo-QSR across nodes lands here: Variant("diloco_qsr", "lq", "...", DILOCO, multi_rank_only=True), with
+    # DILOCO = ("lightning_qcomm.strategies:DiLoCoStrategy", ...), a branch in build_variant, and its name in
+    # MULTI_RANK_ALL after localsgd_qsr.
+)  # fmt: skip
 VARIANT_BY_NAME = {v.name: v for v in VARIANTS}
 BASELINE = "ddp_fp32"
+# `--variants all` with --ranks-per-node 2 (issue 16's benchmark): every flat row next to its hierarchical one
+MULTI_RANK_ALL = (
+    "floor", "ddp_fp32", "ddp_fp16", "powersgd_r4", "fsdp2", "fsdp2_hsdp", "qsdp_w8g8", "qsdp_w8g8_hsdp",
+    "qddp_uniform8", "qddp_uniform8_hier", "qddp_nuqsgd4", "qddp_nuqsgd4_hier", "onebit_adam", "onebit_adam_hier",
+    "localsgd_qsr", "post_local_sgd",
+)  # fmt: skip
+# torch's PowerSGD hook with more than one DDP bucket crashes on the 2x2 topology (a gloo collective-order
+# mismatch, issue 16), so multi-rank runs give it one bucket
+ONE_BUCKET_MB = 10_000
 QDDP_CODECS = {
     "qddp_uniform8": ("uniform", 8),
     "qddp_fp8_e4m3": ("fp8_e4m3", 8),
     "qddp_nuqsgd4": ("nuqsgd", 4),
     "qddp_qsgd4": ("qsgd", 4),
 }
+
+
+def label_for(name: str, ranks_per_node: int = 1) -> str:
+    """The report's description of variant ``name`` under ``ranks_per_node`` (PowerSGD differs at 2)."""
+    label = VARIANT_BY_NAME[name].label
+    if ranks_per_node > 1 and name.startswith("powersgd_r"):
+        label += (
+            f"; ONE DDP bucket (bucket_cap_mb={ONE_BUCKET_MB}): torch's PowerSGD hook crashes on this topology "
+            "with more than one bucket (gloo collective-order mismatch)"
+        )
+    return label
 
 
 def load_symbol(candidates: tuple[str, ...]) -> Any:
@@ -93,13 +135,14 @@ def variant_available(v: Variant) -> tuple[bool, str]:
 
 
 def build_variant(
-    name: str, *, warmup: int, lr: float, lr_warmup: int, timeout_s: float
+    name: str, *, warmup: int, lr: float, lr_warmup: int, timeout_s: float, nodes: int = 2, ranks_per_node: int = 1
 ) -> tuple[Any, type, dict, list]:
     """(strategy, LightningModule class, extra module kwargs, callbacks) for variant ``name``.
 
     ``warmup`` is the number of untimed steps: PowerSGD and post-local SGD finish their own
     uncompressed warm-up inside it, so the timed window sees their steady state. ``lr`` is the peak
     learning rate and ``lr_warmup`` the model's linear lr warm-up length (QSR keeps H = h_base there).
+    ``nodes`` x ``ranks_per_node`` is the job's shape (the FSDP2 meshes and PowerSGD's bucketing follow it).
     """
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
     from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
@@ -108,6 +151,7 @@ def build_variant(
     from benchmarks.bench_model import BenchLM, BenchLMFSDP2
 
     timeout = timedelta(seconds=timeout_s)
+    world = nodes * ranks_per_node
 
     class CPUHookDDPStrategy(DDPStrategy):
         """DDPStrategy that registers its comm hook on CPU too (Lightning registers hooks only on CUDA)."""
@@ -145,7 +189,8 @@ def build_variant(
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2, use_error_feedback=True
         )
-        return ddp(ddp_comm_state=state, ddp_comm_hook=powerSGD_hook.powerSGD_hook), BenchLM, {}, []
+        bucket = {"bucket_cap_mb": ONE_BUCKET_MB} if ranks_per_node > 1 else {}  # see ONE_BUCKET_MB
+        return ddp(ddp_comm_state=state, ddp_comm_hook=powerSGD_hook.powerSGD_hook, **bucket), BenchLM, {}, []
     if name == "post_local_sgd":
         state = pls.PostLocalSGDState(
             process_group=None, subgroup=None, start_localSGD_iter=warmup, post_local_gradient_allreduce=False
@@ -153,16 +198,25 @@ def build_variant(
         strat = ddp(ddp_comm_state=state, ddp_comm_hook=pls.post_localSGD_hook, model_averaging_period=4)
         return strat, BenchLM, {}, []
     if name in ("fsdp2", "fsdp2_bf16"):
-        strat = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout)
+        strat = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)
         return strat, BenchLMFSDP2, {"mp_dtype": "bfloat16" if name == "fsdp2_bf16" else None}, []
+    if name == "fsdp2_hsdp":
+        strat = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)
+        return strat, BenchLMFSDP2, {"hsdp_shape": (nodes, ranks_per_node)}, []
+    if name == "qsdp_w8g8_hsdp":
+        strat = load_symbol(QSDP)(weight_bits=8, grad_bits=8, hsdp=True, timeout=timeout)
+        return strat, BenchLM, {}, []
     if name in ("qsdp_w8g8", "qsdp_w4g4", "qsdp_w8g8_inline", "qsdp_w4g4_inline"):
         bits = 8 if name.startswith("qsdp_w8g8") else 4
         overlap = not name.endswith("_inline")  # the ablation: weight all-gathers inline, no prefetch
         strat = load_symbol(QSDP)(weight_bits=bits, grad_bits=bits, overlap_comm=overlap, timeout=timeout)
         return strat, BenchLM, {}, []
-    if name in QDDP_CODECS:
-        codec, bits = QDDP_CODECS[name]
-        strat = load_symbol(QDDP)(codec=codec, bits=bits, process_group_backend="gloo", timeout=timeout)
+    if name in QDDP_CODECS or name.removesuffix("_hier") in QDDP_CODECS:
+        codec, bits = QDDP_CODECS[name.removesuffix("_hier")]
+        hier = name.endswith("_hier")
+        strat = load_symbol(QDDP)(
+            codec=codec, bits=bits, hierarchical=hier, process_group_backend="gloo", timeout=timeout
+        )
         return strat, BenchLM, {}, []
     if name == "localsgd_qsr":
         # alpha = 2 * peak lr: H = h_base = 4 while lr >= peak/2, then floor((alpha/lr)^2) as the cosine decays
@@ -171,6 +225,7 @@ def build_variant(
     if name == "localsgd_h4":
         strat = load_symbol(LSGD)(sync="constant", period=4, timeout=timeout)
         return strat, BenchLM, {}, []
-    if name == "onebit_adam":
-        return ddp(), BenchLM, {}, [load_symbol(ONEBIT)(freeze_step=warmup)]
+    if name in ("onebit_adam", "onebit_adam_hier"):
+        hier = name.endswith("_hier")
+        return ddp(), BenchLM, {}, [load_symbol(ONEBIT)(freeze_step=warmup, hierarchical=hier)]
     raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANT_BY_NAME)}")

@@ -1,4 +1,4 @@
-"""netbench worker: one rank of the two-node job, measuring every scheduled variant (see ``benchmarks.netbench``).
+"""netbench worker: one rank of the two-node job (one or two ranks per node), measuring every scheduled variant (see ``benchmarks.netbench``).
 
 Owns the measurement inside a rank: the gloo process group (created once, reused by every
 ``Trainer``), per-step timestamps, interface and ledger snapshots at the edges of the timed window,
@@ -38,9 +38,10 @@ class TorchCollectiveCounter:
         "broadcast": ("broadcast", "tensor"),
     }
 
-    def __init__(self, ledger: Any, tag: str = "torch") -> None:
+    def __init__(self, ledger: Any, tag: str = "torch", ranks_per_node: int | None = None) -> None:
         self.ledger = ledger
         self.tag = tag
+        self.ranks_per_node = ranks_per_node  # set: sub-group collectives get an @intra / @inter scope
         self._saved: list[tuple[Any, str, Any]] = []
         self._local = threading.local()
 
@@ -57,7 +58,8 @@ class TorchCollectiveCounter:
                 bound = sig.bind_partial(*a, **k).arguments
                 t = bound[arg]
                 nbytes = t.numel() * t.element_size()
-                counter.ledger.record(op, nbytes, nbytes, dist.get_world_size(bound.get("group")), tag=counter.tag)
+                group = bound.get("group")
+                counter.ledger.record(op, nbytes, nbytes, dist.get_world_size(group), tag=counter.tag_for(group))
             counter._local.depth = depth + 1
             try:
                 return fn(*a, **k)
@@ -66,6 +68,19 @@ class TorchCollectiveCounter:
 
         wrapped.__wrapped__ = fn
         return wrapped
+
+    def tag_for(self, group: Any) -> str:
+        """``tag@intra`` for a group inside one node, ``tag@inter`` for one rank per node, else ``tag`` (flat)."""
+        import torch.distributed as dist
+
+        if self.ranks_per_node is None or group is None or group is dist.group.WORLD:
+            return self.tag
+        nodes = [r // self.ranks_per_node for r in dist.get_process_group_ranks(group)]
+        if len(nodes) > 1 and len(set(nodes)) == 1:
+            return f"{self.tag}@intra"
+        if len(nodes) > 1 and len(set(nodes)) == len(nodes) < dist.get_world_size():
+            return f"{self.tag}@inter"
+        return self.tag
 
     def __enter__(self) -> TorchCollectiveCounter:
         import torch.distributed as dist
@@ -90,7 +105,12 @@ def _ledger_wire(ledger: Any) -> tuple[float, int]:
     return (tot.wire_bytes, tot.calls) if tot is not None else (0.0, 0)
 
 
-def _make_step_timer(warmup: int, steps: int, iface: str, ledgers: dict[str, Any]):
+def _ledger_scopes(ledger: Any) -> dict[str, float]:
+    by = ledger.summarize(ledger.cumulative, by="scope")
+    return {scope: by[scope].wire_bytes if scope in by else 0.0 for scope in ("intra", "inter", "flat")}
+
+
+def _make_step_timer(warmup: int, steps: int, iface: str, ledgers: dict[str, Any], scoped: bool = False):
     import lightning.pytorch as pl
 
     from benchmarks.netns import iface_bytes
@@ -108,6 +128,10 @@ def _make_step_timer(warmup: int, steps: int, iface: str, ledgers: dict[str, Any
             snap = {"t": time.perf_counter(), "tx": c.tx, "rx": c.rx}
             for key, led in ledgers.items():
                 snap[key], snap[key + "_calls"] = _ledger_wire(led)
+                if scoped:
+                    snap[key + "_scopes"] = _ledger_scopes(led)
+            if scoped and iface != "lo":  # multi-rank nodes: the namespace's own lo carries the intra-node traffic
+                snap["lo_tx"] = iface_bytes("lo").tx
             return snap
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -128,10 +152,18 @@ def run_entry(entry: dict, spec: dict, rank: int) -> dict:
 
     name = entry["variant"]
     steps, warmup = spec["steps"], spec["warmup"]
+    rpn = spec.get("ranks_per_node", 1)
+    node = rank // rpn
     pl.seed_everything(spec["seed"], verbose=False)
     lr_warmup = max(1, min(3, steps // 5))  # the model's linear lr warm-up (then cosine to 10%)
     strategy, module_cls, module_kw, callbacks = build_variant(
-        name, warmup=warmup, lr=spec["lr"], lr_warmup=lr_warmup, timeout_s=spec["collective_timeout"]
+        name,
+        warmup=warmup,
+        lr=spec["lr"],
+        lr_warmup=lr_warmup,
+        timeout_s=spec["collective_timeout"],
+        nodes=spec.get("nodes", 2),
+        ranks_per_node=rpn,
     )
     module = module_cls(
         preset=spec["preset"],
@@ -144,11 +176,12 @@ def run_entry(entry: dict, spec: dict, rank: int) -> dict:
     )
     lq_ledger, dist_ledger = CommLedger(), CommLedger()
     set_ledger(lq_ledger)
-    timer = _make_step_timer(warmup, steps, spec["ifaces"][rank], {"lq": lq_ledger, "dist": dist_ledger})
+    ledgers = {"lq": lq_ledger, "dist": dist_ledger}
+    timer = _make_step_timer(warmup, steps, spec["ifaces"][node], ledgers, scoped=rpn > 1)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
-        num_nodes=2,
+        devices=rpn,
+        num_nodes=spec.get("nodes", 2),
         strategy=strategy,
         plugins=[LightningEnvironment()],
         max_steps=steps,
@@ -163,7 +196,7 @@ def run_entry(entry: dict, spec: dict, rank: int) -> dict:
     )
     t0 = time.perf_counter()
     try:
-        with TorchCollectiveCounter(dist_ledger):
+        with TorchCollectiveCounter(dist_ledger, ranks_per_node=rpn if rpn > 1 else None):
             trainer.fit(module)
     finally:
         set_ledger(None)
@@ -177,7 +210,15 @@ def run_entry(entry: dict, spec: dict, rank: int) -> dict:
     lq_calls = b["lq_calls"] - a["lq_calls"]
     key = "lq" if lq_calls > 0 else "dist"
     div = spec["wire_divisor"]
+    extra = {}
+    if rpn > 1:  # per-node figures: both ranks of a node read the same veth (inter) and lo (intra) counters
+        extra = {"node": node, "local_rank": rank % rpn, "lo_tx_per_step": None}
+        if "lo_tx" in b:  # netns only: on the loopback fallback lo is the machine-wide link itself
+            extra["lo_tx_per_step"] = (b["lo_tx"] - a["lo_tx"]) / n
+        for scope in ("intra", "inter", "flat"):
+            extra[f"ledger_{scope}_per_step"] = (b[key + "_scopes"][scope] - a[key + "_scopes"][scope]) / n
     return {
+        **extra,
         "variant": name,
         "repeat": entry["repeat"],
         "rank": rank,
@@ -217,8 +258,9 @@ def worker_main(spec_path: str, rank: int, results_path: str) -> int:
     warnings.filterwarnings("ignore")
     for logger in ("lightning.pytorch", "lightning.fabric", "lightning_qcomm"):
         logging.getLogger(logger).setLevel(logging.ERROR)
+    world = spec.get("nodes", 2) * spec.get("ranks_per_node", 1)
     dist.init_process_group(
-        "gloo", init_method="env://", rank=rank, world_size=2, timeout=timedelta(seconds=spec["collective_timeout"])
+        "gloo", init_method="env://", rank=rank, world_size=world, timeout=timedelta(seconds=spec["collective_timeout"])
     )
     with open(results_path, "a", buffering=1) as out:
 
