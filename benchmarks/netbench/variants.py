@@ -59,6 +59,16 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant("localsgd_h4", "lq", "LocalSGDStrategy(sync='constant', period=4)", LSGD),
     Variant("onebit_adam", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps)", ONEBIT),
+    Variant("qddp_auto", "lq", "QuantDDPStrategy(codec='auto', min_bits=4): width chosen at setup from measured costs", QDDP),
+    Variant(
+        "qsdp_w8g8_nfprop", "lq", "QSDPStrategy(bits=8, nonfinite='propagate') (ablation: no per-step non-finite check)",
+        QSDP, False,
+    ),
+    Variant(
+        "qddp_nuqsgd4_nfprop", "lq",
+        "QuantDDPStrategy(codec='nuqsgd', bits=4, nonfinite='propagate') (ablation: no per-step non-finite check)",
+        QDDP, False,
+    ),
     # --ranks-per-node 2 only: the hierarchical / HSDP counterparts of the flat rows above
     Variant(
         "fsdp2_hsdp", "torch", "FSDP2 HSDP fp32: fully_shard on a 2-D mesh (replicate across nodes x shard inside a node)",
@@ -205,6 +215,17 @@ def build_variant(
         return strat, BenchLMFSDP2, {"hsdp_shape": (nodes, ranks_per_node)}, []
     if name == "qsdp_w8g8_hsdp":
         strat = load_symbol(QSDP)(weight_bits=8, grad_bits=8, hsdp=True, timeout=timeout)
+        return strat, BenchLM, {}, []
+    if name == "qddp_auto":
+        strat = load_symbol(QDDP)(codec="auto", min_bits=4, process_group_backend="gloo", timeout=timeout)
+        return strat, BenchLM, {}, []
+    if name == "qsdp_w8g8_nfprop":
+        strat = load_symbol(QSDP)(weight_bits=8, grad_bits=8, nonfinite="propagate", timeout=timeout)
+        return strat, BenchLM, {}, []
+    if name == "qddp_nuqsgd4_nfprop":
+        strat = load_symbol(QDDP)(
+            codec="nuqsgd", bits=4, nonfinite="propagate", process_group_backend="gloo", timeout=timeout
+        )
         return strat, BenchLM, {}, []
     if name in ("qsdp_w8g8", "qsdp_w4g4", "qsdp_w8g8_inline", "qsdp_w4g4_inline"):
         bits = 8 if name.startswith("qsdp_w8g8") else 4
