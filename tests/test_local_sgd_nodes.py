@@ -163,8 +163,12 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
     return every
 
 
-def _plain_torch(steps: int = 6) -> dict:
-    """No Lightning: ``LocalSGD(config=LocalSGDConfig(scope="inter_node", node_size=2, outer_optimizer="nesterov"))``."""
+QSR_H = 4  # QSR's H from lr 0.05: max(h_base=2, floor((0.1 / 0.05) ** 2))
+
+
+def _plain_torch(steps: int = 8) -> dict:
+    """No Lightning: ``LocalSGD(config=LocalSGDConfig(sync="qsr", scope="inter_node", node_size=2,
+    outer_optimizer="nesterov"))``: QSR sets DiLoCo's H."""
     import torch.distributed as dist
 
     from lightning_qcomm import LocalSGD, LocalSGDConfig
@@ -175,7 +179,9 @@ def _plain_torch(steps: int = 6) -> dict:
     batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(rank * BATCH, N_SAMPLES, 4 * BATCH)][:steps]
     net = _module().body
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    config = LocalSGDConfig(sync="constant", period=PERIOD, scope="inter_node", node_size=2, outer_optimizer="nesterov")
+    config = LocalSGDConfig(
+        sync="qsr", h_base=2, alpha=0.1, scope="inter_node", node_size=2, outer_optimizer="nesterov"
+    )
     ledger = CommLedger()
     set_ledger(ledger)
     local_sgd = LocalSGD(net, opt, config, total_steps=steps)
@@ -188,7 +194,13 @@ def _plain_torch(steps: int = 6) -> dict:
         agree.append((torch.equal(r[0], r[1]) and torch.equal(r[2], r[3]), torch.equal(r[0], r[2])))
     set_ledger(None)
     state = local_sgd.state_dict()
-    return {"agree": agree, "calls": _calls(ledger), "has_outer": "outer" in state, "syncs": local_sgd.num_syncs}
+    return {
+        "agree": agree,
+        "calls": _calls(ledger),
+        "has_outer": "outer" in state,
+        "syncs": local_sgd.num_syncs,
+        "outer_steps": local_sgd.outer.num_steps,
+    }
 
 
 def _fabric(steps: int = 6) -> dict:
@@ -334,8 +346,9 @@ def test_plain_torch_local_sgd_across_nodes(runs):
     for r in runs:
         p = r["plain"]
         assert all(intra for intra, _ in p["agree"])
-        assert [across for _, across in p["agree"]] == [(i + 1) % PERIOD == 0 for i in range(6)]
+        assert [across for _, across in p["agree"]] == [(i + 1) % QSR_H == 0 for i in range(8)]
         assert p["calls"]["all_reduce:param_average@inter"] == 2 and p["has_outer"] and p["syncs"] == 2
+        assert p["outer_steps"] == 2
 
 
 def test_fabric_local_sgd_across_nodes(runs):
