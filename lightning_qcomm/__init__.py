@@ -52,6 +52,7 @@ from lightning_qcomm.optim import OneBitAdam
 from lightning_qcomm.parallel import (
     LocalSGD,
     LocalSGDConfig,
+    NesterovOuterOptimizer,
     QSDPConfig,
     QuantDDPConfig,
     apply_qsdp,
@@ -76,6 +77,7 @@ __all__ = [
     "CommVolumeLogger",
     "LocalSGD",
     "LocalSGDConfig",
+    "NesterovOuterOptimizer",
     "LocalSGDFabricStrategy",
     "LocalSGDStrategy",
     "OneBitAdam",

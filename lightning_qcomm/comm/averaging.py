@@ -15,6 +15,12 @@ them far better than the raw weights (the same reason DiLoCo and torchft average
 ``delta=False`` quantizes the values themselves. Either way every rank ends with identical tensors
 (``quantized_all_reduce`` decodes the same bytes everywhere). Every call records into the ledger.
 
+With ``node_groups`` (``comm.topology``) each bucket is averaged over the world by
+``comm.hierarchical.hierarchical_all_reduce``: exact fp32 inside a node, the codec only across nodes, each
+buffer crossing the slow links once (1/node_size of it from each rank of a node); ledger tags
+``f"{tag}@intra"`` / ``f"{tag}@inter"``. Local SGD across nodes uses it for tensors that are already equal
+inside a node, so the intra-node sum is exact and the result is the mean over nodes.
+
 No Lightning here: the strategy decides *when*, this module decides *how*.
 """
 
@@ -28,7 +34,9 @@ import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.comm.buckets import bucket_layout
+from lightning_qcomm.comm.hierarchical import hierarchical_all_reduce
 from lightning_qcomm.comm.quantized import quantized_all_reduce
+from lightning_qcomm.comm.topology import NodeGroups
 
 DEFAULT_BUCKET_NUMEL = 25 * 1024 * 1024 // 4  # 25 MiB of fp32 per flat bucket, like DDP's bucket_cap_mb
 
@@ -59,6 +67,7 @@ class TensorAverager:
         seed: base seed; round r, bucket k use ``derive_seed(seed, r, k)``.
         tag: ledger tag ("param_average", "buffers", ...).
         delta: with a codec, quantize the change since the last average instead of the values.
+        node_groups: average over the world hierarchically (``group`` must then be None).
     """
 
     def __init__(
@@ -70,6 +79,7 @@ class TensorAverager:
         seed: int = 0,
         tag: str = "param_average",
         delta: bool = True,
+        node_groups: NodeGroups | None = None,
     ) -> None:
         if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
             raise ValueError(f"bucket_numel must be an int >= 1, got {bucket_numel!r}")
@@ -78,8 +88,11 @@ class TensorAverager:
                 raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
             if not t.is_floating_point():
                 raise TypeError(f"tensors[{i}] must be floating point to be averaged, got dtype {t.dtype}")
+        if node_groups is not None and group is not None:
+            raise ValueError("TensorAverager: give group or node_groups, not both")
         self.codec = codec
         self.group = group
+        self.node_groups = node_groups
         self.seed = int(seed)
         self.tag = tag
         self.delta = bool(delta) and codec is not None
@@ -117,6 +130,12 @@ class TensorAverager:
         for b in self._buckets:
             b.anchor = self._flatten(b).to(torch.float32)
 
+    def _all_reduce(self, flat: torch.Tensor, seed: int, check: bool) -> None:
+        if self.node_groups is not None:
+            hierarchical_all_reduce(flat, self.codec, self.node_groups, op="avg", seed=seed, tag=self.tag, check=check)
+        else:
+            quantized_all_reduce(flat, self.codec, group=self.group, op="avg", seed=seed, tag=self.tag, check=check)
+
     @torch.no_grad()
     def average(self, round_idx: int = 0, check: bool | None = None) -> None:
         """Average every tensor over the group, in place; identical results on all ranks.
@@ -130,16 +149,16 @@ class TensorAverager:
             seed = derive_seed(self.seed, round_idx, k)
             flat = self._flatten(b)
             if self.codec is None:
-                quantized_all_reduce(flat, None, group=self.group, op="avg", seed=seed, tag=self.tag, check=check)
+                self._all_reduce(flat, seed, check)
             elif self.delta:
                 assert b.anchor is not None
                 diff = flat.to(torch.float32) - b.anchor
-                quantized_all_reduce(diff, self.codec, group=self.group, op="avg", seed=seed, tag=self.tag, check=check)
+                self._all_reduce(diff, seed, check)
                 b.anchor.add_(diff)
                 flat = b.anchor
             else:
                 vals = flat.to(torch.float32)
-                quantized_all_reduce(vals, self.codec, group=self.group, op="avg", seed=seed, tag=self.tag, check=check)
+                self._all_reduce(vals, seed, check)
                 flat = vals
             self._unflatten(b, flat)
         self._checked = True

@@ -13,7 +13,9 @@ differ between syncs; unless ``average_optimizer_state``) to its side file (``pa
 uninterrupted one. Call
 ``strategy.local_sgd.sync()`` before evaluating the model between syncs. ``total_steps`` caps the last round
 so training ends on a sync (the Trainer reads it from ``estimated_stepping_batches``). Gradient
-accumulation needs no ``fabric.no_backward_sync``: nothing is synchronised during backward.
+accumulation needs no ``fabric.no_backward_sync``: nothing is synchronised during backward. ``scope="inter_node"``
+(``Fabric(num_nodes=..., devices=...)``; ranks per node from ``devices`` or ``node_size``): the node groups are
+made once at the first ``setup_module`` with the strategy's timeout (docs/design.md, "Local SGD across nodes").
 
 Example::
 
@@ -24,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -34,9 +37,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_qcomm._checks import check_int
+from lightning_qcomm.comm.topology import NodeGroups, node_groups
 from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, config_from
 from lightning_qcomm.parallel.local_sgd import LocalSGD, broadcast_module_states, config_fingerprint, this_rank_entries
-from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig
+from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, inter_node_topology
 from lightning_qcomm.strategies.presets import LOCAL_SGD_PRESETS
 
 
@@ -75,16 +79,25 @@ class LocalSGDFabricStrategy(QCommFabricStrategy, DDPStrategy):
         self.local_sgd: LocalSGD | None = None  # made by setup_module, again by each setup_optimizer
         self._module: nn.Module | None = None
         self._optimizers: list[Optimizer] = []
+        self._node_groups: NodeGroups | None = None  # scope="inter_node": made once (collective), at setup_module
+        self._run_config = self.config  # the global form when there is no node level
 
     @override
     def config_fingerprint(self) -> dict[str, Any]:
-        return config_fingerprint(self.config)
+        node_size = self.config.node_size or self.num_processes  # checked against the world at setup_module
+        return config_fingerprint(self.config, node_size if self.config.scope == "inter_node" else None)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """No DDP wrapper: every rank starts from rank 0's parameters and buffers."""
         broadcast_module_states(module)
         self._module = module
+        if self.config.scope == "inter_node" and self._node_groups is None:
+            topo = inter_node_topology(type(self).__name__, self.world_size, self.config.node_size, self.num_processes)
+            if topo is None:
+                self._run_config = dataclasses.replace(self.config, scope="global", node_size=None)
+            else:
+                self._node_groups = node_groups(topo, timeout=self._timeout, device_type=self.root_device.type)
         self._make_local_sgd()
         return module
 
@@ -99,11 +112,12 @@ class LocalSGDFabricStrategy(QCommFabricStrategy, DDPStrategy):
             self.local_sgd = LocalSGD(
                 self._module,
                 self._optimizers or None,
-                self.config,
+                self._run_config,
                 total_steps=self.total_steps,
                 register_hooks=False,  # driven from optimizer_step
                 broadcast=False,
                 owner=type(self).__name__,
+                node_groups=self._node_groups,
             )
 
     @override

@@ -6,7 +6,7 @@ Example::
 
     qsdp = apply_qsdp(model, mesh, QSDPConfig(bits=8))
     state, hook = quant_ddp_hook(QuantDDPConfig(codec="nuqsgd", bits=4), ddp_model, optimizer=optimizer)
-    local_sgd = LocalSGD(model, optimizer, LocalSGDConfig(sync="qsr"))
+    local_sgd = LocalSGD(model, optimizer, LocalSGDConfig(sync="qsr", scope="inter_node", outer_optimizer="nesterov"))
     onebit = onebit_adam_ddp(ddp_model, OneBitAdam(ddp_model.parameters(), freeze_step=100))
 """
 
@@ -14,6 +14,7 @@ from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.parallel.local_sgd import LocalSGD
 from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig
 from lightning_qcomm.parallel.onebit_adam import OneBitAdamDDP, onebit_adam_ddp
+from lightning_qcomm.parallel.outer_optim import NesterovOuterOptimizer
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
 from lightning_qcomm.parallel.quant_ddp import quant_ddp_hook
@@ -22,6 +23,7 @@ from lightning_qcomm.parallel.sharding import plan_fsdp_groups
 __all__ = [
     "LocalSGD",
     "LocalSGDConfig",
+    "NesterovOuterOptimizer",
     "OneBitAdamDDP",
     "QSDPConfig",
     "QSDPHandle",

@@ -19,6 +19,12 @@ does), so the loop calls ``optimizer.step()`` only; call it before ``lr_schedule
 averages replicas that moved since the last average (before evaluating or saving the model). At
 construction the parameters and buffers are broadcast from rank 0 (every replica starts equal).
 
+``scope="inter_node"`` (docs/design.md, "Local SGD across nodes"): the ranks of a node are data-parallel (their
+gradients are averaged over the node, fp32, every step, so they stay identical) and the nodes' replicas are
+averaged every H steps over the world hierarchically (``comm.hierarchical``: each buffer crosses the slow links
+once). ``outer_optimizer="nesterov"`` turns each scheduled average into DiLoCo's outer step
+(``parallel.outer_optim``); forced averages (``sync()``) stay plain averages and leave the outer state alone.
+
 ``LocalSGDStrategy`` (Trainer) and ``LocalSGDFabricStrategy`` (Fabric) drive the same object.
 
 Example::
@@ -48,7 +54,9 @@ from torch.optim import Optimizer
 
 from lightning_qcomm.comm.averaging import TensorAverager
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig
+from lightning_qcomm.comm.topology import NodeGroups, node_groups
+from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, inter_node_topology
+from lightning_qcomm.parallel.outer_optim import build_outer_optimizer
 from lightning_qcomm.parallel.step_hooks import attach_step_hooks
 from lightning_qcomm.parallel.sync_rules import QSRRule, SyncSchedule
 
@@ -97,6 +105,9 @@ class LocalSGD:
         nonfinite: the non-finite policy's guard (a strategy keeps one, and its count, across fits); default a
             new one for ``config.nonfinite``.
         owner: the name warnings and logs use.
+        node_groups: ``scope="inter_node"``'s groups (a strategy makes them once); default: made here (collective)
+            from ``config.node_size`` / ``devices_per_node`` / ``LOCAL_WORLD_SIZE``.
+        devices_per_node: the launcher's ranks per node, for ``scope="inter_node"`` without ``node_size``.
 
     Example::
 
@@ -119,6 +130,8 @@ class LocalSGD:
         broadcast: bool = True,
         nonfinite: NonFiniteGuard | None = None,
         owner: str = "LocalSGD",
+        node_groups: NodeGroups | None = None,
+        devices_per_node: int | None = None,
     ) -> None:
         config = LocalSGDConfig() if config is None else config
         if not isinstance(config, LocalSGDConfig):
@@ -133,22 +146,14 @@ class LocalSGD:
         if broadcast:
             broadcast_module_states(model, process_group)
         self.group = process_group
+        self.node_groups = (
+            self._resolve_node_groups(node_groups, devices_per_node) if config.scope != "global" else None
+        )
         params = [p for p in model.parameters() if p.requires_grad]
-        self.param_averager = TensorAverager(
-            params,
-            codec=config.build_codec(),
-            group=process_group,
-            bucket_numel=config.bucket_numel,
-            seed=config.seed,
-            tag="param_average",
-            delta=config.quantize_delta,
-        )
+        self.param_averager = self._averager(params, "param_average", config.build_codec(), seed=config.seed)
         buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.buffer_averager = (
-            TensorAverager(buffers, None, group=process_group, bucket_numel=config.bucket_numel, tag="buffers")
-            if config.average_buffers and buffers
-            else None
-        )
+        self.buffer_averager = self._averager(buffers, "buffers") if config.average_buffers and buffers else None
+        self.outer = build_outer_optimizer(config.outer_optimizer, params, config.outer_lr, config.outer_momentum)
         self.schedule = SyncSchedule(self.rule, total_steps=total_steps)
         self.nonfinite = NonFiniteGuard(config.nonfinite, owner) if nonfinite is None else nonfinite
         self.num_averages = 0  # every average (scheduled or forced): seeds of quantized rounds
@@ -159,6 +164,38 @@ class LocalSGD:
         if register_hooks:
             for opt in self.optimizers:
                 self._hooks += attach_step_hooks(opt, before=self._before_hook, after=lambda o: self.end_step())
+
+    def _resolve_node_groups(self, groups: NodeGroups | None, devices_per_node: int | None) -> NodeGroups | None:
+        if self.group is not None:
+            raise ValueError(f"{self.owner}(scope='inter_node') averages over the world: process_group must be None")
+        if groups is not None:
+            return groups
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{self.owner}(scope='inter_node') needs an initialised torch.distributed")
+        topo = inter_node_topology(self.owner, dist.get_world_size(), self.config.node_size, devices_per_node)
+        return None if topo is None else node_groups(topo)
+
+    def _averager(
+        self, tensors: list[torch.Tensor], tag: str, codec: Any = None, seed: int = 0, intra: bool = False
+    ) -> TensorAverager:
+        """Over the world (hierarchically across nodes, or over ``process_group``), or over the node (``intra``)."""
+        numel, delta = self.config.bucket_numel, self.config.quantize_delta
+        if self.node_groups is None:
+            return TensorAverager(tensors, codec, group=self.group, bucket_numel=numel, seed=seed, tag=tag, delta=delta)
+        if intra:
+            return TensorAverager(tensors, None, group=self.node_groups.intra, bucket_numel=numel, tag=f"{tag}@intra")
+        return TensorAverager(
+            tensors, codec, node_groups=self.node_groups, bucket_numel=numel, seed=seed, tag=tag, delta=delta
+        )
+
+    @property
+    def topology(self) -> tuple[int, int] | None:
+        """(nodes, ranks per node) of ``scope="inter_node"``; None for the global form."""
+        return (
+            None
+            if self.node_groups is None
+            else (self.node_groups.topology.num_nodes, self.node_groups.topology.node_size)
+        )
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -201,17 +238,17 @@ class LocalSGD:
         the non-finite policy (``check_finite=False``: not, e.g. under a GradScaler, which skips such steps
         itself). False when the step was skipped (its gradients set to None)."""
         data_parallel = self.schedule.round_data_parallel
-        if data_parallel:
+        if data_parallel or self.node_groups is not None:
             opt = getattr(optimizer, "optimizer", optimizer)
             grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                averager = TensorAverager(
-                    grads, None, group=self.group, bucket_numel=self.config.bucket_numel, tag="grads"
-                )
-                averager.average(self.num_averages, check=self._first_use("grads"))
-        # a local step's gradient is this rank's own: a bad one skips this rank's step only (the schedule still
-        # counts it, so every rank syncs on the same steps); a data-parallel step's is the same everywhere
-        self.nonfinite.scope = "on every rank" if data_parallel else "on this rank (a local step)"
+            if grads:  # a local step across nodes: the node's mean (its ranks stay identical)
+                averager = self._averager(grads, "grads", intra=not data_parallel)
+                averager.average(self.num_averages, check=self._first_use("grads" if data_parallel else "grads@intra"))
+        # a local step's gradient is this rank's (node's) own: a bad one skips this rank's (node's) step only (the
+        # schedule still counts it, so every rank syncs on the same steps); a data-parallel step's is the same
+        # everywhere
+        local = "on this node's ranks (a local step)" if self.node_groups is not None else "on this rank (a local step)"
+        self.nonfinite.scope = "on every rank" if data_parallel else local
         return self.nonfinite.apply(optimizer, self.schedule.step) if check_finite else True
 
     def end_step(self) -> bool:
@@ -225,8 +262,13 @@ class LocalSGD:
             # the quantization anchor moves to the common parameters
             self._average(params=False)
             self.param_averager.reset_anchor()
+            if self.outer is not None:
+                self.outer.restart()  # no pseudo-gradient: the common parameters are the global ones
         else:
             self._average(params=True)
+            if self.outer is not None:
+                self.outer.step()  # DiLoCo: the parameters become the new global ones
+                self.param_averager.reset_anchor()
         return True
 
     def _before_hook(self, optimizer: Optimizer) -> None:
@@ -255,9 +297,7 @@ class LocalSGD:
         if params and self.config.average_optimizer_state:
             states = self._optimizer_state_tensors()  # rebuilt every time: load_state_dict replaces the tensors
             if states:
-                averager = TensorAverager(
-                    states, None, group=self.group, bucket_numel=self.config.bucket_numel, tag="param_average"
-                )
+                averager = self._averager(states, "param_average")
                 averager.average(self.num_averages, check=self._first_use("optimizer_state"))
         self.num_averages += 1
         self.dirty = False
@@ -289,13 +329,17 @@ class LocalSGD:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule and counters (the same on every rank); optimizer states are the optimizers' own."""
-        return {
+        """The schedule and counters, and DiLoCo's outer state (all the same on every rank); optimizer states are
+        the optimizers' own."""
+        state = {
             "sync": self.config.sync,
             "schedule": self.schedule.state_dict(),
             "num_averages": self.num_averages,
             "num_forced_syncs": self.num_forced_syncs,
         }
+        if self.outer is not None:
+            state["outer"] = self.outer.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``; call after the model's weights are loaded (they become the common anchor of
@@ -305,6 +349,16 @@ class LocalSGD:
         self.num_forced_syncs = int(state.get("num_forced_syncs", 0))
         self.dirty = False
         self.param_averager.reset_anchor()
+        if self.outer is not None:
+            if state.get("outer") is not None:
+                self.outer.load_state_dict(state["outer"])
+            else:
+                self.outer.restart()
+                log.warning(
+                    "%s(outer_optimizer='nesterov'): the checkpoint has no outer state; the global parameters "
+                    "restart from the loaded weights, the outer momentum from zero",
+                    self.owner,
+                )
 
     def close(self) -> None:
         """Remove the optimizer step hooks."""
@@ -313,10 +367,10 @@ class LocalSGD:
         self._hooks = []
 
 
-def config_fingerprint(config: LocalSGDConfig) -> dict[str, Any]:
+def config_fingerprint(config: LocalSGDConfig, node_size: int | None = None) -> dict[str, Any]:
     """The settings compared across ranks (a period or alpha that differs would make ranks sync on different
-    steps and wait in each other's averages)."""
-    return asdict(config)
+    steps and wait in each other's averages), with ``scope="inter_node"``'s resolved ranks per node."""
+    return {**asdict(config), "resolved_node_size": node_size}
 
 
 def this_rank_entries(per_rank: Sequence[Sequence[Any]], saved_world: Any, world_size: int, rank: int) -> list | None:

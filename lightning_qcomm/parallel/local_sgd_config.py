@@ -2,7 +2,7 @@
 
 One class for ``LocalSGDStrategy`` (Trainer), ``LocalSGDFabricStrategy`` (Fabric) and ``LocalSGD`` (plain
 torch). The period rule itself is ``parallel.sync_rules`` (``build_rule``); the averaging is
-``comm.averaging.TensorAverager``.
+``comm.averaging.TensorAverager``; ``inter_node_topology`` resolves the nodes ``scope="inter_node"`` runs on.
 
 Example::
 
@@ -12,14 +12,19 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from lightning_qcomm._checks import check_bool, check_float, check_int, check_str
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
+from lightning_qcomm._checks import check_bool, check_choice, check_float, check_int, check_str
 from lightning_qcomm.codecs import Codec, get_codec
 from lightning_qcomm.comm.nonfinite import check_policy
+from lightning_qcomm.comm.topology import Topology, resolve_node_size
 from lightning_qcomm.parallel.sync_rules import SYNC_RULE_NAMES, SyncRule, make_rule
 
 FP32_BYTES = 4
+SCOPES = ("global", "inter_node")
+OUTER_OPTIMIZERS = ("average", "nesterov")
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,15 @@ class LocalSGDConfig:
         save_rank_optimizer_states: checkpoints made through a strategy gather every rank's (local, differing)
             optimizer state so a resume restores each rank's own.
         seed: base seed of the stochastic rounding of quantized averaging.
+        scope: "global" (every rank trains its own replica, averaged over the world every H steps) | "inter_node"
+            (data-parallel inside a node every step, fp32 gradient mean over the node; replicas of the nodes averaged
+            every H steps, each buffer crossing the slow links once; docs/design.md "Local SGD across nodes").
+        node_size: ranks per node for ``scope="inter_node"``; None: the launcher's (Lightning's devices per node,
+            torchrun's ``LOCAL_WORLD_SIZE``). Must divide the world.
+        outer_optimizer: "average" (the replicas become their mean) | "nesterov" (DiLoCo: the mean's
+            pseudo-gradient Δ = θ_global − mean(θ_local) takes an outer Nesterov SGD step; ``parallel.outer_optim``).
+        outer_lr: the outer step's learning rate (> 0; DiLoCo: 0.7).
+        outer_momentum: the outer step's Nesterov momentum, in [0, 1) (DiLoCo: 0.9).
         nonfinite: a NaN/Inf gradient ``"skip"``-s the step (a local step on that rank only, still counted so
             every rank syncs on the same steps; a data-parallel step on every rank), ``"raise"``-s
             FloatingPointError, or ``"propagate"``-s.
@@ -52,6 +66,7 @@ class LocalSGDConfig:
 
         cfg = LocalSGDConfig(sync="qsr", h_base=4, codec="uniform", bits=8)
         cfg.build_rule()     # the period rule; ValueError at construction for a bad field
+        diloco = LocalSGDConfig(sync="qsr", scope="inter_node", outer_optimizer="nesterov", outer_lr=0.7)
     """
 
     sync: str = "qsr"
@@ -71,6 +86,11 @@ class LocalSGDConfig:
     save_rank_optimizer_states: bool = True
     seed: int = 0
     nonfinite: str = "skip"
+    scope: str = "global"
+    node_size: int | None = None
+    outer_optimizer: str = "average"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         own = type(self).__name__
@@ -87,8 +107,31 @@ class LocalSGDConfig:
         if not isinstance(self.sync, str) or self.sync.lower() not in SYNC_RULE_NAMES:
             raise ValueError(f"sync must be one of {SYNC_RULE_NAMES}, got {self.sync!r}")
         object.__setattr__(self, "sync", self.sync.lower())
+        check_choice(own, "scope", self.scope, SCOPES)
+        check_int(own, "node_size", self.node_size, minimum=1, optional=True)
+        check_choice(own, "outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        check_float(own, "outer_lr", self.outer_lr, minimum=0.0, exclusive_minimum=True)
+        check_float(own, "outer_momentum", self.outer_momentum, minimum=0.0)
+        if self.outer_momentum >= 1.0:
+            raise ValueError(f"{own}(outer_momentum={self.outer_momentum!r}) is not allowed; allowed: [0, 1)")
+        self._warn_no_effect(own)
         self.build_rule()  # validates h_base / alpha / power (qsr), period, switch_step (post_local), warmup_steps
         self.build_codec()
+
+    def _warn_no_effect(self, own: str) -> None:
+        defaults = {f.name: f.default for f in fields(self)}
+        if self.outer_optimizer == "average":
+            for name in ("outer_lr", "outer_momentum"):
+                if getattr(self, name) != defaults[name]:
+                    rank_zero_warn(
+                        f"{own}({name}={getattr(self, name)!r}, outer_optimizer='average'): {name} has no effect "
+                        "(it is the outer Nesterov step's; set outer_optimizer='nesterov')"
+                    )
+        if self.scope == "global" and self.node_size is not None:
+            rank_zero_warn(
+                f"{own}(node_size={self.node_size}, scope='global'): node_size has no effect (it lays the ranks out "
+                "as nodes for scope='inter_node')"
+            )
 
     def build_rule(self) -> SyncRule:
         """The period rule named by ``sync`` (``parallel.sync_rules``)."""
@@ -112,4 +155,30 @@ class LocalSGDConfig:
         return max(1, int(self.comm_bucket_mb * 1024 * 1024 / FP32_BYTES))
 
 
-__all__ = ["LocalSGDConfig"]
+def inter_node_topology(
+    owner: str, world_size: int, node_size: int | None = None, devices_per_node: int | None = None
+) -> Topology | None:
+    """The topology ``scope="inter_node"`` runs on, or None (warned once) when there is one node or one rank per
+    node, where it is the global form. ValueError naming ``owner`` for a ``node_size`` that does not divide the
+    world.
+
+    Example::
+
+        inter_node_topology("LocalSGDStrategy", 8, devices_per_node=4)   # Topology(world_size=8, node_size=4)
+        inter_node_topology("LocalSGDStrategy", 4, node_size=4)          # None, warned: one node
+    """
+    try:
+        topo = Topology(world_size, resolve_node_size(world_size, node_size, devices_per_node))
+    except (TypeError, ValueError) as err:
+        raise type(err)(str(err).replace("Topology(", f"{owner}(", 1)) from None
+    if not topo.hierarchical:
+        rank_zero_warn(
+            f"{owner}(scope='inter_node'): {world_size} rank(s) as {topo.num_nodes} node(s) of {topo.node_size}: "
+            "nothing to keep data-parallel inside a node and average across nodes; it runs the global form "
+            "(every rank its own replica)"
+        )
+        return None
+    return topo
+
+
+__all__ = ["OUTER_OPTIMIZERS", "SCOPES", "LocalSGDConfig", "inter_node_topology"]

@@ -34,6 +34,12 @@ schedule and the averaging are ``parallel.LocalSGD`` (the plain-torch averager, 
 * **post_local.** For steps < ``switch_step`` the rule gives H = 1 and the step is data-parallel:
   gradients are all-reduced (tag "grads") inside the optimizer closure, before clipping and the
   optimizer update, exactly like DDP; afterwards parameters are averaged every ``period`` steps.
+* **Across nodes.** ``scope="inter_node"``: the ranks of a node are data-parallel (gradients averaged over
+  the node, fp32, in the closure like post_local's) and the nodes' replicas are averaged every H steps with
+  the hierarchical all-reduce; the node groups are made once at setup with the strategy's ``timeout``, ranks
+  per node from Lightning's devices per node (or ``node_size``), part of the cross-rank config check; one
+  node warns and runs the global form. ``outer_optimizer="nesterov"``: DiLoCo's outer step at each scheduled
+  sync (``parallel.outer_optim``; docs/design.md "Local SGD across nodes"), its state in the checkpoint.
 * **Checkpoint.** ``checkpoint["local_sgd"]`` holds the schedule state (step, H, steps since sync,
   number of syncs, step of the last sync) and the averaging round counter; unless optimizer states are
   averaged, every rank writes its own optimizer states to its side file (``parallel.rank_files``) and
@@ -42,6 +48,7 @@ schedule and the averaging are ``parallel.LocalSGD`` (the plain-torch averager, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -60,6 +67,7 @@ from lightning_qcomm._checks import START_METHODS, build_as, check_choice, check
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
+from lightning_qcomm.comm.topology import NodeGroups, Topology, node_groups
 from lightning_qcomm.parallel import rank_files
 from lightning_qcomm.parallel.local_sgd import (
     LocalSGD,
@@ -68,7 +76,7 @@ from lightning_qcomm.parallel.local_sgd import (
     config_fingerprint,
     this_rank_entries,
 )
-from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig
+from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, inter_node_topology
 from lightning_qcomm.strategies.presets import LOCAL_SGD_PRESETS, register_presets
 
 log = logging.getLogger(__name__)
@@ -79,13 +87,15 @@ CHECKPOINT_KEY = "local_sgd"
 class LocalSGDStrategy(DDPStrategy):
     """Local SGD with a constant, post-local or QSR synchronization period (see module docstring).
 
-    The arguments from ``sync`` to ``nonfinite`` are the fields of ``parallel.LocalSGDConfig`` (same names, defaults
+    The arguments from ``sync`` to ``outer_momentum`` are the fields of ``parallel.LocalSGDConfig`` (same names, defaults
     and checks); the strategy keeps them as ``self.config``. The others are ``DDPStrategy``'s. Under Lightning
     Fabric use ``LocalSGDFabricStrategy`` (Fabric takes only its own strategy classes and refuses this one).
 
     Example::
 
         trainer = Trainer(accelerator="cpu", devices=2, strategy=LocalSGDStrategy(sync="qsr", h_base=4))
+        # DiLoCo across nodes: DDP inside each node, an outer Nesterov step across nodes every H steps
+        Trainer(num_nodes=2, devices=8, strategy=LocalSGDStrategy(scope="inter_node", outer_optimizer="nesterov"))
     """
 
     strategy_name = "local_sgd"
@@ -110,6 +120,11 @@ class LocalSGDStrategy(DDPStrategy):
         save_rank_optimizer_states: bool = True,
         seed: int = 0,
         nonfinite: str = "skip",
+        scope: Literal["global", "inter_node"] = "global",
+        node_size: int | None = None,
+        outer_optimizer: Literal["average", "nesterov"] = "average",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -136,6 +151,9 @@ class LocalSGDStrategy(DDPStrategy):
         self.local_sgd: LocalSGD | None = None  # made at setup of a fit
         self._loaded_state: dict[str, Any] | None = None
         self._rank_optimizer_states: list[dict[str, Any]] = []  # this rank's, for its side file
+        self._topology: Topology | None = None  # scope="inter_node"'s, resolved at setup; None: the global form
+        self._run_config = self.config  # what the fit runs with: the global form if there is no node level
+        self._node_groups: NodeGroups | None = None  # scope="inter_node": made once (collective), reused by later fits
 
     # ------------------------------------------------------------------ registry
 
@@ -172,6 +190,15 @@ class LocalSGDStrategy(DDPStrategy):
         return 0 if self.local_sgd is None else self.local_sgd.last_sync_step
 
     @property
+    def topology(self) -> tuple[int, int] | None:
+        """(nodes, ranks per node) of ``scope="inter_node"`` once set up; None for the global form."""
+        return (
+            None
+            if self._node_groups is None
+            else (self._node_groups.topology.num_nodes, self._node_groups.topology.node_size)
+        )
+
+    @property
     def schedule_state(self) -> dict[str, Any]:
         return {} if self.local_sgd is None else self.local_sgd.schedule.state_dict()
 
@@ -180,12 +207,23 @@ class LocalSGDStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_gloo_group_at_exit()  # a finished rank must not abort in interpreter teardown
+        topo = None
+        if self.config.scope == "inter_node":
+            topo = inter_node_topology(type(self).__name__, self.world_size, self.config.node_size, self.num_processes)
+        self._run_config = (
+            self.config if topo is not None else dataclasses.replace(self.config, scope="global", node_size=None)
+        )
+        self._topology = topo
         check_same_config("LocalSGDStrategy", self.config_fingerprint(), timeout=presence_timeout(self._timeout))
+        if topo is None:
+            self._node_groups = None
+        elif self._node_groups is None or self._node_groups.topology != topo:
+            self._node_groups = node_groups(topo, timeout=self._timeout, device_type=self.root_device.type)
 
     def config_fingerprint(self) -> dict[str, Any]:
         """The settings (compared across ranks at setup: a period or alpha that differs would make ranks sync
-        on different steps and wait in each other's averages)."""
-        return config_fingerprint(self.config)
+        on different steps and wait in each other's averages), with the resolved ranks per node."""
+        return config_fingerprint(self.config, None if self._topology is None else self._topology.node_size)
 
     @override
     def configure_ddp(self) -> None:
@@ -208,11 +246,12 @@ class LocalSGDStrategy(DDPStrategy):
         self.local_sgd = LocalSGD(
             self.lightning_module,
             self.optimizers,
-            self.config,
+            self._run_config,
             register_hooks=False,
             broadcast=False,
             nonfinite=self.nonfinite,
             owner=type(self).__name__,
+            node_groups=self._node_groups,
         )
         if self._loaded_state is not None:
             self.local_sgd.load_state_dict(self._loaded_state)
