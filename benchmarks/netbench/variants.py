@@ -87,9 +87,15 @@ VARIANTS: tuple[Variant, ...] = (
         "onebit_adam_hier", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps, hierarchical=True)", ONEBIT,
         multi_rank_only=True,
     ),
-    # DiLoCo-QSR across nodes lands here: Variant("diloco_qsr", "lq", "...", DILOCO, multi_rank_only=True), with
-    # DILOCO = ("lightning_qcomm.strategies:DiLoCoStrategy", ...), a branch in build_variant, and its name in
-    # MULTI_RANK_ALL after localsgd_qsr.
+    Variant(
+        "localsgd_qsr_inter", "lq", "LocalSGDStrategy(sync='qsr', scope='inter_node'): DDP inside a node, QSR across",
+        LSGD, multi_rank_only=True,
+    ),
+    Variant(
+        "diloco_qsr", "lq",
+        "LocalSGDStrategy(sync='qsr', scope='inter_node', outer_optimizer='nesterov', outer_lr=0.7, outer_momentum=0.9)",
+        LSGD, multi_rank_only=True,
+    ),
 )  # fmt: skip
 VARIANT_BY_NAME = {v.name: v for v in VARIANTS}
 BASELINE = "ddp_fp32"
@@ -97,7 +103,7 @@ BASELINE = "ddp_fp32"
 MULTI_RANK_ALL = (
     "floor", "ddp_fp32", "ddp_fp16", "powersgd_r4", "fsdp2", "fsdp2_hsdp", "qsdp_w8g8", "qsdp_w8g8_hsdp",
     "qddp_uniform8", "qddp_uniform8_hier", "qddp_nuqsgd4", "qddp_nuqsgd4_hier", "onebit_adam", "onebit_adam_hier",
-    "localsgd_qsr", "post_local_sgd",
+    "localsgd_qsr", "localsgd_qsr_inter", "diloco_qsr", "post_local_sgd",
 )  # fmt: skip
 # torch's PowerSGD hook with more than one DDP bucket crashes on the 2x2 topology (a gloo collective-order
 # mismatch, issue 16), so multi-rank runs give it one bucket
@@ -242,6 +248,12 @@ def build_variant(
     if name == "localsgd_qsr":
         # alpha = 2 * peak lr: H = h_base = 4 while lr >= peak/2, then floor((alpha/lr)^2) as the cosine decays
         strat = load_symbol(LSGD)(sync="qsr", h_base=4, alpha=2.0 * lr, warmup_steps=lr_warmup, timeout=timeout)
+        return strat, BenchLM, {}, []
+    if name in ("localsgd_qsr_inter", "diloco_qsr"):
+        outer = {"outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9} if name == "diloco_qsr" else {}
+        strat = load_symbol(LSGD)(
+            sync="qsr", h_base=4, alpha=2.0 * lr, warmup_steps=lr_warmup, scope="inter_node", timeout=timeout, **outer
+        )
         return strat, BenchLM, {}, []
     if name == "localsgd_h4":
         strat = load_symbol(LSGD)(sync="constant", period=4, timeout=timeout)
