@@ -76,6 +76,10 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant("qsdp_w8g8_hsdp", "lq", "QSDPStrategy(weight_bits=8, grad_bits=8, hsdp=True)", QSDP, multi_rank_only=True),
     Variant(
+        "qsdp_w8g8_hsdp_intra8", "lq", "QSDPStrategy(bits=8, hsdp=True, intra_node_bits=8) (ablation: quantized inside a node)",
+        QSDP, False, multi_rank_only=True,
+    ),
+    Variant(
         "qddp_uniform8_hier", "lq", "QuantDDPStrategy(codec='uniform', bits=8, hierarchical=True)", QDDP,
         multi_rank_only=True,
     ),
@@ -219,8 +223,9 @@ def build_variant(
     if name == "fsdp2_hsdp":
         strat = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)
         return strat, BenchLMFSDP2, {"hsdp_shape": (nodes, ranks_per_node)}, []
-    if name == "qsdp_w8g8_hsdp":
-        strat = load_symbol(QSDP)(weight_bits=8, grad_bits=8, hsdp=True, timeout=timeout)
+    if name in ("qsdp_w8g8_hsdp", "qsdp_w8g8_hsdp_intra8"):
+        intra = {"intra_node_bits": 8} if name.endswith("_intra8") else {}
+        strat = load_symbol(QSDP)(weight_bits=8, grad_bits=8, hsdp=True, timeout=timeout, **intra)
         return strat, BenchLM, {}, []
     if name == "qddp_auto":
         strat = load_symbol(QDDP)(codec="auto", min_bits=4, process_group_backend="gloo", timeout=timeout)
