@@ -495,3 +495,11 @@ def test_loss_vs_bytes_plot_without_matplotlib_says_how_to_get_it(tmp_path, monk
     with pytest.warns(UserWarning, match=r"pip install lightning-qcomm\[plot\]"):
         _tiny_demo_fit(tmp_path)
     assert not list(tmp_path.rglob("*.png"))
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """CI runs what a user runs: the README's test line (the one running pytest) appears as is in .ci/run."""
+    readme = [ln for ln in (REPO / "README.md").read_text().splitlines() if "python -m pytest" in ln]
+    assert readme, "README.md has no pytest command"
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert readme[0] in ci, f"README's test command is not a line of .ci/run: {readme[0]!r}"
