@@ -93,18 +93,27 @@ def resolve_node_size(
     return world_size
 
 
+FLAT_FALLBACK = (
+    "there is no intra-node level to keep exact and no inter-node level to compress alone; "
+    "running the flat (non-hierarchical) collectives"
+)
+
+
 def hierarchical_topology(
     owner: str,
     world_size: int,
     node_size: int | None = None,
     devices_per_node: int | None = None,
     env: Mapping[str, str] | None = None,
+    *,
+    setting: str = "hierarchical=True",
+    fallback: str = FLAT_FALLBACK,
 ) -> Topology | None:
-    """The topology a ``hierarchical=True`` setting of ``owner`` runs on, or None for the flat path.
+    """The topology a two-level ``setting`` of ``owner`` runs on, or None for the flat path.
 
     ``node_size`` that does not divide ``world_size``: ValueError naming ``owner``, the value and the allowed
     divisors. One node, or one rank per node: nothing is hierarchical, so the flat collective runs, said once
-    (``rank_zero_warn``), never silently.
+    (``rank_zero_warn``, ending with ``fallback``: what runs instead), never silently.
 
     Example::
 
@@ -119,9 +128,7 @@ def hierarchical_topology(
         raise type(err)(str(err).replace("Topology(", f"{owner}(", 1)) from None
     if not topo.hierarchical:
         rank_zero_warn(
-            f"{owner}(hierarchical=True): {world_size} rank(s) as {topo.num_nodes} node(s) of {topo.node_size}: "
-            "there is no intra-node level to keep exact and no inter-node level to compress alone; "
-            "running the flat (non-hierarchical) collectives"
+            f"{owner}({setting}): {world_size} rank(s) as {topo.num_nodes} node(s) of {topo.node_size}: {fallback}"
         )
         return None
     return topo

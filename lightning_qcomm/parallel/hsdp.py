@@ -87,17 +87,17 @@ def hsdp_mesh(config, node_size: int | None, devices_per_node: int | None, owner
     flat QSDP (config with ``hsdp=False``, mesh None). Collective."""
     import dataclasses
 
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+    from lightning_qcomm.comm.topology import hierarchical_topology, node_groups
 
-    from lightning_qcomm.comm.topology import Topology, node_groups, resolve_node_size
-
-    world = dist.get_world_size()
-    topo = Topology(world, resolve_node_size(world, node_size, devices_per_node))
-    if not topo.hierarchical:
-        rank_zero_warn(
-            f"{owner}(hsdp=True): {topo.num_nodes} node(s) of {topo.node_size} rank(s) (node_size={node_size}) has "
-            "no second level; training as flat QSDP over all ranks"
-        )
+    topo = hierarchical_topology(
+        owner,
+        dist.get_world_size(),
+        node_size,
+        devices_per_node,
+        setting="hsdp=True",
+        fallback="no second level; training as flat QSDP over all ranks",
+    )
+    if topo is None:
         return dataclasses.replace(config, hsdp=False, intra_node_bits=None), None
     return config, node_groups(topo, timeout=timeout).mesh
 

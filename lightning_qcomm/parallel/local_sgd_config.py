@@ -19,7 +19,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from lightning_qcomm._checks import check_bool, check_choice, check_float, check_int, check_str
 from lightning_qcomm.codecs import Codec, get_codec
 from lightning_qcomm.comm.nonfinite import check_policy
-from lightning_qcomm.comm.topology import Topology, resolve_node_size
+from lightning_qcomm.comm.topology import Topology, hierarchical_topology
 from lightning_qcomm.parallel.sync_rules import SYNC_RULE_NAMES, SyncRule, make_rule
 
 FP32_BYTES = 4
@@ -167,18 +167,15 @@ def inter_node_topology(
         inter_node_topology("LocalSGDStrategy", 8, devices_per_node=4)   # Topology(world_size=8, node_size=4)
         inter_node_topology("LocalSGDStrategy", 4, node_size=4)          # None, warned: one node
     """
-    try:
-        topo = Topology(world_size, resolve_node_size(world_size, node_size, devices_per_node))
-    except (TypeError, ValueError) as err:
-        raise type(err)(str(err).replace("Topology(", f"{owner}(", 1)) from None
-    if not topo.hierarchical:
-        rank_zero_warn(
-            f"{owner}(scope='inter_node'): {world_size} rank(s) as {topo.num_nodes} node(s) of {topo.node_size}: "
-            "nothing to keep data-parallel inside a node and average across nodes; it runs the global form "
-            "(every rank its own replica)"
-        )
-        return None
-    return topo
+    return hierarchical_topology(
+        owner,
+        world_size,
+        node_size,
+        devices_per_node,
+        setting="scope='inter_node'",
+        fallback="nothing to keep data-parallel inside a node and average across nodes; it runs the global form "
+        "(every rank its own replica)",
+    )
 
 
 __all__ = ["OUTER_OPTIMIZERS", "SCOPES", "LocalSGDConfig", "inter_node_topology"]
