@@ -44,44 +44,56 @@ def _per_repeat(rr: list[dict]) -> dict:
     }
 
 
+def collect_rows(results: list[dict], rate: float | None, names: list[str], per_repeat=_per_repeat) -> dict:
+    """``{variant: figures}`` at one rate: ``per_repeat`` of each repeat's rank records, the median over repeats,
+    with the repeat count, the spread of the mean step, the ledger source and any errors."""
+    rows: dict[str, dict] = {}
+    for name in names:
+        mine = [r for r in results if r["variant"] == name and r.get("rate_mbit") == rate]
+        done = [r for r in mine if r.get("event") == "done"]
+        errs = [r for r in mine if r.get("event") == "error"]
+        per_rep = [per_repeat([r for r in done if r["repeat"] == rep]) for rep in sorted({r["repeat"] for r in done})]
+        if not per_rep:
+            if errs:
+                rows[name] = {"error": errs[0]["error"]}
+            continue
+        agg: dict[str, Any] = {k: _med([p[k] for p in per_rep if p[k] is not None]) for k in per_rep[0]}
+        agg["repeats"] = len(per_rep)
+        agg["step_mean_spread_s"] = [min(p["step_mean_s"] for p in per_rep), max(p["step_mean_s"] for p in per_rep)]
+        agg["ledger_source"] = done[0]["ledger_source"]
+        if errs:
+            agg["errors"] = [e["error"] for e in errs]
+        rows[name] = agg
+    return rows
+
+
+def floor_entry(rows: dict) -> dict:
+    """``{"rows", "floor_s", "floor_sound"}``: the floor is sound when no communicating variant beats it."""
+    floor = rows.get("floor", {}).get("step_mean_s")
+    comm = [r["step_mean_s"] for n, r in rows.items() if n != "floor" and "step_mean_s" in r]
+    sound = (floor <= min(comm)) if (floor is not None and comm) else None
+    return {"rows": rows, "floor_s": floor, "floor_sound": sound}
+
+
 def aggregate(results: list[dict], rates: list[float | None], names: list[str]) -> dict:
     """``{str(rate): {"rows": {variant: figures}, "floor_s", "floor_sound"}}`` (see module doc)."""
     table: dict = {}
     for rate in rates:
-        rows: dict[str, dict] = {}
-        for name in names:
-            mine = [r for r in results if r["variant"] == name and r.get("rate_mbit") == rate]
-            done = [r for r in mine if r.get("event") == "done"]
-            errs = [r for r in mine if r.get("event") == "error"]
-            reps = sorted({r["repeat"] for r in done})
-            per_rep = [_per_repeat([r for r in done if r["repeat"] == rep]) for rep in reps]
-            if not per_rep:
-                if errs:
-                    rows[name] = {"error": errs[0]["error"]}
-                continue
-            agg: dict[str, Any] = {k: _med([p[k] for p in per_rep if p[k] is not None]) for k in per_rep[0]}
-            agg["repeats"] = len(per_rep)
-            agg["step_mean_spread_s"] = [min(p["step_mean_s"] for p in per_rep), max(p["step_mean_s"] for p in per_rep)]
-            agg["ledger_source"] = done[0]["ledger_source"]
-            ok = agg["ledger_mean"] >= MIN_LEDGER_FOR_RATIO
-            agg["wire_over_ledger"] = agg["tx_mean"] / agg["ledger_mean"] if ok else None
-            if errs:
-                agg["errors"] = [e["error"] for e in errs]
-            rows[name] = agg
+        rows = collect_rows(results, rate, names)
         floor = rows.get("floor", {}).get("step_mean_s")
         base = rows.get(BASELINE, {})
         for row in rows.values():
             if "step_mean_s" not in row:
                 continue
+            ok = row["ledger_mean"] >= MIN_LEDGER_FOR_RATIO
+            row["wire_over_ledger"] = row["tx_mean"] / row["ledger_mean"] if ok else None
             if base.get("step_mean_s"):
                 row["speedup_vs_fp32"] = base["step_mean_s"] / row["step_mean_s"]
                 row["bytes_vs_fp32"] = row["tx_max"] / base["tx_max"] if base["tx_max"] > 0 else None
             if rate is not None and floor:
                 row["ideal_s"] = floor + row["tx_max"] / (rate * 1e6 / 8)
                 row["efficiency"] = row["ideal_s"] / row["step_mean_s"]
-        comm = [r["step_mean_s"] for n, r in rows.items() if n != "floor" and "step_mean_s" in r]
-        sound = (floor <= min(comm)) if (floor is not None and comm) else None
-        table[str(rate)] = {"rows": rows, "floor_s": floor, "floor_sound": sound}
+        table[str(rate)] = floor_entry(rows)
     return table
 
 

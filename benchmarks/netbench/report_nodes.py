@@ -16,9 +16,8 @@ and the floor check: T(floor) <= T of every communicating variant, else the run 
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
-from benchmarks.netbench.report import _fmt, _med
+from benchmarks.netbench.report import _fmt, collect_rows, floor_entry
 from benchmarks.netbench.variants import BASELINE, label_for
 
 
@@ -51,25 +50,7 @@ def aggregate_nodes(results: list[dict], rates: list[float | None], names: list[
     """``{str(rate): {"rows": {variant: figures}, "floor_s", "floor_sound"}}`` (see module doc)."""
     table: dict = {}
     for rate in rates:
-        rows: dict[str, dict] = {}
-        for name in names:
-            mine = [r for r in results if r["variant"] == name and r.get("rate_mbit") == rate]
-            done = [r for r in mine if r.get("event") == "done"]
-            errs = [r for r in mine if r.get("event") == "error"]
-            per_rep = [
-                _per_repeat([r for r in done if r["repeat"] == rep]) for rep in sorted({r["repeat"] for r in done})
-            ]
-            if not per_rep:
-                if errs:
-                    rows[name] = {"error": errs[0]["error"]}
-                continue
-            agg: dict[str, Any] = {k: _med([p[k] for p in per_rep if p[k] is not None]) for k in per_rep[0]}
-            agg["repeats"] = len(per_rep)
-            agg["step_mean_spread_s"] = [min(p["step_mean_s"] for p in per_rep), max(p["step_mean_s"] for p in per_rep)]
-            agg["ledger_source"] = done[0]["ledger_source"]
-            if errs:
-                agg["errors"] = [e["error"] for e in errs]
-            rows[name] = agg
+        rows = collect_rows(results, rate, names, per_repeat=_per_repeat)
         floor = rows.get("floor", {}).get("step_mean_s")
         base = rows.get(BASELINE, {})
         for row in rows.values():
@@ -81,9 +62,7 @@ def aggregate_nodes(results: list[dict], rates: list[float | None], names: list[
                 row["t_inter_wire_s"] = row["tx_max"] / (rate * 1e6 / 8)
                 row["bound_s"] = max(floor, row["t_inter_wire_s"])
                 row["bound_ratio"] = row["step_mean_s"] / row["bound_s"]
-        comm = [r["step_mean_s"] for n, r in rows.items() if n != "floor" and "step_mean_s" in r]
-        sound = (floor <= min(comm)) if (floor is not None and comm) else None
-        table[str(rate)] = {"rows": rows, "floor_s": floor, "floor_sound": sound}
+        table[str(rate)] = floor_entry(rows)
     return table
 
 
