@@ -89,15 +89,16 @@ def _free_port() -> int:
 
 
 # ------------------------------------------------------------------------------------------------ worker
-def _fit(world, per_node, strategy, callbacks=(), ckpt_path=None, adam=False, max_steps=STEPS, **kw):
-    """One in-process Lightning fit; returns (trainer, module, ledger, warning messages on this rank)."""
+def _fit(world, per_node, strategy, callbacks=(), ckpt_path=None, adam=False, max_steps=STEPS, make_module=None, **kw):
+    """One in-process Lightning fit; returns (trainer, module, ledger, warning messages on this rank).
+    ``make_module``: build the LightningModule instead of ``_module(adam)``."""
     import lightning.pytorch as pl
 
     from lightning_qcomm.comm.ledger import CommLedger, set_ledger
 
     ledger = CommLedger()
     set_ledger(ledger)
-    module = _module(adam)
+    module = _module(adam) if make_module is None else make_module()
     opts = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     opts.update(kw)
     trainer = pl.Trainer(

@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
-import warnings
 
 import pytest
 import torch
 from test_hierarchical_training import BATCH, N_SAMPLES, _dataset, _free_port, _full_loss, _module, _params
+from test_hierarchical_training import _fit as _hier_fit
 
 STEPS = 12
 PERIOD = 3
@@ -29,30 +29,14 @@ ONE_NODE = "runs the global form"
 
 
 def _fit(strategy, callbacks=(), ckpt_path=None, momentum=0.0, max_steps=STEPS, **kw):
-    import lightning.pytorch as pl
+    """test_hierarchical_training's 2 x 2 fit, with SGD (``momentum``) as the module's optimizer."""
 
-    from lightning_qcomm.comm.ledger import CommLedger, set_ledger
+    def make():
+        module = _module()
+        module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.05, momentum=momentum)
+        return module
 
-    ledger = CommLedger()
-    set_ledger(ledger)
-    module = _module()
-    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.05, momentum=momentum)
-    opts = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    opts.update(kw)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        num_nodes=2,
-        strategy=strategy,
-        max_steps=max_steps,
-        callbacks=list(callbacks),
-        **opts,
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, ckpt_path=ckpt_path)
-    set_ledger(None)
-    return trainer, module, ledger, [str(w.message) for w in caught]
+    return _hier_fit(4, 2, strategy, callbacks, ckpt_path, max_steps=max_steps, make_module=make, **kw)
 
 
 def _local(**kw):
