@@ -106,3 +106,18 @@ def test_torch_compile_warns_once(how):
         _fit(model, steps=1)
     (msg,) = _messages(record, COMPILED)
     assert "not supported" in msg
+
+
+def test_hsdp_weight_settings_without_intra_node_bits_warn():
+    """With hsdp=True and intra_node_bits=None the weights are gathered by FSDP2 inside the node, unquantized:
+    an explicit weight_bits / weight_codec does nothing and is said; the defaults stay silent."""
+    from lightning_qcomm.parallel import QSDPConfig
+
+    with pytest.warns(UserWarning, match="weight_bits=4.*no effect.*intra_node_bits"):
+        QSDPConfig(hsdp=True, weight_bits=4)
+    with pytest.warns(UserWarning, match="weight_codec='qsgd'.*no effect"):
+        QSDPConfig(hsdp=True, weight_codec="qsgd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        QSDPConfig(hsdp=True, grad_bits=8)
+        QSDPConfig(hsdp=True, weight_bits=4, intra_node_bits=8)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
 from lightning_qcomm._checks import check_bool, check_int, check_str
 from lightning_qcomm.codecs import Codec, codec_names, get_codec
 from lightning_qcomm.comm.nonfinite import check_policy
@@ -112,6 +114,17 @@ class QSDPConfig:
         check_int(own, "intra_node_bits", self.intra_node_bits, optional=True)
         if self.intra_node_bits is not None and not self.hsdp:
             raise ValueError(f"{own}(intra_node_bits={self.intra_node_bits}) needs hsdp=True")
+        if self.hsdp and self.intra_node_bits is None:
+            # weights are gathered inside the node by FSDP2 itself: an explicit weight setting does nothing
+            for name, given in (
+                ("weight_bits", self.weight_bits is not None),
+                ("weight_codec", self.weight_codec != "uniform"),
+            ):
+                if given:
+                    rank_zero_warn(
+                        f"{own}(hsdp=True, {name}={getattr(self, name)!r}) has no effect: inside a node the weights "
+                        "travel as FSDP2 gathers them; set intra_node_bits to quantize them there"
+                    )
         if self.hsdp and self.quantize_master:
             raise ValueError(f"{own}(hsdp=True, quantize_master=True): the master projection is for flat QSDP only")
         default = 8 if self.bits is None else self.bits
