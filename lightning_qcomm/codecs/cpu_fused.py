@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import weakref
 
 import torch
 
@@ -97,10 +98,17 @@ def encode_kernel(x, codec: str, bits: int, bucket_size: int | None, stochastic:
 def decode_kernel(codes, scales, numel: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
     """CPU kernel of ``qcomm::decode``: flat fp32 values."""
     c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
-    dec_params = c._decode_params(scales)
     if use_fused(c, codes, numel):
-        return decode(c, codes, dec_params, numel)
-    return c.decode_reference(codes, dec_params, numel)
+        return decode(c, codes, _fused_decode_params(c, scales), numel)
+    return c.decode_reference(codes, c._decode_params(scales), numel)
+
+
+def _fused_decode_params(codec, scales: torch.Tensor) -> torch.Tensor:
+    """The C decode's params: the codec's ``plain_decode_params`` (one column: the kernel then multiplies by
+    one parameter, the reference's product with m = 1 exactly) where it has them, else ``_decode_params``."""
+    plain = getattr(codec, "plain_decode_params", None)
+    params = None if plain is None else plain(scales)
+    return codec._decode_params(scales) if params is None else params
 
 
 def decode_into_kernel(codes, scales, codec: str, bits: int, bucket_size, stochastic: bool, dtype, out) -> None:
@@ -110,7 +118,7 @@ def decode_into_kernel(codes, scales, codec: str, bits: int, bucket_size, stocha
     n = out.numel()
     direct = out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
     if direct and use_fused(c, codes, n):
-        decode(c, codes, c._decode_params(scales), n, out=out.view(-1))
+        decode(c, codes, _fused_decode_params(c, scales), n, out=out.view(-1))
         return
     out.copy_(decode_kernel(codes, scales, n, codec, bits, bucket_size, stochastic).to(dtype).view(out.shape))
 
@@ -122,7 +130,7 @@ def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torc
     x = xf.reshape(-1).to(torch.float32).contiguous()
     n = x.numel()
     params = enc_params.to(torch.float32).contiguous()
-    spec = codec.kernel_spec()
+    spec = kernel_spec(codec)
     if params.shape != (codec.num_buckets(n), spec.enc_params):
         raise ValueError(f"enc_params of shape {tuple(params.shape)} do not match codec {codec!r} on {n} elements")
     out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
@@ -132,6 +140,25 @@ def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torc
 
 
 _LUTS: dict[tuple, torch.Tensor] = {}
+_PER_CODEC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cached(codec) -> dict:
+    """Per-codec-instance cache (kernel spec, LUT), dropped if any attribute of the codec changed since."""
+    state = tuple(vars(codec).items())
+    entry = _PER_CODEC.get(codec)
+    if entry is None or entry[0] != state:
+        entry = _PER_CODEC[codec] = (state, {})
+    return entry[1]
+
+
+def kernel_spec(codec):
+    """``codec.kernel_spec()``, built once per codec instance (the ops reuse their codecs)."""
+    cache = _cached(codec)
+    spec = cache.get("spec")
+    if spec is None:
+        spec = cache["spec"] = codec.kernel_spec()
+    return spec
 
 
 def decode_lut(codec) -> torch.Tensor:
@@ -139,16 +166,20 @@ def decode_lut(codec) -> torch.Tensor:
     ``(0 + c * 1) * 1``; the others ``v(c) * 1 * 1``. The fused decode computes ``(p0 + LUT[c] * p1) * p2``
     or ``LUT[c] * p0 * p1``, which is the reference's expression term by term. Cached per codec class and
     kernel spec (every field ``_dequantize`` reads is in it; the bucket size and rounding are not read)."""
-    key = (type(codec), dataclasses.replace(codec.kernel_spec(), bucket=0, stochastic=False))
-    lut = _LUTS.get(key)
+    cache = _cached(codec)
+    lut = cache.get("lut")
     if lut is None:
-        lut = _LUTS[key] = _decode_lut(codec)
+        key = (type(codec), dataclasses.replace(kernel_spec(codec), bucket=0, stochastic=False))
+        lut = _LUTS.get(key)
+        if lut is None:
+            lut = _LUTS[key] = _decode_lut(codec)
+        cache["lut"] = lut
     return lut
 
 
 def _decode_lut(codec) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.int64).remainder_(1 << codec.bits).view(1, 256)
-    spec = codec.kernel_spec()
+    spec = kernel_spec(codec)
     if spec.kind == KernelKind.UNIFORM:
         unit = torch.tensor([[[0.0], [1.0], [1.0]]])
     else:
@@ -167,8 +198,9 @@ def decode(
     if c.numel() < need:
         raise ValueError(f"codes has {c.numel()} bytes, {numel} codes of {codec.bits} bits need {need}")
     params = dec_params.to(torch.float32).contiguous()
-    spec = codec.kernel_spec()
-    if params.shape[1] != spec.dec_params:
+    spec = kernel_spec(codec)
+    # one column: a norm codec's plain_decode_params (the (n / k, m) kinds only; uniform needs all three)
+    if params.shape[1] != spec.dec_params and not (params.shape[1] == 1 and hasattr(codec, "plain_decode_params")):
         raise ValueError(f"dec_params of shape {tuple(params.shape)} do not match codec {codec!r}")
     if out is None:
         out = torch.empty(numel, dtype=torch.float32)
@@ -204,7 +236,7 @@ def _scales(codec, x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     blen = codec.bucket_len(n)
     nb = -(-n // blen)
-    lo, hi, amax, flags = _stats(x, codec.kernel_spec().bucket)
+    lo, hi, amax, flags = _stats(x, kernel_spec(codec).bucket)
     counts = torch.full((nb,), blen, dtype=torch.float32)
     counts[-1] = n - (nb - 1) * blen
     if codec.scale_statistic == "minmax":
@@ -235,12 +267,45 @@ def _scales(codec, x: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, scales, torch.full_like(scales, float("nan")))
 
 
+def _plain_scales_params(codec, x: torch.Tensor, out_max: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(wire scales, encode params) of contiguous fp32 ``x`` for an L2-norm codec whose every bucket is plain
+    (its first-pass norm in ``codec.plain_norm_range``: see ``_NormCodec.plain_norm_range``), else None.
+
+    Ordinary gradients are plain, and then the general path's finiteness pass and its few dozen small ops
+    on per-bucket tensors change nothing: a finite norm means finite elements, and the scales and params are
+    ``codec.plain_scales_params`` of the norms. The norms are the general path's first pass, row for row (the
+    same reductions as ``_scales``'s L2 branch), so the result is the reference's bit for bit; one host read
+    of the norms' min and max decides (CPU only)."""
+    if codec.scale_statistic is not None or not hasattr(codec, "plain_norm_range") or not scaling.may_branch_on(x):
+        return None
+    n = x.numel()
+    blen = codec.bucket_len(n)
+    nb = -(-n // blen)
+    full = n // blen
+    rows = [x[: full * blen].view(full, blen)] if full else []
+    if full < nb:  # the short last bucket zero-padded in a two-row block, as ``_scales`` reduces it
+        tail = torch.zeros(2, blen, dtype=x.dtype)
+        tail[0, : n - full * blen] = x[full * blen :]
+        rows.append(tail)
+    norms = [torch.linalg.vector_norm(r, ord=2, dim=1) for r in rows]
+    if full < nb:
+        norms[-1] = norms[-1][:1]
+    norm = norms[0] if len(norms) == 1 else torch.cat(norms)
+    lo, hi = codec.plain_norm_range(blen, out_max)
+    ends = torch.aminmax(norm)
+    if not (lo <= float(ends.min) and float(ends.max) <= hi):  # NaN: neither holds
+        return None
+    counts = torch.full((nb,), blen, dtype=torch.float32)
+    counts[-1] = n - (nb - 1) * blen
+    return codec.plain_scales_params(norm, counts)
+
+
 def encode_packed(codec, xf: torch.Tensor, seed: int, out_max: float = FLT_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``Codec.encode`` body: (packed codes, wire scales) of flat fp32 ``xf``, bit-identical to
     the reference's (``out_max``: see ``Codec._encode_params``)."""
     _require()
     x = xf.reshape(-1).to(torch.float32).contiguous()
-    spec = codec.kernel_spec()
+    spec = kernel_spec(codec)
     if spec.kind == KernelKind.UNIFORM:  # stats, scales, params and codes in one call
         n = x.numel()
         nb = codec.num_buckets(n)
@@ -251,8 +316,13 @@ def encode_packed(codec, xf: torch.Tensor, seed: int, out_max: float = FLT_MAX) 
         if torch.ops.qcomm.c_uniform_encode(x, k1, k2, **spec.c_args(), scales=scales, params=params, out=out):
             return out, scales
         # a signed zero whose sign torch's reduction order decides, or a pre-scaled bucket: general path
-    scales = _scales(codec, x)
-    return encode(codec, x, codec._encode_params(scales, out_max), seed), scales.contiguous()
+    plain = _plain_scales_params(codec, x, out_max)
+    if plain is not None:
+        scales, params = plain
+    else:
+        scales = _scales(codec, x)
+        params = codec._encode_params(scales, out_max)
+    return encode(codec, x, params, seed), scales.contiguous()
 
 
 # ------------------------------------------------------------------ 1-bit sign path (comm.onebit_all_reduce)
@@ -273,7 +343,20 @@ def sign_scale(y: torch.Tensor) -> float:
     """The sign1 codec's wire scale of ``y`` as one bucket: ||y||_2 / sqrt(len y), NaN if any element
     is non-finite (``Codec.encode``'s scale, bit for bit)."""
     _require()
-    return float(_scales(registry.codec_spec("sign1").build(), y.reshape(-1))[0, 0])
+    codec = _sign1()
+    x = y.reshape(-1).to(torch.float32).contiguous()
+    plain = _plain_scales_params(codec, x, FLT_MAX)
+    return float((plain[0] if plain is not None else _scales(codec, x))[0, 0])
+
+
+_SIGN1 = []
+
+
+def _sign1():
+    """The sign1 codec (one bucket), built once."""
+    if not _SIGN1:
+        _SIGN1.append(registry.codec_spec("sign1").build())
+    return _SIGN1[0]
 
 
 def sign_encode_err(

@@ -49,6 +49,11 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
     return ((e + 127).to(torch.int32) << 23).view(torch.float32)
 
 
+def redo_floor(row_len: int) -> float:
+    """The smallest first-pass norm ``l2_norm_rows64`` accepts for rows of ``row_len`` elements: sqrt(n) * 2^-51."""
+    return math.sqrt(row_len) * 2.0**-51
+
+
 def l2_norm_rows(xb: torch.Tensor) -> torch.Tensor:
     """``||row||_2`` of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares (fp32; inf
     where the norm itself exceeds FLT_MAX). See ``l2_norm_rows64``."""
@@ -71,7 +76,7 @@ def l2_norm_rows64(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the fp32 norm overflows, and with all its bits where the fp32 norm is subnormal.
     """
     norm = torch.linalg.vector_norm(xb, ord=2, dim=1)
-    floor = math.sqrt(xb.shape[1]) * 2.0**-51
+    floor = redo_floor(xb.shape[1])
     redo = ~(torch.isfinite(norm) & (norm >= floor))
     norm64 = norm.double()
     if not scaling.may_branch_on(redo):
@@ -119,6 +124,27 @@ class _NormCodec(Codec):
         """k of the encode factor k / n and the decode factor n / k."""
         return 1
 
+    @property
+    def _top_level(self) -> int:
+        """The largest magnitude index."""
+        raise NotImplementedError
+
+    def plain_norm_range(self, bucket_len: int, out_max: float = scaling.FLT_MAX) -> tuple[float, float]:
+        """[lo, hi]: a bucket whose first-pass fp32 L2 norm n (``torch.linalg.vector_norm`` of its row, as
+        ``l2_norm_rows64`` starts) lies in it takes none of the special cases of ``_scales`` and
+        ``_encode_params``: no redo (n >= ``redo_floor``, finite), no flag (k FLT_MIN <= n <= 2^126), no level
+        cap (n <= out_max / 4: the top level decodes to at most n, below half of out_max as ``_level_cap``'s
+        test asks). Only for the L2 codecs (``scale_statistic`` None)."""
+        lo = max(redo_floor(bucket_len), self._divisor * scaling.FLT_MIN)
+        return lo, min(2.0**126, out_max / 4)
+
+    def plain_scales_params(self, n: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(wire scales, encode params) of buckets whose first-pass norms ``n`` all lie in
+        ``plain_norm_range``: the scale is n itself and the params (sigma, k / n, level cap) are
+        (1, k / n, top level), what ``_scales`` and ``_encode_params`` give such buckets, bit for bit."""
+        params = torch.stack([torch.ones_like(n), self._divisor / n, torch.full_like(n, self._top_level)], dim=1)
+        return n[:, None], params
+
     def _encode_params(self, scales: torch.Tensor, out_max: float = scaling.FLT_MAX) -> torch.Tensor:
         """(sigma, k / n_s, level cap) per bucket; the cap is the largest level whose decode is <= out_max."""
         n, sigma, m = scaling.unflag(scales[:, 0])
@@ -129,6 +155,14 @@ class _NormCodec(Codec):
     def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
         n, _, m = scaling.unflag(scales[:, 0])
         return torch.stack([n / self._divisor, m], dim=1)
+
+    def plain_decode_params(self, scales: torch.Tensor) -> torch.Tensor | None:
+        """``(n / k)`` alone, one column, when no bucket of ``scales`` is flagged (CPU only; else None): then
+        m = 1 and ``value * (n / k) * m`` is ``value * (n / k)`` exactly, which a kernel given one
+        parameter column computes."""
+        if scaling.none_needed(scales < 0):
+            return scales / self._divisor
+        return None
 
     def _level_cap(self, p0: torch.Tensor, m: torch.Tensor, out_max: float) -> torch.Tensor:
         """Largest magnitude index whose decode (with decode factor p0 and multiplier m) is <= out_max."""
@@ -151,6 +185,10 @@ class QSGDCodec(_NormCodec):
 
     @property
     def _divisor(self) -> int:
+        return self.s
+
+    @property
+    def _top_level(self) -> int:
         return self.s
 
     def _level_cap(self, p0: torch.Tensor, m: torch.Tensor, out_max: float) -> torch.Tensor:
@@ -201,6 +239,10 @@ class NUQSGDCodec(_NormCodec):
     @property
     def num_levels(self) -> int:
         return 1 << (self.bits - 1)
+
+    @property
+    def _top_level(self) -> int:
+        return self.num_levels - 1
 
     @property
     def min_exponent(self) -> int:

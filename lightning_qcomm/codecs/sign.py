@@ -15,7 +15,7 @@ import torch
 from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec
-from lightning_qcomm.codecs.qsgd import l2_norm_rows64
+from lightning_qcomm.codecs.qsgd import l2_norm_rows64, redo_floor
 from lightning_qcomm.codecs.registry import register_codec
 
 
@@ -36,6 +36,17 @@ class SignCodec(Codec):
         extreme = (n64 > 0) & torch.isfinite(n64) & ~((scale >= scaling.FLT_MIN) & (scale <= scaling.FLT_MAX))
         rms = (n64 / counts.double().sqrt()).clamp(max=scaling.FLT_MAX).to(torch.float32)
         return torch.where(extreme, rms, scale)[:, None]
+
+    def plain_norm_range(self, bucket_len: int, out_max: float = scaling.FLT_MAX) -> tuple[float, float]:
+        """[lo, hi] of the first-pass fp32 norms n with no special case in ``_scales``: no redo (n >=
+        ``redo_floor``, finite), and then n / sqrt(count) is a normal fp32 number (at least 2^-51)."""
+        return redo_floor(bucket_len), scaling.FLT_MAX
+
+    def plain_scales_params(self, n: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(wire scales, encode params) of buckets whose first-pass norms ``n`` lie in ``plain_norm_range``:
+        both n / sqrt(count), as ``_scales`` computes them there."""
+        scales = (n / counts.sqrt())[:, None]
+        return scales, scales
 
     def _encode_params(self, scales: torch.Tensor, out_max: float = scaling.FLT_MAX) -> torch.Tensor:
         return scales
