@@ -281,3 +281,23 @@ def test_nonfinite_params_flags_exactly_the_bad_gradients(dtype):
         params.append(p)
     bad = {list(grads)[i] for i in nonfinite_params(params)}
     assert bad == {"nan", "+inf", "-inf", "both infs"}
+
+
+def test_nonfinite_params_mixed_dtypes_in_one_call():
+    """One call over gradients of different dtypes (the flags are stacked across them): a finite fp64 value
+    beyond fp32's range is not flagged, an fp16 -inf is."""
+    from lightning_qcomm.comm.nonfinite import nonfinite_params
+
+    grads = [
+        torch.tensor([1e300, -1e300], dtype=torch.float64),
+        torch.tensor([1.0, -float("inf")], dtype=torch.float16),
+        torch.tensor([3e38], dtype=torch.float32),
+        torch.tensor([float("nan")], dtype=torch.bfloat16),
+        torch.zeros(0, dtype=torch.float64),
+    ]
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype))
+        p.grad = g
+        params.append(p)
+    assert nonfinite_params(params) == [1, 3]

@@ -54,23 +54,20 @@ def nonfinite_params(params: list[torch.nn.Parameter]) -> list[int]:
     """Indices of the parameters whose gradient holds a NaN or Inf (one host sync for all of them)."""
     if not params:
         return []
-    # min and max cannot overflow (a sum or norm of finite values can), are NaN/Inf iff an element is, and
+    # min and max are NaN/Inf iff an element is, cannot overflow (a sum or norm of finite values can), and
     # come from one pass without a temporary (aminmax), where max |g| needs |g| materialised first
     local = [_local(p.grad.detach()) for p in params]
-    peaks = [_min_plus_max(g) for g in local]
+    live = [i for i, g in enumerate(local) if g.numel()]
+    if not live:
+        return []
+    ends = [torch.aminmax(local[i]) for i in live]
+    device = ends[0].min.device
+    lo = torch.stack([e.min.to(device) for e in ends])
+    hi = torch.stack([e.max.to(device) for e in ends])
     # One device-to-host copy of the flags, then the indices on the host: the step's one sync, as GradScaler's
     # found-inf check is (nonfinite="propagate" makes none).
-    flags = (~torch.isfinite(torch.stack([t.to(peaks[0].device) for t in peaks]))).cpu()
-    return flags.nonzero().reshape(-1).tolist()
-
-
-def _min_plus_max(g: torch.Tensor) -> torch.Tensor:
-    """min(g) + max(g), added in fp64: finite iff every element of g is (NaN or ±Inf make min or max non-finite,
-    +Inf with -Inf makes the sum NaN; two finite values of at most FLT_MAX cannot overflow fp64)."""
-    if not g.numel():
-        return g.new_zeros((), dtype=torch.float32)
-    lo, hi = torch.aminmax(g)
-    return lo.double() + hi.double()
+    flags = (~(torch.isfinite(lo) & torch.isfinite(hi))).cpu()
+    return [live[i] for i in flags.nonzero().reshape(-1).tolist()]
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
