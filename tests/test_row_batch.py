@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from lightning_qcomm.codecs import derive_seed, get_codec
-from lightning_qcomm.comm.row_batch import decode_rows, encode_rows
+from lightning_qcomm.comm.row_batch import decode_rows, decode_rows_into, encode_rows
 
 CODECS = [
     ("uniform", 8, {}),
@@ -87,6 +88,39 @@ def test_large_cpu_rows_use_the_fused_path_and_still_match():
     assert torch.equal(encode_rows(codec, rows, seeds), want)
     ref = torch.stack([codec.decode(codec.from_bytes(want[j], (20_001,), torch.float32)) for j in range(2)])
     assert torch.equal(decode_rows(codec, want, 20_001), ref)
+
+
+class _BigCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the aten ops that write at least ``limit`` elements into a new or existing tensor by copying."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.seen = limit, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        copies = ("aten.copy_", "aten.clone", "aten._to_copy", "aten.constant_pad_nd", "aten.cat", "aten.stack")
+        if name in copies and isinstance(out, torch.Tensor) and out.numel() >= self.limit:
+            self.seen.append((name, out.numel()))
+        return out
+
+
+@pytest.mark.parametrize("name", ["uniform", "nuqsgd"])
+def test_large_cpu_rows_decode_into_out_without_full_size_copies(name):
+    """Rows above the fused threshold whose length is not a whole number of buckets (QSDP's weight shards):
+    ``decode_rows_into`` writes each row straight into a contiguous fp32 ``out`` (one compiled decode per row,
+    as ``encode_rows`` encodes them), with no repacked or padded copy of the rows, and the same bits."""
+    codec = get_codec(name, bits=8 if name == "uniform" else 4, bucket_size=512)
+    n = 20_001
+    wire = encode_rows(codec, _rows(4, n, "plain"), [1, 2, 3, 4])
+    ref = torch.stack([codec.decode(codec.from_bytes(wire[j], (n,), torch.float32)) for j in range(4)])
+    out = torch.empty(4, n)
+    with _BigCopies(n) as seen:
+        decode_rows_into(codec, wire, n, out)
+    assert seen.seen == [], seen.seen
+    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+    assert torch.equal(decode_rows(codec, wire, n).view(torch.int32), ref.view(torch.int32))
 
 
 def test_bad_arguments():

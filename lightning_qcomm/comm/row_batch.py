@@ -104,6 +104,12 @@ def _layout(codec: Codec, n: int) -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- decode
+def _fused_rows(codec: Codec, wire: torch.Tensor, n: int) -> bool:
+    """Rows of n elements go to the fused C path one call each: on CPU there are no launches to save, and
+    a row decodes straight into its place, where one call over all rows first repacks them."""
+    return wire.device.type == "cpu" and cpu_fused.use_fused(codec, wire, n)
+
+
 def decode_rows(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
     """(R, n) fp32 values (contiguous) of R payloads of n elements each (``wire``: (R, codec.nbytes(n)) or flat
     uint8), in one ``Codec.decode`` call (see the module docstring)."""
@@ -116,6 +122,11 @@ def decode_rows(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
         return codec.decode(codec.from_bytes(wire[0], (n,), torch.float32)).view(1, n)
     flat = row_bucketed(codec, n)
     b, nb, padded = _layout(codec, n)
+    if _fused_rows(codec, wire, n) and not (padded == n and n % 8 == 0):
+        out = torch.empty(r, n, dtype=torch.float32, device=wire.device)
+        for j in range(r):  # the rows need repacking to be one call: on CPU one compiled decode each is cheaper
+            codec.decode_into(codec.from_bytes(wire[j], (n,), torch.float32), out[j])
+        return out
     ncode = packing.packed_nbytes(n, codec.bits)
     codes = wire[:, :ncode]
     scales = (
@@ -147,6 +158,11 @@ def decode_rows_into(codec: Codec, wire: torch.Tensor, n: int, out: torch.Tensor
         return out
     _, nb, padded = _layout(codec, n)
     direct = out.dtype == torch.float32 and out.is_contiguous() and r > 1 and padded == n and n % 8 == 0
+    rows = out.view(r, n) if out.is_contiguous() else out if tuple(out.shape) == (r, n) else None
+    if not direct and rows is not None and _fused_rows(codec, wire, n):  # one compiled decode per row, in place
+        for j in range(r):
+            codec.decode_into(codec.from_bytes(wire[j], (n,), torch.float32), rows[j])
+        return out
     if not direct:
         return out.copy_(decode_rows(codec, wire, n).view(out.shape))
     ncode = packing.packed_nbytes(n, codec.bits)
