@@ -72,7 +72,11 @@ def nonfinite_params(params: list[torch.nn.Parameter]) -> list[int]:
 
 def _local(g: torch.Tensor) -> torch.Tensor:
     """This rank's part of a gradient: a sharded DTensor's local shard (a reduction over the DTensor itself
-    would be a collective per parameter)."""
+    would be a collective per parameter). Read as the DTensor's local tensor, not through ``to_local()``,
+    which builds an autograd node per call: the gradients are data here, never differentiated."""
+    local = getattr(g, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
     to_local = getattr(g, "to_local", None)
     return to_local() if callable(to_local) else g
 
