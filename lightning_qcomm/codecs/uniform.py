@@ -80,6 +80,8 @@ class UniformCodec(Codec):
         return torch.stack([sigma, lo, inv], dim=1)
 
     def _decode_params(self, scales: torch.Tensor) -> torch.Tensor:
+        if scaling.none_needed(scales[:, 1] < 0):  # no bucket flagged: (lo, unit, m = 1), in one op
+            return torch.nn.functional.pad(scales, (0, 1), value=1.0)
         unit, _, m = scaling.unflag(scales[:, 1])
         return torch.stack([scales[:, 0], unit, m], dim=1)
 
