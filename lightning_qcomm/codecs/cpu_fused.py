@@ -116,8 +116,13 @@ def decode_into_kernel(codes, scales, codec: str, bits: int, bucket_size, stocha
 
 
 # ------------------------------------------------------------------ the fused passes
-def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torch.Tensor:
-    """Fused ``codec.encode_reference(xf, enc_params, seed)``: packed uint8 codes of flat fp32 ``xf``."""
+def encode(
+    codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int, out: torch.Tensor | None = None, offset: int = 0
+) -> torch.Tensor:
+    """Fused ``codec.encode_reference(xf, enc_params, seed)``: packed uint8 codes of flat fp32 ``xf``, written
+    into ``out`` (contiguous uint8, ``packed_nbytes`` long) when given. ``offset``: the random counter of
+    element i is offset + i (0 in the reference; xf a run of whole buckets of a longer tensor, see
+    ``comm.row_batch.encode_flat_row_into``)."""
     _require()
     x = xf.reshape(-1).to(torch.float32).contiguous()
     n = x.numel()
@@ -125,9 +130,10 @@ def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torc
     spec = codec.kernel_spec()
     if params.shape != (codec.num_buckets(n), spec.enc_params):
         raise ValueError(f"enc_params of shape {tuple(params.shape)} do not match codec {codec!r} on {n} elements")
-    out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
+    if out is None:
+        out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
     k1, k2 = rng.seed_to_key(seed)
-    torch.ops.qcomm.c_encode_codes(x, params, k1, k2, **spec.c_args(), out=out)
+    torch.ops.qcomm.c_encode_codes(x, params, k1, k2, **spec.c_args(), out=out, offset=offset)
     return out
 
 
@@ -235,9 +241,11 @@ def _scales(codec, x: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, scales, torch.full_like(scales, float("nan")))
 
 
-def encode_packed(codec, xf: torch.Tensor, seed: int, out_max: float = FLT_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_packed(
+    codec, xf: torch.Tensor, seed: int, out_max: float = FLT_MAX, out: torch.Tensor | None = None, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``Codec.encode`` body: (packed codes, wire scales) of flat fp32 ``xf``, bit-identical to
-    the reference's (``out_max``: see ``Codec._encode_params``)."""
+    the reference's (``out_max``: see ``Codec._encode_params``); ``out``, ``offset``: see ``encode``."""
     _require()
     x = xf.reshape(-1).to(torch.float32).contiguous()
     spec = codec.kernel_spec()
@@ -246,13 +254,15 @@ def encode_packed(codec, xf: torch.Tensor, seed: int, out_max: float = FLT_MAX) 
         nb = codec.num_buckets(n)
         scales = torch.empty(nb, 2, dtype=torch.float32)
         params = torch.empty(nb, 3, dtype=torch.float32)
-        out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
+        if out is None:
+            out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
         k1, k2 = rng.seed_to_key(seed)
-        if torch.ops.qcomm.c_uniform_encode(x, k1, k2, **spec.c_args(), scales=scales, params=params, out=out):
+        c_args = spec.c_args()
+        if torch.ops.qcomm.c_uniform_encode(x, k1, k2, **c_args, scales=scales, params=params, out=out, offset=offset):
             return out, scales
         # a signed zero whose sign torch's reduction order decides, or a pre-scaled bucket: general path
     scales = _scales(codec, x)
-    return encode(codec, x, codec._encode_params(scales, out_max), seed), scales.contiguous()
+    return encode(codec, x, codec._encode_params(scales, out_max), seed, out, offset), scales.contiguous()
 
 
 # ------------------------------------------------------------------ 1-bit sign path (comm.onebit_all_reduce)
