@@ -6,10 +6,11 @@ under ``torch.profiler`` with ``profile_memory=True``: the running sum of every 
 call (the input and the output existed before) gives the peak. The fake group completes an exchange at once;
 gloo holds an async exchange's tensors until it is waited on, so ``all_to_all_single`` is wrapped to do the
 same (``gloo_lifetimes``). Reported per shard (fp32 bytes of the output): the peak, the wire buffers (send +
-receive, N rows of the payload each: inherent to an all-to-all of encoded rows), and what is left beyond
-them, the temporaries. Two layouts of a 200K-element shard: two 100K parameters (not a whole number of
-buckets: per-row seeds) and two 102400-element ones plus a 4096-element bias that travels raw (whole
-buckets: one flat encode per segment). Writes ``benchmarks/results/qsdp_rs_memory.md``.
+receive, N rows of the payload each: inherent to an all-to-all of encoded rows), what is left beyond
+them, and, measured alone, the temporaries of encoding the N rows into a send buffer allocated beforehand. Three layouts of a 200K-element shard: two 100K parameters (not a whole number of
+buckets: per-row seeds), two 102400-element ones plus a 4096-element bias that travels raw (whole buckets: one
+flat encode per segment), and sixteen 12500-element ones (below the fused C path's row size). Writes
+``benchmarks/results/qsdp_rs_memory.md``.
 
 tests/test_qsdp_rs_memory.py asserts the bound (rest <= 2 shards) with the same measurement.
 """
@@ -27,6 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from lightning_qcomm.codecs import Codec, get_codec
 from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedReduceScatter
 from lightning_qcomm.comm.fsdp_internals import ParamShard
+from lightning_qcomm.comm.transport import PieceLayout
 
 OUT = Path(__file__).resolve().parent / "results" / "qsdp_rs_memory.md"
 WORLDS = (2, 4, 8)
@@ -34,6 +36,7 @@ WORLDS = (2, 4, 8)
 LAYOUTS = {
     "2 x 100000": ((100_000, True), (100_000, True)),
     "2 x 102400 + 4096 raw": ((102_400, True), (102_400, True), (4_096, False)),
+    "16 x 12500": ((12_500, True),) * 16,
 }
 CODECS = {
     "uniform-8": dict(name="uniform", bits=8, bucket_size=1024),
@@ -103,19 +106,27 @@ def measure(world: int, codec: Codec, layout, dtype: torch.dtype = torch.float32
     with gloo_lifetimes():
         rs(out, inp, group)  # warm: caches, first-use work
         peak = peak_bytes(lambda: rs(out, inp, group))
-    row_bytes = sum(codec.nbytes(n) if q else n * inp.element_size() for n, q in layout)
-    shard, wire = 4 * shard_numel, 2 * world * row_bytes
-    return {"peak": peak / shard, "wire": wire / shard, "rest": (peak - wire) / shard}
+    # the encode alone, into a send buffer allocated beforehand: its own temporaries
+    rc = rs._row_codec(shard_numel, dtype, params)
+    pieces = PieceLayout.for_rows(world, rc.row_nbytes(dtype), inp.device)
+    send, rows = pieces.empty(inp.device), inp.view(world, shard_numel)
+    encode = peak_bytes(lambda: rc.encode(rows, 5, send, pieces))
+    shard, wire = 4 * shard_numel, 2 * send.numel()
+    return {"peak": peak / shard, "wire": wire / shard, "rest": (peak - wire) / shard, "encode": encode / shard}
 
 
 def main() -> None:
-    rows = ["| layout | N | codec | peak / shard | wire buffers / shard | rest / shard |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| layout | N | codec | peak / shard | wire buffers / shard | rest / shard | encode's temporaries / shard |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for layout_name, layout in LAYOUTS.items():
         for world in WORLDS:
             for name, kwargs in CODECS.items():
                 m = measure(world, get_codec(**kwargs), layout)
                 rows.append(
-                    f"| {layout_name} | {world} | {name} | {m['peak']:.2f} | {m['wire']:.2f} | {m['rest']:.2f} |"
+                    f"| {layout_name} | {world} | {name} | {m['peak']:.2f} | {m['wire']:.2f} | {m['rest']:.2f} "
+                    f"| {m['encode']:.2f} |"
                 )
     dist.destroy_process_group()
     text = "# Peak extra memory of one QSDP reduce-scatter\n\n`python benchmarks/qsdp_rs_memory.py`\n\n"
