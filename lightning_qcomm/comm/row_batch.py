@@ -335,13 +335,13 @@ def _encode_batched(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> t
 
 
 __all__ = [
+    "c_pass_available",
     "decode_rows",
     "decode_rows_into",
     "encode_flat",
     "encode_flat_row_into",
     "encode_row_into",
     "encode_rows",
-    "c_pass_available",
     "row_bucketed",
     "rows_one_by_one",
 ]
