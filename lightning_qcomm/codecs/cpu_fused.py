@@ -124,8 +124,13 @@ def decode_into_kernel(codes, scales, codec: str, bits: int, bucket_size, stocha
 
 
 # ------------------------------------------------------------------ the fused passes
-def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torch.Tensor:
-    """Fused ``codec.encode_reference(xf, enc_params, seed)``: packed uint8 codes of flat fp32 ``xf``."""
+def encode(
+    codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int, out: torch.Tensor | None = None, offset: int = 0
+) -> torch.Tensor:
+    """Fused ``codec.encode_reference(xf, enc_params, seed)``: packed uint8 codes of flat fp32 ``xf``, written
+    into ``out`` (contiguous uint8, ``packed_nbytes`` long) when given. ``offset``: the random counter of
+    element i is offset + i (0 in the reference; xf a run of whole buckets of a longer tensor, see
+    ``comm.row_batch.encode_flat_row_into``)."""
     _require()
     x = xf.reshape(-1).to(torch.float32).contiguous()
     n = x.numel()
@@ -133,9 +138,10 @@ def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torc
     spec = kernel_spec(codec)
     if params.shape != (codec.num_buckets(n), spec.enc_params):
         raise ValueError(f"enc_params of shape {tuple(params.shape)} do not match codec {codec!r} on {n} elements")
-    out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
+    if out is None:
+        out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
     k1, k2 = rng.seed_to_key(seed)
-    torch.ops.qcomm.c_encode_codes(x, params, k1, k2, **spec.c_args(), out=out)
+    torch.ops.qcomm.c_encode_codes(x, params, k1, k2, **spec.c_args(), out=out, offset=offset)
     return out
 
 
@@ -300,9 +306,11 @@ def _plain_scales_params(codec, x: torch.Tensor, out_max: float) -> tuple[torch.
     return codec.plain_scales_params(norm, counts)
 
 
-def encode_packed(codec, xf: torch.Tensor, seed: int, out_max: float = FLT_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_packed(
+    codec, xf: torch.Tensor, seed: int, out_max: float = FLT_MAX, out: torch.Tensor | None = None, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``Codec.encode`` body: (packed codes, wire scales) of flat fp32 ``xf``, bit-identical to
-    the reference's (``out_max``: see ``Codec._encode_params``)."""
+    the reference's (``out_max``: see ``Codec._encode_params``); ``out``, ``offset``: see ``encode``."""
     _require()
     x = xf.reshape(-1).to(torch.float32).contiguous()
     spec = kernel_spec(codec)
@@ -311,9 +319,11 @@ def encode_packed(codec, xf: torch.Tensor, seed: int, out_max: float = FLT_MAX) 
         nb = codec.num_buckets(n)
         scales = torch.empty(nb, 2, dtype=torch.float32)
         params = torch.empty(nb, 3, dtype=torch.float32)
-        out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
+        if out is None:
+            out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
         k1, k2 = rng.seed_to_key(seed)
-        if torch.ops.qcomm.c_uniform_encode(x, k1, k2, **spec.c_args(), scales=scales, params=params, out=out):
+        c_args = spec.c_args()
+        if torch.ops.qcomm.c_uniform_encode(x, k1, k2, **c_args, scales=scales, params=params, out=out, offset=offset):
             return out, scales
         # a signed zero whose sign torch's reduction order decides, or a pre-scaled bucket: general path
     plain = _plain_scales_params(codec, x, out_max)
@@ -322,7 +332,7 @@ def encode_packed(codec, xf: torch.Tensor, seed: int, out_max: float = FLT_MAX) 
     else:
         scales = _scales(codec, x)
         params = codec._encode_params(scales, out_max)
-    return encode(codec, x, params, seed), scales.contiguous()
+    return encode(codec, x, params, seed, out, offset), scales.contiguous()
 
 
 # ------------------------------------------------------------------ 1-bit sign path (comm.onebit_all_reduce)

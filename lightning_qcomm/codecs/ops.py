@@ -7,7 +7,8 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
   ``FUSED_MIN_NUMEL`` elements, else the reference); CUDA: the per-bucket parameters in torch, the
   element-wise work in Triton (``lightning_qcomm.kernels``); default (any other device): the torch reference;
 - ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_uniform_encode``: the C kernels (``csrc``),
-  CPU only, on flat contiguous tensors given the per-bucket parameters (what ``cpu_fused`` calls);
+  CPU only, on flat contiguous tensors given the per-bucket parameters (what ``cpu_fused`` calls); the encodes'
+  ``offset`` starts the random counter there (a row of a longer tensor coded on its own, ``comm.row_batch``);
 - ``sign_encode_err``, ``sign_server_sum``, ``sign_decode`` (``codecs.sign_ops``): CPU the C kernels,
   default the same arithmetic in torch.
 
@@ -48,7 +49,9 @@ _lib.define(f"encode(Tensor x, {_CODEC}, int seed) -> (Tensor codes, Tensor scal
 _lib.define(f"decode(Tensor codes, Tensor scales, int numel, {_CODEC}) -> Tensor")
 _lib.define(f"decode_into(Tensor codes, Tensor scales, {_CODEC}, ScalarType dtype, Tensor(a!) out) -> ()")
 # The C kernels (CPU only; csrc/qcomm_ops.cpp), on flat contiguous tensors given the per-bucket parameters.
-_lib.define(f"c_encode_codes(Tensor x, Tensor params, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) out) -> ()")
+_lib.define(
+    f"c_encode_codes(Tensor x, Tensor params, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) out, int offset=0) -> ()"
+)
 _lib.define(
     "c_decode_codes(Tensor codes, Tensor params, Tensor lut, int numel, int bits, int bucket, Tensor(a!) out) -> ()"
 )
@@ -57,7 +60,7 @@ _lib.define(
 )
 _lib.define(
     f"c_uniform_encode(Tensor x, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) scales, Tensor(b!) params, "
-    "Tensor(c!) out) -> bool"
+    "Tensor(c!) out, int offset=0) -> bool"
 )
 
 

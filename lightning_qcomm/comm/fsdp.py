@@ -20,9 +20,9 @@ parameter segment, vectors and small tensors raw in the buffer dtype).
 * All-gather (weights): this rank encodes its row, ``all_gather_single`` of the bytes (``all_gather_bytes``:
   concurrent pieces on gloo), then every rank decodes all N rows, its own included, so every rank computes
   with identical weights.
-* Reduce-scatter (grads): encode each of the N rows, ``all_to_all_single`` (``all_to_all_bytes``), decode the
-  received rows one at a time to fp32 and add them in rank order, the own row exact (it never left the rank);
-  write the shard.
+* Reduce-scatter (grads): encode the N rows into the send buffer, ``all_to_all_pieces`` (both buffers in the
+  transport's ``PieceLayout``: its concurrent pieces copy nothing), decode the received rows one at a time to
+  fp32 and add them in rank order, the own row exact (it never left the rank); write the shard.
   ``set_force_sum_reduction_for_comms(True)`` makes FSDP pass ``SUM`` and divide by N itself.
 
 Seeds: ``derive_seed(seed, kind, step, group_id, rank, segment, ...)`` with ``step`` read from the shared
@@ -61,7 +61,7 @@ from lightning_qcomm.comm.fsdp_internals import (
 )
 from lightning_qcomm.comm.ledger import get_ledger
 from lightning_qcomm.comm.row_codec import RowCodec, Segment, is_quantized_param
-from lightning_qcomm.comm.transport import all_gather_bytes, all_to_all_bytes
+from lightning_qcomm.comm.transport import PieceLayout, all_gather_bytes, all_to_all_pieces
 
 try:  # a torch without them is refused at setup by check_torch_fsdp_api, with its version named
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -207,10 +207,11 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
     """FSDP2 reduce-scatter of gradients: quantized rows, all-to-all, fp32 sum (precision preserving).
 
     Received rows are decoded one at a time and added in rank order into an fp32 total (the output itself
-    when it is a contiguous fp32 buffer), so the extra memory is one fp32 row besides the total whatever
-    the world size. The own row never leaves the rank and enters the sum exactly. Raw segments (biases,
-    norms) travel in the gradient dtype and are widened exactly, so with bf16/fp16 gradients they come
-    back as the fp32 sum of the ranks' values, rounded once to the output dtype.
+    when it is a contiguous fp32 buffer); besides the wire buffers the extra memory is one fp32 row and one
+    wire row whatever the world size (the send buffer is freed before the decode). The own row never leaves
+    the rank and enters the sum exactly. Raw segments (biases, norms) travel in the gradient dtype and are
+    widened exactly, so with bf16/fp16 gradients they come back as the fp32 sum of the ranks' values, rounded
+    once to the output dtype.
 
     ``live_requires_grad`` (optional) returns the group's current ``requires_grad`` flags in param order:
     FSDP2 leaves parameters without a gradient out of the buffer, and which ones those are can change
@@ -257,20 +258,23 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         self._calls += 1
         rc = self._row_codec(s_numel, input_tensor.dtype, self._layout(s_numel))
         seed = derive_seed(self.state.seed, SEED_GRADS, self.state.step, self.group_id, rank, self._calls)
-        rows = input_tensor.view(world, s_numel)
-        send = rc.encode(rows, seed)
-        recv = torch.empty_like(send)
-        all_to_all_bytes(recv.view(-1), send.view(-1), group=group)
-        device = input_tensor.device
+        rows, device = input_tensor.view(world, s_numel), input_tensor.device
+        layout = PieceLayout.for_rows(world, rc.row_nbytes(input_tensor.dtype), device)
+        send = rc.encode(rows, seed, layout.empty(device), layout)
+        recv = layout.empty(device)
+        all_to_all_pieces(recv, send, layout, group=group)
+        del send  # freed before the decode, which reads the received rows only
         direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
         total = output_tensor.view(-1) if direct else torch.empty(s_numel, dtype=torch.float32, device=device)
         row = torch.empty(s_numel, dtype=torch.float32, device=device) if world > 1 else total
+        scratch = torch.empty(layout.row_bytes, dtype=torch.uint8, device=device) if layout.pieced else None
         for j in range(world):  # rank order, the same order on every rank
             dst = total if j == 0 else row
             if j == rank:
                 dst.copy_(rows[rank])  # the own row never left this rank: keep it exact
             else:
-                rc.decode(recv[j : j + 1], dst.view(1, s_numel), wire_dtype=input_tensor.dtype)
+                wire = layout.read_row(recv, j, scratch).view(1, -1)
+                rc.decode(wire, dst.view(1, s_numel), wire_dtype=input_tensor.dtype)
             if j > 0:
                 total += row
         if divide:
@@ -279,10 +283,10 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
             output_tensor.copy_(total.view(output_tensor.shape))
         get_ledger().record(
             "reduce_scatter",
-            collective_bytes=send.numel(),
+            collective_bytes=recv.numel(),
             baseline_collective_bytes=world * s_numel * FP32_BYTES,
             world_size=world,
-            payload_bytes=send.numel(),
+            payload_bytes=recv.numel(),
             tag="grads",
         )
         return None

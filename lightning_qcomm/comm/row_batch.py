@@ -19,8 +19,14 @@ are computed in a number of torch ops that does not depend on R:
   ``_encode_params``, ``_quantize``; the uniform codec's last-bucket rule per row) with the per-row random
   bits of ``codecs.rng`` keyed per row, in blocks of whole buckets that bound the temporaries. Deterministic
   codecs on rows of whole, byte-aligned buckets take one public ``encode`` call instead. On CPU, rows large
-  enough for the fused C path keep one (compiled) call per row: there is no launch to save and the C pass
-  is faster than the eager ops. A codec class this module does not know is coded row by row (logged once).
+  enough for the fused C path keep one (compiled) call per row (``rows_one_by_one``): there is no launch to
+  save and the C pass is faster than the eager ops; ``encode_row_into`` writes a row's payload where the
+  caller wants it, the codes straight from the C pass (any row length: ``c_pass_available``). A codec class
+  this module does not know is coded row by row (logged once).
+
+Rows of whole, byte-aligned buckets can also travel as one flat tensor: ``encode_flat`` (one codec call with
+one seed, the random counter running on across rows), or on the fused CPU path row by row,
+``encode_flat_row_into`` (row j of it from row j alone: no contiguous copy of all rows).
 
 This is a stopgap in the comm layer until the codecs offer it: see ``docs/design.md`` (the codec op that
 takes a (rows, n) tensor and a tensor of per-row seeds).
@@ -178,8 +184,71 @@ def decode_rows_into(codec: Codec, wire: torch.Tensor, n: int, out: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------- encode
+def rows_one_by_one(codec: Codec, rows: torch.Tensor) -> bool:
+    """Whether ``encode_rows`` codes (R, n) ``rows`` one codec call per row: CPU rows large enough for the fused
+    C path (compiled passes, no launches to save)."""
+    return rows.device.type == "cpu" and cpu_fused.use_fused(codec, rows, rows.shape[-1])
+
+
+def c_pass_available(codec: Codec, device: torch.device) -> bool:
+    """Whether the fused C pass can code rows of ``codec`` on ``device`` one at a time, whatever their length:
+    CPU, a codec with native kernels, the library built and not switched off (``cpu_fused.use_fused`` with its
+    size threshold met: the C pass is bit-identical to the reference at every size)."""
+    return device.type == "cpu" and cpu_fused.use_fused(codec, torch.empty(0), cpu_fused.FUSED_MIN_NUMEL)
+
+
+def _c_row_into(codec: Codec, rows: torch.Tensor, j: int, seed: int, out: torch.Tensor, offset: int) -> None:
+    """The fused C encode of row j (random counters from ``offset``): codes into ``out``, then the scales."""
+    if not c_pass_available(codec, rows.device):
+        raise ValueError(f"{codec!r} rows on {rows.device}: the fused C pass is not available (c_pass_available)")
+    ncode = packing.packed_nbytes(rows.shape[1], codec.bits)
+    xf = rows[j].detach().to(torch.float32)
+    _, scales = cpu_fused.encode_packed(codec, xf, seed, scaling.output_max(rows.dtype), out=out[:ncode], offset=offset)
+    out[ncode:].copy_(scales.reshape(-1).view(torch.uint8))
+
+
+def encode_row_into(codec: Codec, rows: torch.Tensor, j: int, seed: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (contiguous uint8, ``codec.nbytes(n)``) <- ``codec.encode(rows[j], seed).to_bytes()``, bit for bit, by
+    the fused C pass, which writes the codes into ``out`` (``c_pass_available``)."""
+    _c_row_into(codec, rows, j, seed, out, 0)
+    return out
+
+
+def encode_flat_row_into(codec: Codec, rows: torch.Tensor, j: int, seed: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` <- row j of ``encode_flat(codec, rows, seed)``, bit for bit, from row j alone: the fused C pass on
+    the row with the flat tensor's random counters (from j * n), no copy of the other rows
+    (``c_pass_available``)."""
+    r, n = rows.shape
+    _c_row_into(codec, rows, j, seed, out, j * n)
+    if type(codec) is UniformCodec and j < r - 1:
+        # In the flat tensor this row's last bucket is not the last one: its min and max are reduced like any
+        # bucket's, not by the tensor's last-bucket rule, whose torch reduction may pick the other zero of a
+        # bucket holding +0 and -0. Those scales again (the codes do not depend on the sign of a zero lo).
+        xb = rows[j, n - codec.bucket_size :].to(torch.float32).expand(2, -1)
+        scales = codec._scales(xb, torch.full((2,), float(codec.bucket_size)))[:1]
+        scales = torch.where(codec._finite_mask(xb[:1]), scales, torch.full_like(scales, float("nan")))
+        out[out.numel() - 4 * codec.scales_per_bucket :].copy_(scales.reshape(-1).view(torch.uint8))
+    return out
+
+
 def _per_row(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
-    return torch.stack([codec.encode(rows[j], seed=s).to_bytes() for j, s in enumerate(seeds)])
+    out = torch.empty(rows.shape[0], codec.nbytes(rows.shape[1]), dtype=torch.uint8, device=rows.device)
+    for j, s in enumerate(seeds):
+        encode_row_into(codec, rows, j, s, out[j])
+    return out
+
+
+def encode_flat(codec: Codec, rows: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``codec.encode(rows.reshape(-1), seed)`` cut into its R rows, for rows of whole byte-aligned buckets (n a
+    multiple of the bucket size and of 8), in one codec call (on a contiguous copy of ``rows``): (R, ncode) uint8
+    codes and the (R, 4 * scales) bytes of the rows' scales; row j's payload is the two concatenated."""
+    _check_rows(rows)
+    r, n = rows.shape
+    b = codec.bucket_size
+    if r > 1 and (b is None or n % b or n % 8):
+        raise ValueError(f"rows of {n} elements are not whole byte-aligned buckets of {b}")
+    p = codec.encode(rows.reshape(-1), seed=seed)
+    return p.codes.view(r, -1), p.scales.reshape(r, -1).view(torch.uint8)
 
 
 def encode_rows(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
@@ -194,15 +263,15 @@ def encode_rows(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch
         raise ValueError(f"seeds must hold one seed per row ({r}), got {len(seeds)}")
     if r == 1:
         return codec.encode(rows[0], seed=seeds[0]).to_bytes().view(1, -1)
-    if rows.device.type == "cpu" and cpu_fused.use_fused(codec, rows, n):
-        return _per_row(codec, rows, seeds)  # compiled passes per row: no launches to save on CPU
+    if rows_one_by_one(codec, rows):
+        return _per_row(codec, rows, seeds)
     if type(codec) not in _BATCHED or n >= _INT32_COUNTERS:
         _log_once(
             f"rows-{type(codec).__qualname__}",
             f"lightning_qcomm: {type(codec).__qualname__} rows are encoded one codec call per row "
             "(comm.row_batch batches the built-in codec classes only)",
         )
-        return _per_row(codec, rows, seeds)
+        return torch.stack([codec.encode(rows[j], seed=s).to_bytes() for j, s in enumerate(seeds)])
     flat = row_bucketed(codec, n)
     if type(codec) in _FLAT_DETERMINISTIC and not codec.stochastic and n % flat.bucket_size == 0 and n % 8 == 0:
         packed = flat.encode(rows.reshape(-1), seed=0)  # no random bits: the seeds play no part
@@ -281,4 +350,14 @@ def _encode_batched(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> t
     return torch.cat([packed, scales.reshape(r, -1).view(torch.uint8)], dim=1)
 
 
-__all__ = ["decode_rows", "decode_rows_into", "encode_rows", "row_bucketed"]
+__all__ = [
+    "c_pass_available",
+    "decode_rows",
+    "decode_rows_into",
+    "encode_flat",
+    "encode_flat_row_into",
+    "encode_row_into",
+    "encode_rows",
+    "row_bucketed",
+    "rows_one_by_one",
+]

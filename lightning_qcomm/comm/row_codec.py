@@ -8,6 +8,16 @@ parameters' scales. The wire row is ``[seg_0 bytes | seg_1 bytes | ...]`` with `
 (codes, then fp32 scales) per quantized segment and ``n * element_size`` per raw one: a pure function of
 the layout and the buffer dtype, so no sizes are exchanged.
 
+A quantized segment of whole byte-aligned buckets is coded as one flat tensor of its R rows (one seed, the
+random counter running on across rows); any other with row r's own seed ``derive_seed(seg_seed, r)``.
+
+``encode`` writes the rows into a buffer of the caller's ``PieceLayout`` (``comm.transport``; default plain
+(R, P) rows). On CPU no temporary grows with R: raw segments are copied in, and a quantized segment's rows go
+through the fused C pass one at a time, straight into the buffer, when a row is of the fused path's size or
+the rows hold more than ``BATCH_MAX_NUMEL`` elements. Other rows (fewer elements, or on CUDA) are coded all
+together, in a number of ops that does not depend on R (issue 19 item 1), and copied in; on CUDA that keeps
+the flat encode's contiguous copy of the rows (R x the segment, in device memory).
+
 Example::
 
     rc = RowCodec([Segment(4096, True), Segment(64, False)], get_codec("uniform", bits=8))
@@ -24,9 +34,22 @@ import torch
 
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.comm.fsdp_internals import ParamShard
-from lightning_qcomm.comm.row_batch import decode_rows_into, encode_rows
+from lightning_qcomm.comm.row_batch import (
+    c_pass_available,
+    decode_rows_into,
+    encode_flat,
+    encode_flat_row_into,
+    encode_row_into,
+    encode_rows,
+    rows_one_by_one,
+)
+from lightning_qcomm.comm.transport import PieceLayout
 
 DECODE_BLOCK_NUMEL = 1 << 24  # elements decoded per codec call at most (bounds the fp32 temporary)
+# Most elements of a quantized segment's R rows coded together by the batched eager pass on CPU (the path
+# CUDA takes, ops constant in R); past it the C pass codes them one row at a time, as the batched pass's
+# temporaries (tens of bytes an element) would grow with R.
+BATCH_MAX_NUMEL = 1 << 15
 
 
 def is_quantized_param(p: ParamShard, min_quant_numel: int) -> bool:
@@ -65,25 +88,70 @@ class RowCodec:
         b = self.codec.bucket_size
         return b is not None and n % b == 0 and n % 8 == 0
 
-    def encode(self, rows: torch.Tensor, seed: int) -> torch.Tensor:
-        """rows (R, S) float -> uint8 (R, P)."""
+    def encode(
+        self, rows: torch.Tensor, seed: int, out: torch.Tensor | None = None, layout: PieceLayout | None = None
+    ) -> torch.Tensor:
+        """rows (R, S) float -> uint8 (R, P); or written into ``out`` (flat, R * P bytes) stored in ``layout``,
+        and ``out`` returned."""
         r_count = rows.shape[0]
-        parts = []
-        off = 0
+        nbytes = self.row_nbytes(rows.dtype)
+        if out is None:
+            layout = PieceLayout(r_count, nbytes, ((0, nbytes),))
+            return self.encode(rows, seed, layout.empty(rows.device), layout).view(r_count, nbytes)
+        if layout is None or (layout.world, layout.row_bytes) != (r_count, nbytes) or out.numel() != r_count * nbytes:
+            raise ValueError(f"out needs a PieceLayout of {r_count} rows of {nbytes} bytes and that many bytes")
+        es = rows.element_size()
+        off = boff = 0
         for k, s in enumerate(self.segments):
             x = rows[:, off : off + s.numel]
-            off += s.numel
+            nb = self._seg_nbytes(s, es)
             if not (s.quantize and self.codec is not None):
-                parts.append(x.contiguous().view(torch.uint8))
-                continue
-            seg_seed = derive_seed(seed, k)
-            if self._aligned(s.numel, r_count):
-                p = self.codec.encode(x.reshape(-1), seed=seg_seed)
-                parts.append(p.codes.reshape(r_count, -1))
-                parts.append(p.scales.reshape(r_count, -1).view(torch.uint8))
-            else:  # row r with seed derive_seed(seg_seed, r), all rows in one pass
-                parts.append(encode_rows(self.codec, x, [derive_seed(seg_seed, r) for r in range(r_count)]))
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
+                layout.write(out, boff, (x if x.stride(-1) == 1 else x.contiguous()).view(torch.uint8))
+            elif self._one_by_one(x):
+                self._encode_one_by_one(x, derive_seed(seed, k), out, layout, boff, nb)
+            else:
+                self._encode_together(x, derive_seed(seed, k), out, layout, boff)
+            off, boff = off + s.numel, boff + nb
+        return out
+
+    def _one_by_one(self, x: torch.Tensor) -> bool:
+        """Whether the (R, n) rows of a quantized segment go through the C pass one at a time (CPU): rows of the
+        fused path's size, or more than ``BATCH_MAX_NUMEL`` elements in all."""
+        return rows_one_by_one(self.codec, x) or (
+            x.numel() > BATCH_MAX_NUMEL and c_pass_available(self.codec, x.device)
+        )
+
+    def _encode_one_by_one(
+        self, x: torch.Tensor, seg_seed: int, out: torch.Tensor, layout: PieceLayout, b0: int, nb: int
+    ) -> None:
+        """The C pass per row, straight into ``out`` (through one row's scratch where the row's bytes cross a piece
+        boundary); rows of whole buckets as rows of one flat tensor, without a copy of the rows."""
+        r_count, n = x.shape
+        flat = self._aligned(n, r_count)
+        scratch = None
+        for r in range(r_count):
+            dst = layout.span(out, r, b0, b0 + nb)
+            if dst is None and scratch is None:
+                scratch = torch.empty(nb, dtype=torch.uint8)
+            target = scratch if dst is None else dst
+            if flat:
+                encode_flat_row_into(self.codec, x, r, seg_seed, target)
+            else:
+                encode_row_into(self.codec, x, r, derive_seed(seg_seed, r), target)
+            if dst is None:
+                layout.write_row(out, r, b0, scratch)
+
+    def _encode_together(self, x: torch.Tensor, seg_seed: int, out: torch.Tensor, layout: PieceLayout, b0: int) -> None:
+        """All R rows in a number of ops that does not depend on R (issue 19 item 1), copied into ``out``: rows of
+        whole buckets as one flat codec call on a contiguous copy of the rows (on CUDA the Triton kernel's one
+        launch; the copy is R x the segment, on the device), the others by ``encode_rows``."""
+        r_count, n = x.shape
+        if self._aligned(n, r_count):
+            codes, scales = encode_flat(self.codec, x, seg_seed)
+            layout.write(out, b0, codes)
+            layout.write(out, b0 + codes.shape[1], scales)
+        else:
+            layout.write(out, b0, encode_rows(self.codec, x, [derive_seed(seg_seed, r) for r in range(r_count)]))
 
     def decode(
         self,

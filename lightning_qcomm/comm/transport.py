@@ -11,6 +11,11 @@ ranges issued as concurrent exchanges (a blocking gloo exchange of a few MB leav
 idle: BENCHMARKS.md §3, "Why two blocking phases lose the link"); the bytes and the result are those of one
 call. CUDA tensors go as one call (NCCL pipelines internally).
 
+Those pieces cost a copy of every piece of the send rows and a receive buffer per piece, the size of the
+wire buffers again. A caller that builds its rows itself avoids them with ``PieceLayout``: the rows stored
+piece by piece (each piece's column range of all N rows one contiguous block), which
+``all_to_all_pieces`` exchanges block by block with no temporaries (QSDP's gradient reduce-scatter).
+
 Example::
 
     recv = torch.empty_like(send)            # send: N rows of equal length, row j for rank j
@@ -18,6 +23,8 @@ Example::
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -107,6 +114,101 @@ def all_to_all_bytes(
     _exchange_columns(recv.view(world, row), cols, world, issue)
 
 
+@dataclass(frozen=True)
+class PieceLayout:
+    """N rows of ``row_bytes`` bytes stored piece-major in one flat uint8 buffer: the column range
+    ``cols[p] = (a, b)`` of all N rows is the contiguous (N, b - a) block at offset N * a, so every concurrent
+    exchange of ``all_to_all_pieces`` sends and receives contiguous memory. One range (plain row-major
+    rows) for short rows and on CUDA, as ``all_to_all_bytes`` cuts them.
+
+    Example::
+
+        layout = PieceLayout.for_rows(world, row_bytes, device)
+        send = layout.empty(device)
+        layout.write(send, 0, rows_bytes)              # (world, w) bytes into columns 0..w of every row
+        recv = layout.empty(device)
+        all_to_all_pieces(recv, send, layout, group)
+        layout.read_row(recv, j, scratch)              # what rank j sent, as one contiguous row
+    """
+
+    world: int
+    row_bytes: int
+    cols: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def for_rows(cls, world: int, row_bytes: int, device: torch.device, piece_bytes: int | None = None) -> PieceLayout:
+        """The rows cut as ``all_to_all_bytes`` cuts them (``piece_bytes`` default: ``TRANSFER_PIECE_BYTES``)."""
+        piece_bytes = TRANSFER_PIECE_BYTES if piece_bytes is None else piece_bytes
+        cols = _column_pieces(row_bytes, piece_bytes) if device.type == "cpu" else [(0, row_bytes)]
+        return cls(world, row_bytes, tuple(cols))
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.world * self.row_bytes, dtype=torch.uint8, device=device)
+
+    def block(self, buf: torch.Tensor, p: int) -> torch.Tensor:
+        """Piece p of all rows, (N, b - a)."""
+        a, b = self.cols[p]
+        return buf[self.world * a : self.world * b].view(self.world, b - a)
+
+    def _overlaps(self, c0: int, c1: int):
+        for p, (a, b) in enumerate(self.cols):
+            lo, hi = max(a, c0), min(b, c1)
+            if lo < hi:
+                yield p, a, lo, hi
+
+    def write(self, buf: torch.Tensor, c0: int, src: torch.Tensor) -> None:
+        """Columns c0 .. c0 + w of every row <- ``src`` (N, w), any strides."""
+        for p, a, lo, hi in self._overlaps(c0, c0 + src.shape[1]):
+            self.block(buf, p)[:, lo - a : hi - a].copy_(src[:, lo - c0 : hi - c0])
+
+    def span(self, buf: torch.Tensor, j: int, c0: int, c1: int) -> torch.Tensor | None:
+        """Columns c0 .. c1 of row j as a contiguous view, or None when they cross a piece boundary."""
+        for p, a, lo, hi in self._overlaps(c0, c1):
+            return self.block(buf, p)[j, c0 - a : c1 - a] if (lo, hi) == (c0, c1) else None
+        return None
+
+    def write_row(self, buf: torch.Tensor, j: int, c0: int, src: torch.Tensor) -> None:
+        """Columns c0 .. c0 + len(src) of row j <- ``src``."""
+        for p, a, lo, hi in self._overlaps(c0, c0 + src.numel()):
+            self.block(buf, p)[j, lo - a : hi - a].copy_(src[lo - c0 : hi - c0])
+
+    @property
+    def pieced(self) -> bool:
+        """Whether the rows are cut into more than one piece (else ``buf`` is plain (N, row_bytes) rows)."""
+        return len(self.cols) > 1
+
+    def read_row(self, buf: torch.Tensor, j: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Row j as one contiguous tensor: a view of ``buf`` when not ``pieced``, else copied into ``scratch``
+        (``row_bytes`` uint8)."""
+        if not self.pieced:
+            return self.block(buf, 0)[j]
+        for p, (a, b) in enumerate(self.cols):
+            scratch[a:b].copy_(self.block(buf, p)[j])
+        return scratch
+
+
+def all_to_all_pieces(
+    recv: torch.Tensor, send: torch.Tensor, layout: PieceLayout, group: dist.ProcessGroup | None = None
+) -> None:
+    """``all_to_all_bytes`` of rows stored in ``layout`` (``send`` and ``recv`` flat, piece-major): one
+    ``all_to_all_single`` per piece, all in flight at once, none copied."""
+    _, world = _rank_world(group)
+    if world == 1:
+        recv.copy_(send)
+        return
+    if not layout.pieced:
+        dist.all_to_all_single(recv, send, group=group)
+        return
+    works = [
+        dist.all_to_all_single(
+            layout.block(recv, p).view(-1), layout.block(send, p).view(-1), group=group, async_op=True
+        )
+        for p in range(len(layout.cols))
+    ]
+    for work in works:
+        work.wait()
+
+
 def all_gather_bytes(
     out: torch.Tensor,
     inp: torch.Tensor,
@@ -174,4 +276,11 @@ def _wait(work) -> None:
         work.wait()
 
 
-__all__ = ["MAX_TRANSFER_PIECES", "TRANSFER_PIECE_BYTES", "all_gather_bytes", "all_to_all_bytes"]
+__all__ = [
+    "MAX_TRANSFER_PIECES",
+    "TRANSFER_PIECE_BYTES",
+    "PieceLayout",
+    "all_gather_bytes",
+    "all_to_all_bytes",
+    "all_to_all_pieces",
+]

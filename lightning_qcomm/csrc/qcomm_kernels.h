@@ -47,8 +47,9 @@ typedef struct {
 
 static inline __attribute__((always_inline)) void quantize_body(
         const cfg_t* c, const float* x, int64_t i0, int64_t i1, const float* p,
-        uint32_t k1, uint32_t k2, uint8_t* out, const int stoch) {
-    /* p: (sigma, lo, 1/unit) uniform; (sigma, k/n, level cap) qsgd, nuqsgd; (scale) sign1; (sigma, 1/s) fp8 */
+        uint32_t k1, uint32_t k2, int64_t off, uint8_t* out, const int stoch) {
+    /* p: (sigma, lo, 1/unit) uniform; (sigma, k/n, level cap) qsgd, nuqsgd; (scale) sign1; (sigma, 1/s) fp8.
+       Element j draws the random counter j + off. */
     const float p0 = p[0], p1 = c->P > 1 ? p[1] : p0, p2 = c->P > 2 ? p[2] : p1;
     const int levels = c->levels, sign_bit = c->sign_bit; /* locals: the uint8 stores may alias *c */
     switch (c->kind) {
@@ -57,7 +58,7 @@ static inline __attribute__((always_inline)) void quantize_body(
         for (int64_t j = i0; j < i1; j++) {
             float xv = x[j];
             float t = (xv * p0 - p1) * p2;
-            t = stoch ? t + uniform_u(j, k1, k2) : t + 0.5f;
+            t = stoch ? t + uniform_u(j + off, k1, k2) : t + 0.5f;
             int code = !(t >= 0.0f) ? 0 : (t >= L ? levels : (int)t);
             out[j - i0] = isfin(xv) ? (uint8_t)code : 0;
         }
@@ -74,7 +75,7 @@ static inline __attribute__((always_inline)) void quantize_body(
             r = r > cap ? cap : r;
             int li = (int32_t)r;
             float d = r - (float)li;
-            int up = stoch ? (uniform_u(j, k1, k2) < d) : (d >= 0.5f);
+            int up = stoch ? (uniform_u(j + off, k1, k2) < d) : (d >= 0.5f);
             int level = li + up; /* small exact integers: the reference's min(lower + up, S, cap) */
             level = level > top ? top : level;
             int code = xv < 0.0f ? (level | sign_bit) : level;
@@ -94,7 +95,7 @@ static inline __attribute__((always_inline)) void quantize_body(
             float m = r * exp2i(-ef);
             float pr = below ? m : m - 1.0f;
             int idx = below ? 0 : ef - emin + 1;
-            int up = stoch ? (uniform_u(j, k1, k2) < pr) : (pr >= 0.5f);
+            int up = stoch ? (uniform_u(j + off, k1, k2) < pr) : (pr >= 0.5f);
             int level = idx + up;
             level = level < 0 ? 0 : (level > top ? top : level);
             int code = xv < 0.0f ? (level | sign_bit) : level;
@@ -122,7 +123,7 @@ static inline __attribute__((always_inline)) void quantize_body(
             /* nearest, ties to even: up iff d > 1/2, or d == 1/2 and f odd; for fp32 d, d > 1/2 is
                d >= 1/2 + 2^-24 (the next float), written as one compare so the loop vectorizes */
             float half = (fi & 1) ? 0.5f : 0x1.000002p-1f;
-            int up = stoch ? (uniform_u(j, k1, k2) < d) : (d >= half);
+            int up = stoch ? (uniform_u(j + off, k1, k2) < d) : (d >= half);
             int mm = fi + up;
             int carry = mm >> (mb + 1); /* 0 or 1 */
             mm = carry ? mm >> 1 : mm;
@@ -139,9 +140,9 @@ static inline __attribute__((always_inline)) void quantize_body(
 
 /* The random bits are only computed for stochastic codecs: two copies of the loops, stoch a constant. */
 static void quantize_run(const cfg_t* c, const float* x, int64_t i0, int64_t i1, const float* p,
-                         uint32_t k1, uint32_t k2, uint8_t* out) {
-    if (c->stoch) quantize_body(c, x, i0, i1, p, k1, k2, out, 1);
-    else quantize_body(c, x, i0, i1, p, k1, k2, out, 0);
+                         uint32_t k1, uint32_t k2, int64_t off, uint8_t* out) {
+    if (c->stoch) quantize_body(c, x, i0, i1, p, k1, k2, off, out, 1);
+    else quantize_body(c, x, i0, i1, p, k1, k2, off, out, 0);
 }
 
 /* bits 1, 2, 4: whole codes per byte, code k of byte i at bit bits * k (the layout of the generic loop
@@ -165,9 +166,11 @@ static void pack_chunk(const uint8_t* c, int64_t groups, int bits, uint8_t* out)
     }
 }
 
-/* Packed codes of x[0..n) into out (ceil(n/8)*bits bytes); params (nb, P) row-major, bucket length blen. */
+/* Packed codes of x[0..n) into out (ceil(n/8)*bits bytes); params (nb, P) row-major, bucket length blen.
+   Element j's random counter is off + j: x is elements off.. of a longer tensor whose counters run on (the
+   rows of whole buckets that one flat encode of that tensor would code, coded one row at a time). */
 static void qc_encode(const cfg_t* c, const float* x, int64_t n, const float* params, int64_t blen,
-               uint32_t k1, uint32_t k2, uint8_t* out) {
+               uint32_t k1, uint32_t k2, int64_t off, uint8_t* out) {
     uint8_t buf[CHUNK];
     for (int64_t s = 0; s < n; s += CHUNK) {
         int64_t e = s + CHUNK < n ? s + CHUNK : n;
@@ -178,7 +181,7 @@ static void qc_encode(const cfg_t* c, const float* x, int64_t n, const float* pa
             const float* p = params + b * c->P;
             int ok = 1;
             for (int k = 0; k < c->P; k++) ok &= isfin(p[k]);
-            if (ok) quantize_run(c, x, i, be, p, k1, k2, buf + (i - s));
+            if (ok) quantize_run(c, x, i, be, p, k1, k2, off, buf + (i - s));
             else memset(buf + (i - s), 0, (size_t)(be - i));
             i = be;
         }
@@ -228,12 +231,12 @@ static void qc_stats(const float* x, int64_t n, int64_t blen, float* lo, float* 
 
 /* Uniform codec, the whole of Codec.encode in one call: per-bucket lo/hi over the real elements (as in
    qc_stats), wire scales (lo, unit = (hi - lo) / L), NaN for a bucket with a non-finite element, encode
-   params (1, lo, inv = unit > 0 ? 1/unit : 0), then the codes.
+   params (1, lo, inv = unit > 0 ? 1/unit : 0), then the codes (random counters from off, as in qc_encode).
    Returns 1 before writing any code if a bucket holds both +0 and -0 and its min or max is a zero (torch's
    sign of that zero depends on its reduction order), or if a bucket is pre-scaled (UniformCodec._wire_scales:
    the same fp32 tests): the caller then takes the general path. */
 static int qc_uniform_encode(const cfg_t* c, const float* x, int64_t n, int64_t blen, uint32_t k1, uint32_t k2,
-                      float* scales, float* params, uint8_t* out) {
+                      int64_t off, float* scales, float* params, uint8_t* out) {
     const uint32_t* xu = (const uint32_t*)x;
     const int64_t nb = (n + blen - 1) / blen;
     const float L = (float)c->levels;
@@ -256,7 +259,7 @@ static int qc_uniform_encode(const cfg_t* c, const float* x, int64_t n, int64_t 
         scales[2 * b] = lo; scales[2 * b + 1] = unit;
         params[3 * b] = 1.0f; params[3 * b + 1] = lo; params[3 * b + 2] = inv;
     }
-    qc_encode(c, x, n, params, blen, k1, k2, out);
+    qc_encode(c, x, n, params, blen, k1, k2, off, out);
     return 0;
 }
 

@@ -72,14 +72,15 @@ cfg_t make_cfg(int64_t P, QC_SPEC_PARAMS) {
     return c;
 }
 
-// Packed codes of flat fp32 x given the per-bucket encode parameters (num_buckets, P).
-void c_encode_codes(Tensor x, Tensor params, int64_t k1, int64_t k2, QC_SPEC_PARAMS, Tensor out) {
+// Packed codes of flat fp32 x given the per-bucket encode parameters (num_buckets, P); element j draws the
+// random counter offset + j.
+void c_encode_codes(Tensor x, Tensor params, int64_t k1, int64_t k2, QC_SPEC_PARAMS, Tensor out, int64_t offset) {
     const int64_t n = x.numel();
     STD_TORCH_CHECK(n > 0 && params.dim() == 2 && params.size(0) == num_buckets(bucket, n), "qcomm: params must be ",
                     "(num_buckets, P)");
     const cfg_t c = make_cfg(params.size(1), kind, bits, bucket, stochastic, levels, sign_bit, emin, mbits, bias, fmax);
     qc_encode(&c, f32(x, n, "x"), n, f32(params, params.numel(), "params"), bucket_len(bucket, n),
-              static_cast<uint32_t>(k1), static_cast<uint32_t>(k2), u8_out(out, packed_nbytes(n, bits), "out"));
+              static_cast<uint32_t>(k1), static_cast<uint32_t>(k2), offset, u8_out(out, packed_nbytes(n, bits), "out"));
 }
 
 // fp32 values of numel packed codes into out, from the decode parameters (num_buckets, P) and the 256-entry
@@ -103,13 +104,14 @@ void c_bucket_stats(Tensor x, int64_t bucket, Tensor lo, Tensor hi, Tensor amax,
 }
 
 // The uniform codec's whole encode (scales, parameters, codes); false when a bucket needs the general path.
-bool c_uniform_encode(Tensor x, int64_t k1, int64_t k2, QC_SPEC_PARAMS, Tensor scales, Tensor params, Tensor out) {
+bool c_uniform_encode(Tensor x, int64_t k1, int64_t k2, QC_SPEC_PARAMS, Tensor scales, Tensor params, Tensor out,
+                      int64_t offset) {
     const int64_t n = x.numel();
     STD_TORCH_CHECK(n > 0 && kind == QC_KIND_UNIFORM, "qcomm: c_uniform_encode needs a non-empty x, kind uniform");
     const int64_t nb = num_buckets(bucket, n);
     const cfg_t c = make_cfg(3, kind, bits, bucket, stochastic, levels, sign_bit, emin, mbits, bias, fmax);
     return qc_uniform_encode(&c, f32(x, n, "x"), n, bucket_len(bucket, n), static_cast<uint32_t>(k1),
-                             static_cast<uint32_t>(k2), f32_out(scales, 2 * nb, "scales"),
+                             static_cast<uint32_t>(k2), offset, f32_out(scales, 2 * nb, "scales"),
                              f32_out(params, 3 * nb, "params"), u8_out(out, packed_nbytes(n, bits), "out")) == 0;
 }
 
