@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.fidelity_methods import METHOD_BY_NAME, METHODS, RunConfig, phase_steps  # noqa: E402
-from benchmarks.fidelity_report import estimate, plot, render_markdown, run_key  # noqa: E402
+from benchmarks.fidelity_report import estimate, last_line, plot, render_markdown, run_key  # noqa: E402
 
 SMOKE = {"preset": "fidelity_smoke", "steps": 30, "eval_every": 10, "seeds": 1, "batch_size": 4, "lr": 1e-2}
 SMOKE.update(val_windows=32, val_batch_size=16, corpus_bytes=300_000, collective_timeout_s=120.0, name="fidelity_smoke")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = todo.pop(0)  # the pair stopped on the first unfinished configuration
         data["errors"][run_key(*failed)] = err
         save_json(path, data)
-        print(f"[fidelity] {run_key(*failed)} FAILED: {err.splitlines()[-1][:300]}", flush=True)
+        print(f"[fidelity] {run_key(*failed)} FAILED: {last_line(err)}", flush=True)
     data["meta"]["sessions"][-1]["wall_s"] = round(time.perf_counter() - t0, 1)
     save_json(path, data)
     render(data, out_dir, args.name, planned)

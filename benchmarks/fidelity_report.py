@@ -119,11 +119,16 @@ def render_markdown(data: dict[str, Any], scheduled: list[tuple[str, int]] | Non
     lines += [f"* `{name}`: {METHOD_BY_NAME[name].label}{_syncs(data['runs'], name)}" for name in rows]
     if data.get("errors"):
         lines += ["", "Failed configurations:", ""]
-        lines += [f"* `{k}`: {v.splitlines()[0][:300] if v else '?'}" for k, v in sorted(data["errors"].items())]
+        lines += [f"* `{k}`: {last_line(v)}" for k, v in sorted(data["errors"].items())]
     missing = [run_key(m, s) for m, s in (scheduled or []) if run_key(m, s) not in data["runs"]]
     if missing:
         lines += ["", f"Not run yet: {', '.join(f'`{k}`' for k in missing)}."]
     return "\n".join(lines) + "\n"
+
+
+def last_line(text: str) -> str:
+    """The exception line of a traceback (its last non-empty line)."""
+    return next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "?")[:300]
 
 
 def _syncs(runs: dict[str, Any], method: str) -> str:
@@ -219,7 +224,8 @@ def plot(data: dict[str, Any], out: Path) -> Path | None:
             lows.append(min(mean))
             tops.append(max(mean[max(1, len(mean) // 10) :]))  # from ~10% in: the early drop is off the top
         low, top = min(lows), max(tops)
-        ax.set_ylim(low - 0.05 * (top - low), top)
+        if top > low:
+            ax.set_ylim(low - 0.05 * (top - low), top)
         ax.set_title(method.name, fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("validation loss (nats)")
@@ -231,4 +237,4 @@ def plot(data: dict[str, Any], out: Path) -> Path | None:
     return out
 
 
-__all__ = ["estimate", "plot", "render_markdown", "run_key", "summarize"]
+__all__ = ["estimate", "last_line", "plot", "render_markdown", "run_key", "summarize"]

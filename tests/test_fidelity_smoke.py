@@ -145,3 +145,34 @@ def test_bad_arguments_are_rejected(capsys):
         with pytest.raises(SystemExit):
             fidelity.parse_args(["--smoke", *argv])
         assert word in capsys.readouterr().err
+
+
+def test_a_failed_configuration_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
+    """The pair stops on a configuration: it is recorded under ``errors`` and a fresh pair runs the rest."""
+    import benchmarks.fidelity_worker as worker
+
+    calls = []
+
+    def fake_run_pair(todo, cfg, json_path):
+        calls.append(list(todo))
+        data = json.loads(json_path.read_text())
+        done = todo[:1] if len(calls) == 1 else todo  # the first pair dies on its second configuration
+        for method, seed in done:
+            data["runs"][run_key(method, seed)] = _synthetic_run(method, seed, 2.0)
+        json_path.write_text(json.dumps(data))
+        return "ProcessRaisedException: \n\nTraceback ...\nRuntimeError: boom\n" if len(calls) == 1 else None
+
+    monkeypatch.setattr(worker, "run_pair", fake_run_pair)
+    argv = ["--smoke", "--methods", "qddp_uniform8,qddp_nuqsgd4", "--out", str(tmp_path)]
+    assert fidelity.main(argv) == 1
+    assert calls == [[("ddp_fp32", 0), ("qddp_uniform8", 0), ("qddp_nuqsgd4", 0)], [("qddp_nuqsgd4", 0)]]
+    data = json.loads((tmp_path / "fidelity_smoke.json").read_text())
+    assert set(data["runs"]) == {"ddp_fp32/seed0", "qddp_nuqsgd4/seed0"} and list(data["errors"]) == [
+        "qddp_uniform8/seed0"
+    ]
+    md = (tmp_path / "fidelity_smoke.md").read_text()
+    assert "* `qddp_uniform8/seed0`: RuntimeError: boom" in md and "Not run yet: `qddp_uniform8/seed0`" in md
+    # a rerun retries only the failed configuration
+    assert fidelity.main(argv) == 0
+    assert calls[2] == [("qddp_uniform8", 0)]
+    assert json.loads((tmp_path / "fidelity_smoke.json").read_text())["errors"] == {}
