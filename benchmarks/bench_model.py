@@ -42,6 +42,10 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
     "bench": GPTConfig(),
     "small": GPTConfig(vocab_size=128, seq_len=32, d_model=128, n_layer=2, n_head=4),
     "tiny": GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=1, n_head=2),
+    # byte-level (vocab 256) presets of benchmarks/fidelity.py: "fidelity" (~0.9M parameters) is sized so its
+    # full run (26 runs of 2000 steps on 2 cores) fits the budget; "fidelity_smoke" is its test size
+    "fidelity": GPTConfig(vocab_size=256, seq_len=128, d_model=128, n_layer=4, n_head=4),
+    "fidelity_smoke": GPTConfig(vocab_size=256, seq_len=32, d_model=32, n_layer=1, n_head=2),
 }
 
 
