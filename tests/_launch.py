@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,22 @@ def spawn(fn: Callable[..., None], *args: Any, nprocs: int = 2, timeout_s: float
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def run_checks(checks, *args: Any) -> dict[str, str]:
+    """Run each check(*args) inside a rank: {name: "ok" or its traceback}, a barrier after each so a check that
+    fails on one rank does not leave the others in its collectives."""
+    import torch.distributed as dist
+
+    results = {}
+    for check in checks:
+        try:
+            check(*args)
+            results[check.__name__] = "ok"
+        except Exception:
+            results[check.__name__] = traceback.format_exc()
+        dist.barrier()
+    return results
 
 
 def _result_path(outdir: str | os.PathLike, rank: int, name: str) -> Path:

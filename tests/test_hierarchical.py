@@ -10,12 +10,11 @@ the formulas, 1/node_size of a flat compressed all-reduce's. The same for the hi
 from __future__ import annotations
 
 import datetime
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import free_port, rank_results, spawn, write_rank_result
+from _launch import free_port, rank_results, run_checks, spawn, write_rank_result
 
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm.hierarchical import hierarchical_all_reduce, shard_numel
@@ -212,15 +211,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
     groups = node_groups(Topology(WORLD, NODE), timeout=datetime.timedelta(seconds=60))
-    results = {}
-    for fn in CHECKS:
-        try:
-            fn(rank, groups)
-            results[fn.__name__] = "ok"
-        except Exception:
-            results[fn.__name__] = traceback.format_exc()
-        dist.barrier()
-    write_rank_result(outdir, rank, results)
+    write_rank_result(outdir, rank, run_checks(CHECKS, rank, groups))
     dist.destroy_process_group()
 
 

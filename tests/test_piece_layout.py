@@ -11,12 +11,11 @@ with a piece boundary inside a segment, a raw bias).
 from __future__ import annotations
 
 import datetime
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import free_port, rank_results, spawn, write_rank_result
+from _launch import free_port, rank_results, run_checks, spawn, write_rank_result
 
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm import transport
@@ -100,15 +99,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
-    results = {}
-    for check in (_check_exchange, _check_reduce_scatter):
-        try:
-            check(rank, world)
-            results[check.__name__] = "ok"
-        except Exception:
-            results[check.__name__] = traceback.format_exc()
-        dist.barrier()
-    write_rank_result(outdir, rank, results)
+    write_rank_result(outdir, rank, run_checks((_check_exchange, _check_reduce_scatter), rank, world))
     dist.destroy_process_group()
 
 
