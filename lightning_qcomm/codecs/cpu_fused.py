@@ -259,18 +259,26 @@ def _scales(codec, x: torch.Tensor) -> torch.Tensor:
             scales[rows] = codec._scales(sub, counts[rows])
     elif codec.scale_statistic == "amax":
         scales = codec._scales(amax[:, None], counts)
-    elif nb * blen == n:
-        scales = codec._scales(x.view(nb, blen), counts)
     else:
-        # the full buckets straight from x, only the short last one padded (the reference pads a copy of
-        # all of x); a two-row block keeps the row reduction on the same (multi-row) kernel as the rest
-        full = nb - 1
-        tail = torch.zeros(2, blen, dtype=x.dtype)
-        tail[0, : n - full * blen] = x[full * blen :]
-        last = codec._scales(tail, torch.stack([counts[-1], counts[-1]]))[:1]
-        scales = torch.cat([codec._scales(x[: full * blen].view(full, blen), counts[:full]), last]) if full else last
+        scales = _per_row_block(
+            x, nb, blen, lambda rows, o: codec._scales(rows, counts[o : o + rows.shape[0]].expand(rows.shape[0]))
+        )
     finite = (flags & 1).bool()[:, None]
     return torch.where(finite, scales, torch.full_like(scales, float("nan")))
+
+
+def _per_row_block(x: torch.Tensor, nb: int, blen: int, fn) -> torch.Tensor:
+    """``fn(rows, first_bucket)`` over the (buckets, blen) rows of flat ``x``, concatenated: the full buckets
+    straight from x, only a short last one zero-padded (the reference pads a copy of all of x), in a two-row
+    block that keeps the row reduction on the same (multi-row) kernel as the rest; its first row is kept."""
+    n = x.numel()
+    if nb * blen == n:
+        return fn(x.view(nb, blen), 0)
+    full = nb - 1
+    tail = torch.zeros(2, blen, dtype=x.dtype)
+    tail[0, : n - full * blen] = x[full * blen :]
+    last = fn(tail, full)[:1]
+    return torch.cat([fn(x[: full * blen].view(full, blen), 0), last]) if full else last
 
 
 def _plain_scales_params(codec, x: torch.Tensor, out_max: float) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -287,16 +295,7 @@ def _plain_scales_params(codec, x: torch.Tensor, out_max: float) -> tuple[torch.
     n = x.numel()
     blen = codec.bucket_len(n)
     nb = -(-n // blen)
-    full = n // blen
-    rows = [x[: full * blen].view(full, blen)] if full else []
-    if full < nb:  # the short last bucket zero-padded in a two-row block, as ``_scales`` reduces it
-        tail = torch.zeros(2, blen, dtype=x.dtype)
-        tail[0, : n - full * blen] = x[full * blen :]
-        rows.append(tail)
-    norms = [torch.linalg.vector_norm(r, ord=2, dim=1) for r in rows]
-    if full < nb:
-        norms[-1] = norms[-1][:1]
-    norm = norms[0] if len(norms) == 1 else torch.cat(norms)
+    norm = _per_row_block(x, nb, blen, lambda rows, o: torch.linalg.vector_norm(rows, ord=2, dim=1))
     lo, hi = codec.plain_norm_range(blen, out_max)
     ends = torch.aminmax(norm)
     if not (lo <= float(ends.min) and float(ends.max) <= hi):  # NaN: neither holds
