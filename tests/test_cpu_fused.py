@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_codecs import extreme_values, flush_denormal
 
-from lightning_qcomm.codecs import cpu_fused, get_codec, native
+from lightning_qcomm.codecs import cpu_fused, get_codec, native, packing
 
 CONFIGS = (
     [("uniform", b, {}) for b in (1, 2, 3, 4, 8)]
@@ -153,6 +153,33 @@ def test_extreme_values_bit_identical(cfg, flush, monkeypatch):
         assert _bits_equal(fused_dec, ref_dec), f"decode differs: {codec}"
         if not flush:
             assert _bits_equal(fused.scales, ref.scales), f"scales differ: {codec}"
+
+
+@pytest.mark.parametrize("flagged", [False, True], ids=["plain", "with_prescaled_buckets"])
+@pytest.mark.parametrize("bits", [1, 3, 4, 8])
+def test_uniform_decode_from_wire_scales(bits, flagged):
+    """``c_uniform_decode`` (the decode parameters made per bucket in C from the wire scales) gives the reference
+    decode's bits for crafted scales: a unit of -0 (kept as -0 in a call without flags, taken by magnitude once
+    any bucket is flagged, as ``scaling.unflag`` does), NaN scales, and with ``flagged`` tiny and wide
+    pre-scaled buckets (a negative unit)."""
+    codec = get_codec("uniform", bits, 64)
+    n = cpu_fused.FUSED_MIN_NUMEL + 37
+    nb = codec.num_buckets(n)
+    g = torch.Generator().manual_seed(bits)
+    lo = torch.randn(nb, generator=g)
+    unit = torch.rand(nb, generator=g) * 0.1
+    unit[0], lo[0] = -0.0, -0.0
+    unit[1], lo[1] = -0.0, 2.0
+    lo[2], unit[3] = float("nan"), float("nan")
+    if flagged:
+        unit[4] = -(2.0**-100 * 2.0**64)  # tiny: m = 2^-64
+        unit[5], lo[5] = -(1e38 * 2.0**-64), -(3e38 * 2.0**-64)  # wide: m = 2^64
+    scales = torch.stack([lo, unit], dim=1)
+    codes = torch.randint(0, 256, (packing.packed_nbytes(n, bits),), dtype=torch.uint8, generator=g)
+    ref = codec.decode_reference(codes, codec._decode_params(scales), n)
+    got = cpu_fused.decode_wire(codec, codes, scales, n)
+    assert _bits_equal(got, ref)
+    assert bool((scales[:, 1] < 0).any()) == flagged
 
 
 def test_env_switch_disables(monkeypatch):

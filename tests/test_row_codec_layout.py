@@ -109,6 +109,31 @@ def test_a_row_of_the_flat_encode_from_that_row_alone(cfg):
         assert torch.equal(encode_flat_row_into(codec, x, j, 7, out), want[j]), f"row {j}"
 
 
+@pytest.mark.parametrize("bits", [8, 3])
+def test_a_flat_row_whose_last_bucket_is_special(bits):
+    """Row j's last bucket (not the flat tensor's last) holding a NaN, an Inf, +0 and -0 as its min or as its
+    max, or a zero among ordinary values: the row alone gives the flat encode's bytes."""
+    codec = get_codec("uniform", bits=bits, bucket_size=512)
+    n = 2 * FUSED
+    cases = 6
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(cases + 1, n, generator=g)
+    last = slice(n - 512, n)
+    x[0, n - 7] = float("nan")
+    x[1, n - 9] = -float("inf")
+    x[2, last] = x[2, last].abs()  # min is a zero of either sign
+    x[2, n - 100], x[2, n - 50] = -0.0, 0.0
+    x[3, last] = -x[3, last].abs()  # max is a zero of either sign
+    x[3, n - 100], x[3, n - 50] = 0.0, -0.0
+    x[4, last] = 0.0  # all zeros, both signs
+    x[4, n - 512 :: 3] = -0.0
+    x[5, n - 3] = 0.0  # a zero that is neither min nor max
+    want = torch.cat(encode_flat(codec, x, seed=9), dim=1)
+    out = torch.empty(codec.nbytes(n), dtype=torch.uint8)
+    for j in range(cases):
+        assert torch.equal(encode_flat_row_into(codec, x, j, 9, out), want[j]), f"row {j}"
+
+
 def test_a_flat_row_without_the_c_pass_is_refused(monkeypatch):
     monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
     codec = get_codec("uniform", bits=8, bucket_size=512)

@@ -1,5 +1,5 @@
 """CPU kernels of the codec ops (``qcomm::encode`` / ``decode`` / ``decode_into``): a few compiled passes
-instead of ~40 eager ops, and the fused sign passes of the 1-bit all-reduce (``comm.onebit_all_reduce``).
+instead of ~40 eager ops (the 1-bit all-reduce's sign passes: ``codecs.cpu_sign``).
 
 The torch reference (``Codec._scales`` + ``encode_reference`` / ``decode_reference``) stays the spec. On CPU
 tensors of at least ``FUSED_MIN_NUMEL`` elements of a codec with native kernels, the same arithmetic runs in
@@ -99,7 +99,7 @@ def decode_kernel(codes, scales, numel: int, codec: str, bits: int, bucket_size:
     """CPU kernel of ``qcomm::decode``: flat fp32 values."""
     c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
     if use_fused(c, codes, numel):
-        return decode(c, codes, _fused_decode_params(c, scales), numel)
+        return decode_wire(c, codes, scales, numel)
     return c.decode_reference(codes, c._decode_params(scales), numel)
 
 
@@ -118,7 +118,7 @@ def decode_into_kernel(codes, scales, codec: str, bits: int, bucket_size, stocha
     n = out.numel()
     direct = out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
     if direct and use_fused(c, codes, n):
-        decode(c, codes, _fused_decode_params(c, scales), n, out=out.view(-1))
+        decode_wire(c, codes, scales, n, out=out.view(-1))
         return
     out.copy_(decode_kernel(codes, scales, n, codec, bits, bucket_size, stochastic).to(dtype).view(out.shape))
 
@@ -141,7 +141,7 @@ def encode(
     if out is None:
         out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
     k1, k2 = rng.seed_to_key(seed)
-    torch.ops.qcomm.c_encode_codes(x, params, k1, k2, **spec.c_args(), out=out, offset=offset)
+    torch.ops.qcomm.c_encode_codes.default(x, params, k1, k2, *_c_spec_args(codec), out, offset)
     return out
 
 
@@ -165,6 +165,15 @@ def kernel_spec(codec):
     if spec is None:
         spec = cache["spec"] = codec.kernel_spec()
     return spec
+
+
+def _c_spec_args(codec) -> tuple:
+    """``kernel_spec(codec).c_args()`` as positional arguments in ``C_SPEC_SCHEMA`` order, built once per codec."""
+    cache = _cached(codec)
+    args = cache.get("c_args")
+    if args is None:
+        args = cache["c_args"] = tuple(kernel_spec(codec).c_args().values())
+    return args
 
 
 def decode_lut(codec) -> torch.Tensor:
@@ -214,6 +223,27 @@ def decode(
         _check_f32("out", out, numel)
     lut = decode_lut(codec)
     torch.ops.qcomm.c_decode_codes(c.contiguous(), params, lut, numel, codec.bits, spec.bucket, out)
+    return out
+
+
+def decode_wire(
+    codec, codes: torch.Tensor, scales: torch.Tensor, numel: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Fused ``codec.decode_reference(codes, codec._decode_params(scales), numel)`` from the wire scales: the
+    uniform codec's parameters are made per bucket inside the C kernel (``c_uniform_decode``), the others'
+    by ``_fused_decode_params``; ``out`` as for ``decode``."""
+    spec = kernel_spec(codec)
+    if spec.kind != KernelKind.UNIFORM:
+        return decode(codec, codes, _fused_decode_params(codec, scales), numel, out)
+    _require()
+    c = codes.reshape(-1)
+    if c.numel() < packing.packed_nbytes(numel, codec.bits):
+        raise ValueError(f"codes has {c.numel()} bytes, {numel} codes of {codec.bits} bits need more")
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32)
+    else:
+        _check_f32("out", out, numel)
+    torch.ops.qcomm.c_uniform_decode.default(c.contiguous(), scales.contiguous(), numel, codec.bits, spec.bucket, out)
     return out
 
 
@@ -321,8 +351,7 @@ def encode_packed(
         if out is None:
             out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
         k1, k2 = rng.seed_to_key(seed)
-        c_args = spec.c_args()
-        if torch.ops.qcomm.c_uniform_encode(x, k1, k2, **c_args, scales=scales, params=params, out=out, offset=offset):
+        if torch.ops.qcomm.c_uniform_encode.default(x, k1, k2, *_c_spec_args(codec), scales, params, out, offset):
             return out, scales
         # a signed zero whose sign torch's reduction order decides, or a pre-scaled bucket: general path
     plain = _plain_scales_params(codec, x, out_max)
@@ -334,84 +363,10 @@ def encode_packed(
     return encode(codec, x, params, seed, out, offset), scales.contiguous()
 
 
-# ------------------------------------------------------------------ 1-bit sign path (comm.onebit_all_reduce)
+# ------------------------------------------------------------------ checks
 def _check_f32(name: str, t: torch.Tensor, numel: int) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() < numel:
         raise ValueError(
             f"{name} must be a contiguous CPU fp32 tensor of >= {numel} elements, got "
             f"{t.dtype} {t.device.type} {tuple(t.shape)} contiguous={t.is_contiguous()}"
         )
-
-
-def _check_u8(name: str, t: torch.Tensor, numel: int) -> None:
-    if t.dtype != torch.uint8 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() < numel:
-        raise ValueError(f"{name} must be a contiguous CPU uint8 tensor of >= {numel} bytes, got {tuple(t.shape)}")
-
-
-def sign_scale(y: torch.Tensor) -> float:
-    """The sign1 codec's wire scale of ``y`` as one bucket: ||y||_2 / sqrt(len y), NaN if any element
-    is non-finite (``Codec.encode``'s scale, bit for bit)."""
-    _require()
-    codec = _sign1()
-    x = y.reshape(-1).to(torch.float32).contiguous()
-    plain = _plain_scales_params(codec, x, FLT_MAX)
-    return float((plain[0] if plain is not None else _scales(codec, x))[0, 0])
-
-
-_SIGN1 = []
-
-
-def _sign1():
-    """The sign1 codec (one bucket), built once."""
-    if not _SIGN1:
-        _SIGN1.append(registry.codec_spec("sign1").build())
-    return _SIGN1[0]
-
-
-def sign_encode_err(
-    y: torch.Tensor, scale: float, payload: torch.Tensor, err: torch.Tensor, valid: int, err_len: int
-) -> None:
-    """One sign1 payload of ``y`` (c elements, one bucket) into ``payload`` (``SignCodec().nbytes(c)``
-    bytes: packed codes, then ``scale`` as fp32), and the residual y - C(y) into ``err``.
-
-    ``scale`` must be ``sign_scale(y)``. err[:valid] <- y - C(y) if the scale is finite, else unchanged
-    (the reference keeps the previous residual where the new one is non-finite); err[valid:err_len] <- 0.
-    Equals ``encode(y).to_bytes()`` and ``_update_error(err, y - decode(...))`` of the reference.
-    """
-    c = y.numel()
-    nb = (c + 7) // 8
-    _check_f32("y", y, c)
-    _check_u8("payload", payload, nb + 4)
-    if not 0 <= valid <= err_len <= c:
-        raise ValueError(f"need 0 <= valid ({valid}) <= err_len ({err_len}) <= len(y) ({c})")
-    _check_f32("err", err, err_len)
-    _require()
-    torch.ops.qcomm.sign_encode_err(y, scale, payload, err, valid, err_len)
-
-
-def sign_server_sum(
-    buf: torch.Tensor, world: int, c: int, server_error: torch.Tensor, valid: int, z: torch.Tensor
-) -> None:
-    """z <- (sum over the ``world`` sign1 payloads of ``buf``, decoded, in rank order) / world
-    + server_error, for the first ``valid`` elements, 0 for the rest of the c (1-bit Adam's server
-    step). Equals ``decode_rows(buf).sum(dim=0).div_(world) + server_error`` with the padding zeroed."""
-    if not 1 <= world <= 256:
-        raise ValueError(f"world must be in [1, 256], got {world}")
-    p = (c + 7) // 8 + 4
-    n = max(min(valid, c), 0)
-    _check_u8("buf", buf, world * p)
-    _check_f32("server_error", server_error, n)
-    _check_f32("z", z, c)
-    _require()
-    torch.ops.qcomm.sign_server_sum(buf, world, c, server_error, valid, z)
-
-
-def sign_decode(payload: torch.Tensor, c: int, out: torch.Tensor) -> None:
-    """The first ``out.numel()`` values of one sign1 payload of c elements, written into ``out``."""
-    length = out.numel()
-    if length > c:
-        raise ValueError(f"out has {length} elements, more than the payload's {c}")
-    _check_u8("payload", payload, (c + 7) // 8 + 4)
-    _check_f32("out", out, length)
-    _require()
-    torch.ops.qcomm.sign_decode(payload, c, out)

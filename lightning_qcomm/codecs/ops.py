@@ -6,8 +6,9 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
 - ``encode``, ``decode``, ``decode_into``: CPU ``cpu_fused`` (the C passes on tensors of at least
   ``FUSED_MIN_NUMEL`` elements, else the reference); CUDA: the per-bucket parameters in torch, the
   element-wise work in Triton (``lightning_qcomm.kernels``); default (any other device): the torch reference;
-- ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_uniform_encode``: the C kernels (``csrc``),
-  CPU only, on flat contiguous tensors given the per-bucket parameters (what ``cpu_fused`` calls); the encodes'
+- ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_uniform_encode``, ``c_uniform_decode``: the C
+  kernels (``csrc``), CPU only, on flat contiguous tensors given the per-bucket parameters (the uniform ones: the
+  wire scales; what ``cpu_fused`` calls); the encodes'
   ``offset`` starts the random counter there (a row of a longer tensor coded on its own, ``comm.row_batch``);
 - ``sign_encode_err``, ``sign_server_sum``, ``sign_decode`` (``codecs.sign_ops``): CPU the C kernels,
   default the same arithmetic in torch.
@@ -55,6 +56,7 @@ _lib.define(
 _lib.define(
     "c_decode_codes(Tensor codes, Tensor params, Tensor lut, int numel, int bits, int bucket, Tensor(a!) out) -> ()"
 )
+_lib.define("c_uniform_decode(Tensor codes, Tensor scales, int numel, int bits, int bucket, Tensor(a!) out) -> ()")
 _lib.define(
     "c_bucket_stats(Tensor x, int bucket, Tensor(a!) lo, Tensor(b!) hi, Tensor(c!) amax, Tensor(d!) flags) -> ()"
 )

@@ -8,12 +8,12 @@ A payload of c elements is ceil(c/8) code bytes (bit k of byte g set where y[8g+
 the scale as fp32; decoding flips the scale's sign bit where the code is 1 (``(1 - 2 code) * s`` for every
 non-NaN s). The CPU kernels are the C ones (``csrc``, registered when ``codecs.native`` loads them); the
 default kernels below are the same arithmetic in torch (any device), bit for bit (tests/test_torch_ops.py).
-``cpu_fused.sign_*`` are the checked entry points the collective calls.
+``cpu_sign.sign_*`` are the checked entry points the collective calls.
 
 Example::
 
     >>> payload = torch.empty((c + 7) // 8 + 4, dtype=torch.uint8)
-    >>> torch.ops.qcomm.sign_encode_err(y, cpu_fused.sign_scale(y), payload, err, c, c)
+    >>> torch.ops.qcomm.sign_encode_err(y, cpu_sign.sign_scale(y), payload, err, c, c)
 """
 
 from __future__ import annotations

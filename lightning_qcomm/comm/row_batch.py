@@ -131,7 +131,7 @@ def decode_rows(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
     if _fused_rows(codec, wire, n) and not (padded == n and n % 8 == 0):
         out = torch.empty(r, n, dtype=torch.float32, device=wire.device)
         for j in range(r):  # the rows need repacking to be one call: on CPU one compiled decode each is cheaper
-            codec.decode_into(codec.from_bytes(wire[j], (n,), torch.float32), out[j])
+            _c_decode_row_into(codec, wire[j], n, out[j])
         return out
     ncode = packing.packed_nbytes(n, codec.bits)
     codes = wire[:, :ncode]
@@ -153,6 +153,18 @@ def decode_rows(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
     return flat.decode(packed).view(r, padded)[:, :n].contiguous()
 
 
+def _c_decode_row_into(codec: Codec, payload: torch.Tensor, n: int, out: torch.Tensor) -> None:
+    """``codec.decode_into(codec.from_bytes(payload, (n,), fp32), out)`` on the fused C path (``_fused_rows``),
+    called directly: a contiguous fp32 ``out`` is written by the C decode from the wire scales, no op dispatch."""
+    ncode = packing.packed_nbytes(n, codec.bits)
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        codec.decode_into(codec.from_bytes(payload, (n,), torch.float32), out)
+        return
+    # clone: scales at a byte offset that is not a multiple of 4 cannot be viewed as fp32
+    scales = payload[ncode:].clone().view(torch.float32).view(-1, codec.scales_per_bucket)
+    cpu_fused.decode_wire(codec, payload[:ncode], scales, n, out=out.view(-1))
+
+
 def decode_rows_into(codec: Codec, wire: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
     """``out.copy_(decode_rows(codec, wire, n))`` for an (R, n) ``out`` of any float dtype and strides; rows of
     whole byte-aligned buckets decode straight into a contiguous fp32 ``out`` (no temporary)."""
@@ -167,7 +179,7 @@ def decode_rows_into(codec: Codec, wire: torch.Tensor, n: int, out: torch.Tensor
     rows = out.view(r, n) if out.is_contiguous() else out if tuple(out.shape) == (r, n) else None
     if not direct and rows is not None and _fused_rows(codec, wire, n):  # one compiled decode per row, in place
         for j in range(r):
-            codec.decode_into(codec.from_bytes(wire[j], (n,), torch.float32), rows[j])
+            _c_decode_row_into(codec, wire[j], n, rows[j])
         return out
     if not direct:
         return out.copy_(decode_rows(codec, wire, n).view(out.shape))
@@ -194,17 +206,22 @@ def c_pass_available(codec: Codec, device: torch.device) -> bool:
     """Whether the fused C pass can code rows of ``codec`` on ``device`` one at a time, whatever their length:
     CPU, a codec with native kernels, the library built and not switched off (``cpu_fused.use_fused`` with its
     size threshold met: the C pass is bit-identical to the reference at every size)."""
-    return device.type == "cpu" and cpu_fused.use_fused(codec, torch.empty(0), cpu_fused.FUSED_MIN_NUMEL)
+    return device.type == "cpu" and cpu_fused.use_fused(codec, _CPU_PROBE, cpu_fused.FUSED_MIN_NUMEL)
 
 
-def _c_row_into(codec: Codec, rows: torch.Tensor, j: int, seed: int, out: torch.Tensor, offset: int) -> None:
-    """The fused C encode of row j (random counters from ``offset``): codes into ``out``, then the scales."""
+_CPU_PROBE = torch.empty(0)
+
+
+def _c_row_into(codec: Codec, rows: torch.Tensor, j: int, seed: int, out: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fused C encode of row j (random counters from ``offset``): codes into ``out``, then the scales; returns
+    the (buckets, scales per bucket) fp32 scales."""
     if not c_pass_available(codec, rows.device):
         raise ValueError(f"{codec!r} rows on {rows.device}: the fused C pass is not available (c_pass_available)")
     ncode = packing.packed_nbytes(rows.shape[1], codec.bits)
     xf = rows[j].detach().to(torch.float32)
     _, scales = cpu_fused.encode_packed(codec, xf, seed, scaling.output_max(rows.dtype), out=out[:ncode], offset=offset)
     out[ncode:].copy_(scales.reshape(-1).view(torch.uint8))
+    return scales
 
 
 def encode_row_into(codec: Codec, rows: torch.Tensor, j: int, seed: int, out: torch.Tensor) -> torch.Tensor:
@@ -219,11 +236,12 @@ def encode_flat_row_into(codec: Codec, rows: torch.Tensor, j: int, seed: int, ou
     the row with the flat tensor's random counters (from j * n), no copy of the other rows
     (``c_pass_available``)."""
     r, n = rows.shape
-    _c_row_into(codec, rows, j, seed, out, j * n)
-    if type(codec) is UniformCodec and j < r - 1:
+    scales = _c_row_into(codec, rows, j, seed, out, j * n)
+    if type(codec) is UniformCodec and j < r - 1 and bool(scales[-1, 0] == 0):
         # In the flat tensor this row's last bucket is not the last one: its min and max are reduced like any
         # bucket's, not by the tensor's last-bucket rule, whose torch reduction may pick the other zero of a
-        # bucket holding +0 and -0. Those scales again (the codes do not depend on the sign of a zero lo).
+        # bucket holding +0 and -0. Only a zero min can change the wire scales (lo; unit = hi - lo is exact for
+        # lo != 0 whatever the sign of a zero max): those scales again (the codes do not depend on it).
         xb = rows[j, n - codec.bucket_size :].to(torch.float32).expand(2, -1)
         scales = codec._scales(xb, torch.full((2,), float(codec.bucket_size)))[:1]
         scales = torch.where(codec._finite_mask(xb[:1]), scales, torch.full_like(scales, float("nan")))

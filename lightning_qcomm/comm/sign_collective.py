@@ -2,7 +2,7 @@
 
 One phase skeleton (``_run_pieces``: pieces, async all-to-all, server step, async all-gather, decode) runs
 either set of phase kernels: ``_ReferencePhases`` through the ``sign1`` codec's encode/decode (the spec)
-or ``_FusedPhases`` through the fused CPU sign ops (``codecs.cpu_fused.sign_*``), which are bit-identical
+or ``_FusedPhases`` through the fused CPU sign ops (``codecs.cpu_sign.sign_*``), which are bit-identical
 to it. The skeleton alone decides the order of reads, writes and collectives, so both paths issue the
 same collectives with the same bytes.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec, cpu_fused, get_codec
+from lightning_qcomm.codecs import Codec, cpu_fused, cpu_sign, get_codec
 from lightning_qcomm.comm.call_check import _check_consistent
 from lightning_qcomm.comm.chunked import (
     FP32_BYTES,
@@ -138,15 +138,15 @@ class _FusedPhases:
             yj = y[j * c : (j + 1) * c]
             length = max(min(c, n - j * c), 0)
             ew_j = self.flat_ew[o + j * c : o + j * c + length] if length else self.flat_ew[:0]
-            cpu_fused.sign_encode_err(yj, cpu_fused.sign_scale(yj), send[j * p : (j + 1) * p], ew_j, length, length)
+            cpu_sign.sign_encode_err(yj, cpu_sign.sign_scale(yj), send[j * p : (j + 1) * p], ew_j, length, length)
         return send
 
     def server(self, recv: torch.Tensor, c: int, e_off: int, valid: int) -> torch.Tensor:
         es = self.flat_es[e_off : e_off + c]
         z = torch.empty(c, dtype=torch.float32)
-        cpu_fused.sign_server_sum(recv, self.world, c, es, valid, z)
+        cpu_sign.sign_server_sum(recv, self.world, c, es, valid, z)
         mine = torch.empty(self.sign.nbytes(c), dtype=torch.uint8)
-        cpu_fused.sign_encode_err(z, cpu_fused.sign_scale(z), mine, es, valid, c)
+        cpu_sign.sign_encode_err(z, cpu_sign.sign_scale(z), mine, es, valid, c)
         return mine
 
     def decode(self, gathered: torch.Tensor, c: int, out: torch.Tensor) -> None:
@@ -154,7 +154,7 @@ class _FusedPhases:
         for j in range(self.world):
             length = max(min(c, n - j * c), 0)
             if length:
-                cpu_fused.sign_decode(gathered[j * p : (j + 1) * p], c, out[j * c : j * c + length])
+                cpu_sign.sign_decode(gathered[j * p : (j + 1) * p], c, out[j * c : j * c + length])
 
     def finish(self) -> None:
         pass  # the residuals are already in the error buffers

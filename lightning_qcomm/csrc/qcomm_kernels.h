@@ -265,9 +265,27 @@ static int qc_uniform_encode(const cfg_t* c, const float* x, int64_t n, int64_t 
 
 /* fp32 values of the first n packed codes: (p0 + c * p1) * p2 (P = 3: uniform, whose lut[c] is c), else
    lut[c] * p0 * p1 (P = 2) or lut[c] * p0 (P = 1). */
+/* The uniform codec's decode parameters of bucket b from its wire scales (lo, unit), as codecs.scaling.unflag and
+   UniformCodec._decode_params make them: a negative unit flags a pre-scaled bucket (m = 2^-64 when |unit| < 1,
+   else 2^64); once any bucket of the call is flagged every unit is taken by magnitude (unflag's abs). */
+static inline void uniform_wire_params(const float* scales, int64_t b, int any_flagged, float* p) {
+    const float w = scales[2 * b + 1];
+    const float mag = u2f(f2u(w) & 0x7FFFFFFFu); /* torch.abs: the sign bit cleared (-0 and NaN included) */
+    p[0] = scales[2 * b];
+    p[1] = any_flagged ? mag : w;
+    p[2] = w < 0.0f ? (mag < 1.0f ? exp2i(-64) : exp2i(64)) : 1.0f;
+}
+
+/* Decode of numel packed codes. params: (num_buckets, P) decode parameters; or, with uniform_wire, the uniform
+   codec's (num_buckets, 2) wire scales (uniform_wire_params; P is then 3). */
 static void qc_decode(const uint8_t* codes, int64_t n, int bits, const float* params, int P, int64_t blen,
-               const float* lut, float* out) {
+               const float* lut, float* out, int uniform_wire) {
     uint8_t buf[CHUNK];
+    int any_flagged = 0;
+    if (uniform_wire) {
+        const int64_t nb = (n + blen - 1) / blen;
+        for (int64_t b = 0; b < nb; b++) any_flagged |= params[2 * b + 1] < 0.0f;
+    }
     const uint32_t mask = (1u << bits) - 1u;
     for (int64_t s = 0; s < n; s += CHUNK) {
         int64_t e = s + CHUNK < n ? s + CHUNK : n;
@@ -291,7 +309,9 @@ static void qc_decode(const uint8_t* codes, int64_t n, int bits, const float* pa
             int64_t b = i / blen;
             int64_t be = (b + 1) * blen;
             if (be > e) be = e;
-            const float* p = params + b * P;
+            float wp[3];
+            if (uniform_wire) uniform_wire_params(params, b, any_flagged, wp);
+            const float* p = uniform_wire ? wp : params + b * P;
             if (P == 3) { /* uniform: lut[c] == (float)c exactly, so no gather is needed */
                 const float p0 = p[0], p1 = p[1], p2 = p[2];
                 for (int64_t j = i; j < be; j++) out[j] = (p0 + (float)cb[j - s] * p1) * p2;

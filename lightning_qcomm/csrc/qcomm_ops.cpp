@@ -91,7 +91,18 @@ void c_decode_codes(Tensor codes, Tensor params, Tensor lut, int64_t numel, int6
                     "(num_buckets, P)");
     qc_decode(u8(codes, packed_nbytes(numel, bits), "codes"), numel, static_cast<int>(bits),
               f32(params, params.numel(), "params"), static_cast<int>(params.size(1)), bucket_len(bucket, numel),
-              f32(lut, 256, "lut"), f32_out(out, numel, "out"));
+              f32(lut, 256, "lut"), f32_out(out, numel, "out"), 0);
+}
+
+// The uniform codec's decode straight from its (num_buckets, 2) wire scales (lo, unit; a negative unit flags a
+// pre-scaled bucket): the parameters of UniformCodec._decode_params computed per bucket in the kernel.
+void c_uniform_decode(Tensor codes, Tensor scales, int64_t numel, int64_t bits, int64_t bucket, Tensor out) {
+    STD_TORCH_CHECK(numel > 0 && bits >= 1 && bits <= 8, "qcomm: need numel > 0 and bits in 1..8");
+    STD_TORCH_CHECK(scales.dim() == 2 && scales.size(0) == num_buckets(bucket, numel) && scales.size(1) == 2,
+                    "qcomm: scales must be (num_buckets, 2)");
+    qc_decode(u8(codes, packed_nbytes(numel, bits), "codes"), numel, static_cast<int>(bits),
+              f32(scales, scales.numel(), "scales"), 3, bucket_len(bucket, numel), nullptr,
+              f32_out(out, numel, "out"), 1);
 }
 
 // Per-bucket min, max, max |x| and flags (bit 0: all finite, bit 1: both signed zeros occur).
@@ -141,6 +152,7 @@ void sign_decode(Tensor payload, int64_t c, Tensor out) {
 STABLE_TORCH_LIBRARY_IMPL(qcomm, CPU, m) {
     m.impl("c_encode_codes", TORCH_BOX(&c_encode_codes));
     m.impl("c_decode_codes", TORCH_BOX(&c_decode_codes));
+    m.impl("c_uniform_decode", TORCH_BOX(&c_uniform_decode));
     m.impl("c_bucket_stats", TORCH_BOX(&c_bucket_stats));
     m.impl("c_uniform_encode", TORCH_BOX(&c_uniform_encode));
     m.impl("sign_encode_err", TORCH_BOX(&sign_encode_err));
