@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help=f"optimizer steps per run (default {FULL['steps']})")
     p.add_argument("--seeds", type=int, help=f"seeds of the multi-seed methods and baselines (default {FULL['seeds']})")
     p.add_argument("--methods", default="default", help="comma-separated, 'default' or 'all'; baselines are added")
+    p.add_argument(
+        "--all-seeds",
+        action="store_true",
+        help="every selected method runs --seeds seeds, not only the multi-seed ones",
+    )
     p.add_argument("--eval-every", type=int, help=f"steps between evaluations (default {FULL['eval_every']})")
     p.add_argument("--name", help=f"output stem (default {FULL['name']}; --smoke: {SMOKE['name']})")
     p.add_argument("--out", help="output folder (default benchmarks/results; --render: the JSON's folder)")
@@ -115,9 +120,9 @@ def select_methods(spec: str) -> list[str]:
     return [m.name for m in METHODS if m.name in wanted]
 
 
-def schedule(methods: list[str], seeds: int) -> list[tuple[str, int]]:
+def schedule(methods: list[str], seeds: int, all_seeds: bool = False) -> list[tuple[str, int]]:
     """Seed-major: every method's seed 0 first, so a run stopped early still has complete pairs."""
-    multi = {m for m in methods if METHOD_BY_NAME[m].multi_seed}
+    multi = {m for m in methods if all_seeds or METHOD_BY_NAME[m].multi_seed}
     return [(m, s) for s in range(seeds) for m in methods if s == 0 or m in multi]
 
 
@@ -190,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.estimate_from:
         probe = json.loads(Path(args.estimate_from).read_text())
-        lines, total = estimate(probe, schedule(args.method_list, args.seeds), dataclasses.asdict(args.config))
+        lines, total = estimate(
+            probe, schedule(args.method_list, args.seeds, args.all_seeds), dataclasses.asdict(args.config)
+        )
         print("\n".join(lines) + f"\ntotal: {total / 60:.1f} min (+ the pair's start-up)")
         return 0
     out_dir = Path(args.out) if args.out else REPO / "benchmarks" / "results"
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out_dir / f"{args.name}.json"
     data = load_or_start(path, args)
     save_json(path, data)
-    planned = schedule(args.method_list, args.seeds)
+    planned = schedule(args.method_list, args.seeds, args.all_seeds)
     todo = [c for c in planned if run_key(*c) not in data["runs"]]
     print(f"[fidelity] {len(planned)} configurations, {len(planned) - len(todo)} already in {path}", flush=True)
     from benchmarks.fidelity_worker import run_pair

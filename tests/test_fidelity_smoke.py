@@ -132,6 +132,8 @@ def test_methods_schedule_and_phases():
     assert sched == [("ddp_fp32", 0), ("qddp_fp8_e4m3", 0), ("qddp_uniform8", 0)] + [
         (m, s) for s in (1, 2) for m in ("ddp_fp32", "qddp_uniform8")
     ]
+    every = fidelity.schedule(["ddp_fp32", "qddp_fp8_e4m3"], 2, all_seeds=True)  # --all-seeds
+    assert every == [("ddp_fp32", 0), ("qddp_fp8_e4m3", 0), ("ddp_fp32", 1), ("qddp_fp8_e4m3", 1)]
     for steps, warmup in ((2000, 100), (30, 3), (2001, 100), (50, 0)):
         cfg = RunConfig("fidelity", steps, 10, 4, 1e-3, warmup, 32, 16, 1000, 60.0)
         switch = phase_steps(cfg)["post_local_switch"]
