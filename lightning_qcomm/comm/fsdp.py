@@ -55,6 +55,8 @@ from lightning_qcomm.comm.fsdp_internals import (
     check_torch_fsdp_api,
     fsdp_param_shards,
     fsdp_params,
+    install_requires_grad_sync,
+    install_requires_grad_syncs,
     param_shard,
     shard_rank,
     sync_unsharded_requires_grad,
@@ -87,6 +89,7 @@ __all__ = [
     "check_torch_fsdp_api",
     "fsdp_param_shards",
     "install_qsdp_comms",
+    "install_requires_grad_syncs",
     "is_quantized_param",
     "project_master_weights",
     "sync_unsharded_requires_grad",
@@ -359,27 +362,9 @@ def install_qsdp_comms(
             )
         )
         module.set_force_sum_reduction_for_comms(True)
-        _install_requires_grad_sync(module, root_group)
+        install_requires_grad_sync(module, root_group)
         installed.append(module)
     return installed
-
-
-def _install_requires_grad_sync(module: torch.nn.Module, root: torch.nn.Module | None) -> None:
-    """After FSDP's pre-forward unshard (its hook is prepended), copy the sharded params' requires_grad onto
-    the unsharded ones (see ``sync_unsharded_requires_grad``), for this module and for the FSDP ``root``:
-    the root stays gathered through a whole step, in which ``toggle_optimizer`` may change its flags, and
-    its own parameters are used alongside the inner groups' forwards. One hook per module however often
-    installed."""
-    old = getattr(module, "_qsdp_requires_grad_hook", None)
-    if old is not None:
-        old.remove()
-    targets = [module] if root is None or root is module else [module, root]
-
-    def sync(mod, args) -> None:
-        for m in targets:
-            sync_unsharded_requires_grad(m)
-
-    module._qsdp_requires_grad_hook = module.register_forward_pre_hook(sync)
 
 
 @torch.no_grad()

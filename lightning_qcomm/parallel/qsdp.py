@@ -42,6 +42,7 @@ from lightning_qcomm.comm.fsdp import (
     check_torch_fsdp_api,
     fsdp_param_shards,
     install_qsdp_comms,
+    install_requires_grad_syncs,
     is_quantized_param,
     project_master_weights,
 )
@@ -227,6 +228,7 @@ def apply_qsdp(
     if config.hsdp and codecs == (None, None):
         background = None  # inside a node FSDP2's own collectives; nothing of ours to install there
         modules = fsdp_groups(module)
+        install_requires_grad_syncs(module)  # but toggle_optimizer's flags must still reach autograd
     else:
         if config.hsdp and config.overlap_comm:
             # a background group per node would need every rank of the world to create every node's group
