@@ -31,8 +31,9 @@ the forward all-gather and the backward re-gather of the same shard in the same 
 codes: forward and backward see the same quantized weights. Reduce-scatters also fold in a per-step call
 counter, so gradient-accumulation micro-batches get fresh rounding.
 
-Every call records one entry into ``get_ledger()`` (tags ``"weights"`` / ``"grads"``): payload = bytes this
-rank handed to torch.distributed; baseline = 4 bytes per logical element (fp32).
+Every call records one entry into ``get_ledger()`` (tags ``"weights"`` / ``"grads"``, plus ``QSDPCommConfig.scope``'s
+suffix: ``"@intra"`` when the group is a node's, under HSDP): payload = bytes this rank handed to
+torch.distributed; baseline = 4 bytes per logical element (fp32).
 """
 
 from __future__ import annotations
@@ -123,12 +124,14 @@ class _QSDPComm:
         group_id: int,
         params: Sequence[ParamShard],
         min_quant_numel: int,
+        scope: str = "",
     ) -> None:
         self.codec = codec
         self.state = state
         self.group_id = int(group_id)
         self.params = list(params)
         self.min_quant_numel = int(min_quant_numel)
+        self.scope = scope  # the ledger tags' suffix: "" (the whole world) or "@intra" (a node's group)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -202,7 +205,7 @@ class QuantizedAllGather(_QSDPComm, AllGather):
             baseline_collective_bytes=world * s_numel * FP32_BYTES,
             world_size=world,
             payload_bytes=payload.numel(),
-            tag="weights",
+            tag="weights" + self.scope,
         )
 
 
@@ -290,7 +293,7 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
             baseline_collective_bytes=world * s_numel * FP32_BYTES,
             world_size=world,
             payload_bytes=recv.numel(),
-            tag="grads",
+            tag="grads" + self.scope,
         )
         return None
 
@@ -298,11 +301,13 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
 # --------------------------------------------------------------------------- installation and master projection
 @dataclass(frozen=True)
 class QSDPCommConfig:
-    """What to install: codecs (None = unquantized) and the small-tensor threshold."""
+    """What to install: codecs (None = unquantized), the small-tensor threshold, and the ledger tags' scope suffix
+    (``""``: the group spans the world; ``"@intra"``: it is one node's, as under HSDP)."""
 
     weight_codec: Codec | None
     grad_codec: Codec | None
     min_quant_numel: int = 1024
+    scope: str = ""
 
 
 def _live_requires_grad(module: torch.nn.Module) -> Callable[[], list[bool]]:
@@ -347,6 +352,7 @@ def install_qsdp_comms(
                 gid,
                 params,
                 config.min_quant_numel,
+                config.scope,
                 worker=worker,
                 worker_group=worker_group,
             )
@@ -358,6 +364,7 @@ def install_qsdp_comms(
                 gid,
                 params,
                 config.min_quant_numel,
+                config.scope,
                 live_requires_grad=_live_requires_grad(module),
             )
         )

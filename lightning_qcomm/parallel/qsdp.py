@@ -238,7 +238,8 @@ def apply_qsdp(
             worker, worker_group = background.acquire(shard_mesh.get_group())
         else:
             background = None
-        comm_config = QSDPCommConfig(codecs[0], codecs[1], config.min_quant_numel)
+        # under HSDP the group is the node's: the ledger tags its traffic "@intra" (docs/design.md, "Byte accounting")
+        comm_config = QSDPCommConfig(codecs[0], codecs[1], config.min_quant_numel, "@intra" if config.hsdp else "")
         modules = install_qsdp_comms(module, comm_config, comm_state, worker=worker, worker_group=worker_group)
     if config.hsdp:
         install_inter_node_average(modules, config.build_grad_codec(), mesh, comm_state, config.min_quant_numel)
