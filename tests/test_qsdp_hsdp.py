@@ -87,8 +87,9 @@ def _train(mesh, config: QSDPConfig) -> dict:
     full = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
     local = {n: p.to_local().reshape(-1).tolist() for n, p in model.named_parameters()}
     inter = sum(t.wire_bytes for (op, tag), t in ledger.cumulative.items() if tag.endswith("@inter"))
+    calls = {f"{op}:{tag}": t.calls for (op, tag), t in ledger.cumulative.items()}
     handle.close()
-    return {"losses": losses, "full": full, "local": local, "inter_bytes": inter}
+    return {"losses": losses, "full": full, "local": local, "inter_bytes": inter, "calls": calls}
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -167,6 +168,29 @@ def test_inter_node_bytes_shrink_with_the_codec(runs):
         # both phases send each element once at 1 byte + an fp32 (min, max) pair per 256-element bucket, where
         # the fp32 ring all-reduce sends 2(M-1)/M * 4 bytes (M = 2 nodes): (1 + 8/256) / 4
         assert b8 / fp32 == pytest.approx((1 + 8 / 256) / 4, rel=0.02)
+
+
+def test_ledger_scopes_follow_the_links(runs):
+    """Flat QSDP's collectives span the world (scope flat); under HSDP the quantized all-gathers and
+    reduce-scatters inside a node (``intra_node_bits``) are ``@intra`` and the all-reduce across nodes ``@inter``,
+    so no weight or gradient byte of HSDP is left in the flat scope (the non-finite check's 8-byte all-reduce,
+    tag ``control``, spans the world: flat, once per step in every run)."""
+    from lightning_qcomm.comm.ledger import scope_of
+
+    for r in runs:
+        cases = ("flat32", "hsdp8", "hsdp8_intra8")
+        data = {c: {k: n for k, n in r[c]["calls"].items() if k != "all_reduce:control"} for c in cases}
+        for c in cases:
+            assert r[c]["calls"]["all_reduce:control"] == STEPS, r[c]["calls"]
+        assert set(data["flat32"]) == {"all_gather:weights", "reduce_scatter:grads"}, data["flat32"]
+        assert set(data["hsdp8"]) == {"all_reduce:grads@inter"}, data["hsdp8"]
+        calls = data["hsdp8_intra8"]
+        assert set(calls) == {"all_gather:weights@intra", "reduce_scatter:grads@intra", "all_reduce:grads@inter"}
+        assert "flat" not in {scope_of(k.split(":", 1)[1]) for k in calls}
+        # the same collectives as flat QSDP's, one all-reduce across nodes per FSDP group and step
+        assert calls["all_gather:weights@intra"] == data["flat32"]["all_gather:weights"]
+        assert calls["reduce_scatter:grads@intra"] == data["flat32"]["reduce_scatter:grads"]
+        assert calls["all_reduce:grads@inter"] == calls["reduce_scatter:grads@intra"]
 
 
 def test_bad_input_is_refused(runs):

@@ -31,8 +31,9 @@ the forward all-gather and the backward re-gather of the same shard in the same 
 codes: forward and backward see the same quantized weights. Reduce-scatters also fold in a per-step call
 counter, so gradient-accumulation micro-batches get fresh rounding.
 
-Every call records one entry into ``get_ledger()`` (tags ``"weights"`` / ``"grads"``): payload = bytes this
-rank handed to torch.distributed; baseline = 4 bytes per logical element (fp32).
+Every call records one entry into ``get_ledger()`` (tags ``"weights"`` / ``"grads"``, plus ``QSDPCommConfig.scope``'s
+suffix: ``"@intra"`` when the group is a node's, under HSDP): payload = bytes this rank handed to
+torch.distributed; baseline = 4 bytes per logical element (fp32).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ from lightning_qcomm.comm.fsdp_internals import (
     check_torch_fsdp_api,
     fsdp_param_shards,
     fsdp_params,
+    install_requires_grad_sync,
+    install_requires_grad_syncs,
     param_shard,
     shard_rank,
     sync_unsharded_requires_grad,
@@ -87,6 +90,7 @@ __all__ = [
     "check_torch_fsdp_api",
     "fsdp_param_shards",
     "install_qsdp_comms",
+    "install_requires_grad_syncs",
     "is_quantized_param",
     "project_master_weights",
     "sync_unsharded_requires_grad",
@@ -120,12 +124,14 @@ class _QSDPComm:
         group_id: int,
         params: Sequence[ParamShard],
         min_quant_numel: int,
+        scope: str = "",
     ) -> None:
         self.codec = codec
         self.state = state
         self.group_id = int(group_id)
         self.params = list(params)
         self.min_quant_numel = int(min_quant_numel)
+        self.scope = scope  # the ledger tags' suffix: "" (the whole world) or "@intra" (a node's group)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -199,7 +205,7 @@ class QuantizedAllGather(_QSDPComm, AllGather):
             baseline_collective_bytes=world * s_numel * FP32_BYTES,
             world_size=world,
             payload_bytes=payload.numel(),
-            tag="weights",
+            tag="weights" + self.scope,
         )
 
 
@@ -287,7 +293,7 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
             baseline_collective_bytes=world * s_numel * FP32_BYTES,
             world_size=world,
             payload_bytes=recv.numel(),
-            tag="grads",
+            tag="grads" + self.scope,
         )
         return None
 
@@ -295,11 +301,13 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
 # --------------------------------------------------------------------------- installation and master projection
 @dataclass(frozen=True)
 class QSDPCommConfig:
-    """What to install: codecs (None = unquantized) and the small-tensor threshold."""
+    """What to install: codecs (None = unquantized), the small-tensor threshold, and the ledger tags' scope suffix
+    (``""``: the group spans the world; ``"@intra"``: it is one node's, as under HSDP)."""
 
     weight_codec: Codec | None
     grad_codec: Codec | None
     min_quant_numel: int = 1024
+    scope: str = ""
 
 
 def _live_requires_grad(module: torch.nn.Module) -> Callable[[], list[bool]]:
@@ -344,6 +352,7 @@ def install_qsdp_comms(
                 gid,
                 params,
                 config.min_quant_numel,
+                config.scope,
                 worker=worker,
                 worker_group=worker_group,
             )
@@ -355,31 +364,14 @@ def install_qsdp_comms(
                 gid,
                 params,
                 config.min_quant_numel,
+                config.scope,
                 live_requires_grad=_live_requires_grad(module),
             )
         )
         module.set_force_sum_reduction_for_comms(True)
-        _install_requires_grad_sync(module, root_group)
+        install_requires_grad_sync(module, root_group)
         installed.append(module)
     return installed
-
-
-def _install_requires_grad_sync(module: torch.nn.Module, root: torch.nn.Module | None) -> None:
-    """After FSDP's pre-forward unshard (its hook is prepended), copy the sharded params' requires_grad onto
-    the unsharded ones (see ``sync_unsharded_requires_grad``), for this module and for the FSDP ``root``:
-    the root stays gathered through a whole step, in which ``toggle_optimizer`` may change its flags, and
-    its own parameters are used alongside the inner groups' forwards. One hook per module however often
-    installed."""
-    old = getattr(module, "_qsdp_requires_grad_hook", None)
-    if old is not None:
-        old.remove()
-    targets = [module] if root is None or root is module else [module, root]
-
-    def sync(mod, args) -> None:
-        for m in targets:
-            sync_unsharded_requires_grad(m)
-
-    module._qsdp_requires_grad_hook = module.register_forward_pre_hook(sync)
 
 
 @torch.no_grad()

@@ -149,3 +149,38 @@ def sync_unsharded_requires_grad(module: torch.nn.Module) -> None:
         wanted = fp.sharded_param.requires_grad
         if unsharded is not None and unsharded.requires_grad != wanted:
             unsharded.requires_grad_(wanted)
+
+
+def install_requires_grad_sync(module: torch.nn.Module, root: torch.nn.Module | None) -> None:
+    """After FSDP's pre-forward unshard (its hook is prepended), copy the sharded params' requires_grad onto
+    the unsharded ones (see ``sync_unsharded_requires_grad``), for this module and for the FSDP ``root``:
+    the root stays gathered through a whole step, in which ``toggle_optimizer`` may change its flags, and
+    its own parameters are used alongside the inner groups' forwards. One hook per module however often
+    installed."""
+    old = getattr(module, "_qsdp_requires_grad_hook", None)
+    if old is not None:
+        old.remove()
+    targets = [module] if root is None or root is module else [module, root]
+
+    def sync(mod, args) -> None:
+        for m in targets:
+            sync_unsharded_requires_grad(m)
+
+    module._qsdp_requires_grad_hook = module.register_forward_pre_hook(sync)
+
+
+def install_requires_grad_syncs(root: torch.nn.Module) -> None:
+    """``install_requires_grad_sync`` on every FSDP group under ``root`` (``root`` included) that owns parameters,
+    with ``root`` as the root group when it owns some: where FSDP2's own collectives run (HSDP inside a node
+    without ``intra_node_bits``), ``toggle_optimizer`` must reach autograd as it does under QSDP's comms.
+
+    Example::
+
+        install_requires_grad_syncs(model)   # after fully_shard; a GAN's frozen player then gets no gradient
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    root_group = root if isinstance(root, FSDPModule) and fsdp_params(root) else None
+    for module in root.modules():
+        if isinstance(module, FSDPModule) and fsdp_params(module):
+            install_requires_grad_sync(module, root_group)

@@ -31,7 +31,7 @@ from lightning_qcomm._checks import check_bool, check_timeout
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.fsdp import QSDPCommState
 from lightning_qcomm.fabric._base import QCommFabricStrategy, config_from
-from lightning_qcomm.parallel.hsdp import hsdp_mesh
+from lightning_qcomm.parallel.hsdp import another_topology_message, hsdp_mesh, mesh_topology
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
 from lightning_qcomm.strategies.presets import QSDP_PRESETS
@@ -123,16 +123,25 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
         self.qsdp.after_step()
         return out
 
+    @property
+    def topology(self) -> list[int] | None:
+        """``[num_nodes, node_size]`` of ``hsdp`` (None: flat QSDP)."""
+        return None if self._hsdp is None else mesh_topology(self._hsdp[1])
+
     @override
     def checkpoint_entry(self, state: dict[str, Any]) -> tuple[dict[str, Any], None]:
-        return {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}, None  # per-rank state: sharded
+        entry = {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}  # per-rank state: sharded
+        return {**entry, "world_size": self.world_size, "topology": self.topology}, None
 
     @override
     def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any], own: Any = None) -> None:
         if entry is None:
             rank_zero_warn(f"{type(self).__name__}: the checkpoint has no 'qsdp' entry; the RNG step stays")
-        else:
-            self.comm_state.step = int(entry["rng_step"])
+            return
+        self.comm_state.step = int(entry["rng_step"])
+        message = another_topology_message(type(self).__name__, entry, self.world_size, self.topology)
+        if message is not None:
+            rank_zero_warn(message)
 
 
 __all__ = ["QSDPFabricStrategy"]

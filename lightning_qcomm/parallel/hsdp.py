@@ -11,6 +11,8 @@ roundings, identical on the ``M`` replicas, so their optimizer shards stay equal
 the slow links once. Seeds fold in (seed, step, FSDP group, local rank) and, inside the all-reduce, the
 replica's rank, so no two replicas or shards round alike. A group whose shard has fewer than
 ``min_quant_numel`` elements all-reduces in fp32 (its bytes are negligible; its norms and biases stay exact).
+Checkpoints record the layout (``mesh_topology``); resuming on another one reshards the weights and optimizer
+state and is said once (``another_topology_message``; docs/design.md, "Another topology on resume").
 
 Example::
 
@@ -19,6 +21,9 @@ Example::
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,6 +107,57 @@ def hsdp_mesh(config, node_size: int | None, devices_per_node: int | None, owner
     return config, node_groups(topo, timeout=timeout).mesh
 
 
+def mesh_topology(mesh) -> list[int] | None:
+    """``[num_nodes, node_size]`` of an HSDP mesh ("inter", "intra"), as checkpoints record it; None for flat QSDP
+    (a 1-D mesh, or none).
+
+    Example::
+
+        mesh_topology(node_groups(Topology(world_size=4, node_size=2)).mesh)   # [2, 2]
+    """
+    if mesh is None or getattr(mesh, "ndim", 1) != 2:
+        return None
+    return [int(mesh.size(0)), int(mesh.size(1))]
+
+
+def _layout_name(world_size: int, topology: list[int] | None) -> str:
+    return (
+        f"flat QSDP over {world_size} ranks"
+        if topology is None
+        else f"{topology[0]} nodes x {topology[1]} ranks (HSDP)"
+    )
+
+
+def another_topology_message(
+    owner: str, saved: Mapping[str, Any], world_size: int, topology: list[int] | None
+) -> str | None:
+    """What to warn when a QSDP checkpoint entry ``saved`` (``{"world_size", "topology", ...}``) is resumed on
+    another layout (docs/design.md, "Another topology on resume"); None on the same one, or for an entry that
+    does not record its layout (written before it did).
+
+    QSDP keeps no per-rank state besides its shards: the weights and the optimizer state are loaded onto this
+    run's shards (a sharded checkpoint is resharded by ``torch.distributed.checkpoint``), and the RNG step is
+    the same on every rank. So nothing is reset; the warning says that the run goes on from other seeds (they
+    fold in the rank inside the node and across nodes), i.e. not bit for bit as on the saved layout.
+
+    Example::
+
+        another_topology_message("QSDPStrategy", {"world_size": 4, "topology": [2, 2]}, 2, None)
+        # "QSDPStrategy: the checkpoint was written on 2 nodes x 2 ranks (HSDP), this run is flat QSDP over 2 ..."
+    """
+    if "world_size" not in saved:
+        return None
+    was = (int(saved["world_size"]), None if saved.get("topology") is None else list(saved["topology"]))
+    if was == (world_size, topology):
+        return None
+    before, now = _layout_name(*was), _layout_name(world_size, topology)
+    return (
+        f"{owner}: the checkpoint was written on {before}, this run is {now}: the weights and optimizer state are "
+        "loaded onto this run's shards and the RNG step is kept (QSDP holds no per-rank state to reset); the "
+        f"rounding seeds fold in the ranks, so training does not continue bit for bit as it would on {before}"
+    )
+
+
 def fsdp_groups(root: torch.nn.Module) -> list[torch.nn.Module]:
     """The FSDP modules under ``root`` that own parameters, in ``root.modules()`` order (the group ids)."""
     from torch.distributed.fsdp import FSDPModule
@@ -114,8 +170,10 @@ def fsdp_groups(root: torch.nn.Module) -> list[torch.nn.Module]:
 __all__ = [
     "HSDP_DIMS",
     "InterNodeGradAverage",
+    "another_topology_message",
     "check_hsdp_mesh",
     "fsdp_groups",
     "hsdp_mesh",
     "install_inter_node_average",
+    "mesh_topology",
 ]

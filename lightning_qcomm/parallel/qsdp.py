@@ -42,6 +42,7 @@ from lightning_qcomm.comm.fsdp import (
     check_torch_fsdp_api,
     fsdp_param_shards,
     install_qsdp_comms,
+    install_requires_grad_syncs,
     is_quantized_param,
     project_master_weights,
 )
@@ -227,6 +228,7 @@ def apply_qsdp(
     if config.hsdp and codecs == (None, None):
         background = None  # inside a node FSDP2's own collectives; nothing of ours to install there
         modules = fsdp_groups(module)
+        install_requires_grad_syncs(module)  # but toggle_optimizer's flags must still reach autograd
     else:
         if config.hsdp and config.overlap_comm:
             # a background group per node would need every rank of the world to create every node's group
@@ -236,7 +238,8 @@ def apply_qsdp(
             worker, worker_group = background.acquire(shard_mesh.get_group())
         else:
             background = None
-        comm_config = QSDPCommConfig(codecs[0], codecs[1], config.min_quant_numel)
+        # under HSDP the group is the node's: the ledger tags its traffic "@intra" (docs/design.md, "Byte accounting")
+        comm_config = QSDPCommConfig(codecs[0], codecs[1], config.min_quant_numel, "@intra" if config.hsdp else "")
         modules = install_qsdp_comms(module, comm_config, comm_state, worker=worker, worker_group=worker_group)
     if config.hsdp:
         install_inter_node_average(modules, config.build_grad_codec(), mesh, comm_state, config.min_quant_numel)

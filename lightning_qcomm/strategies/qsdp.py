@@ -5,7 +5,7 @@ LightningModule with FSDP2 on the 1-D data-parallel mesh (unless ``configure_mod
 quantized comms; this file runs Lightning's setup around it, advances the RNG step once per optimizer step
 (``QSDPHandle.after_step``, which also projects the master weights with ``quantize_master``), runs every
 ``*_step`` through the root group's forward when the LightningModule is one, and saves / restores the RNG
-step in checkpoints (the files: ``qsdp_checkpoint``; registry names: ``presets``; the grouping:
+step in checkpoints, with the layout they were written on (another one is warned once) (the files: ``qsdp_checkpoint``; registry names: ``presets``; the grouping:
 ``parallel.sharding``).
 
     Trainer(strategy=QSDPStrategy(bits=8))                     # weights and gradients at 8 bits
@@ -51,7 +51,7 @@ from lightning_qcomm.comm.fsdp import QSDPCommState, sync_unsharded_requires_gra
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import max_over_ranks
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
-from lightning_qcomm.parallel.hsdp import hsdp_mesh
+from lightning_qcomm.parallel.hsdp import another_topology_message, hsdp_mesh, mesh_topology
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint
 from lightning_qcomm.parallel.qsdp_config import DEFAULT_MIN_WRAP_NUMEL, QSDPConfig
 from lightning_qcomm.strategies.presets import QSDP_PRESETS, register_presets
@@ -307,16 +307,32 @@ class QSDPStrategy(ModelParallelStrategy):
         return max_over_ranks(0.0 if finite else 1.0, self.dp_mesh.get_group(), device=self.root_device) == 0.0
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def topology(self) -> list[int] | None:
+        """``[num_nodes, node_size]`` this strategy shards over with ``hsdp`` (None: flat QSDP, also when hsdp
+        found no second level)."""
+        return None if self._hsdp is None else mesh_topology(self._hsdp[1])
+
     def qsdp_state_dict(self) -> dict[str, Any]:
-        """What continuing training needs besides weights and optimizer: the RNG step (identical on all ranks)."""
-        return {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}
+        """What continuing training needs besides weights and optimizer: the RNG step (identical on all ranks),
+        and the layout it was written on (``world_size``, ``topology``)."""
+        return {
+            "rng_step": self.comm_state.step,
+            "seed": self.comm_state.seed,
+            "world_size": self.world_size,
+            "topology": self.topology,
+        }
 
     def load_qsdp_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the RNG step; on another layout warn once (``parallel.hsdp.another_topology_message``)."""
         self.comm_state.step = int(state["rng_step"])
         if int(state.get("seed", self.config.seed)) != self.config.seed:
             log.warning(
                 "QSDP: checkpoint seed %s differs from this strategy's seed %s", state["seed"], self.config.seed
             )
+        message = another_topology_message(type(self).__name__, state, self.world_size, self.topology)
+        if message is not None:
+            rank_zero_warn(message)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
