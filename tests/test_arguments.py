@@ -47,6 +47,8 @@ def _wrong_values(hint) -> list:
     optional = type(None) in args
     base = [a for a in args if a is not type(None)] if origin in (Union, types.UnionType) else [hint]
     b = base[0] if len(base) == 1 else None
+    if len(base) == 2 and int in base and any(get_origin(a) is Literal for a in base):  # an int or a keyword
+        return ["0", 1.7, True, "bogus"]
     if b is bool:
         return ["no", 1, 0.0] + ([] if optional else [None])
     if b is int:

@@ -61,6 +61,11 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("onebit_adam", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps)", ONEBIT),
     Variant("qddp_auto", "lq", "QuantDDPStrategy(codec='auto', min_bits=4): width chosen at setup from measured costs", QDDP),
     Variant(
+        "qsdp_auto", "lq",
+        "QSDPStrategy(weight_bits='auto', grad_bits='auto', min_bits=4): widths chosen at setup from measured costs",
+        QSDP,
+    ),
+    Variant(
         "qsdp_w8g8_nfprop", "lq", "QSDPStrategy(bits=8, nonfinite='propagate') (ablation: no per-step non-finite check)",
         QSDP, False,
     ),
@@ -229,6 +234,9 @@ def build_variant(
         return strat, BenchLM, {}, []
     if name == "qddp_auto":
         strat = load_symbol(QDDP)(codec="auto", min_bits=4, process_group_backend="gloo", timeout=timeout)
+        return strat, BenchLM, {}, []
+    if name == "qsdp_auto":
+        strat = load_symbol(QSDP)(weight_bits="auto", grad_bits="auto", min_bits=4, timeout=timeout)
         return strat, BenchLM, {}, []
     if name == "qsdp_w8g8_nfprop":
         strat = load_symbol(QSDP)(weight_bits=8, grad_bits=8, nonfinite="propagate", timeout=timeout)

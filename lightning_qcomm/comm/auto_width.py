@@ -1,20 +1,27 @@
-"""``codec="auto"``: the gradient all-reduce's width chosen from the measured link and codec speeds (comm layer).
+"""Auto widths: the code width chosen from the measured link and codec speeds, one cost model for every strategy
+(comm layer; docs/design.md, "Auto widths").
 
-Compressing pays only when the wire time it saves exceeds the codec work it adds. For a step that all-reduces
-d gradient elements over N ranks, with the link's measured rate R (bytes per second, per direction) and the
-codec's measured encode + decode cost c_b (seconds per element at b bits, on this rank's CPU or device), the
-predicted communication time is
+Compressing pays only when the wire time it saves exceeds the codec work it adds. With the link's measured rate
+R (bytes per second, per direction) and the codec's measured encode + decode cost c_b (seconds per element at b
+bits, on this rank's CPU or device), one step's communication at width b is predicted as
 
-    T(32) = W_fp32(d, N) / R                           (plain fp32 ring all-reduce)
-    T(b)  = W_b(d, N) / R + k_N · c_b · d              (the two-phase compressed all-reduce)
+    T(b) = W_b / R + P · c_b        (``step_seconds``; at b = 32 nothing is coded: P · c_32 = 0)
 
-with W the wire bytes of ``comm.wire_bytes.wire_bytes_formula`` and k_N = (3 + 1/N) / 2 the encode + decode
-pairs per element of d that one rank runs (``codec_work_factor``). The codec work is added, not overlapped:
-on a CPU rank it shares the core with the backward pass. ``choose_bits`` takes
-the width with the smallest T among 32 and the allowed widths (``min_bits`` .. 8); a tie goes to the wider
-one (more accurate). The decision is deterministic given the costs, and ``measure_costs`` makes the costs
-identical on every rank (each rank measures, then one all-reduce keeps the maximum, the slowest rank's),
-so every rank chooses the same width. The choice is made once, at setup, and logged with its measurements.
+with W_b the bytes this rank sends per step (``comm.wire_bytes.wire_bytes_formula``) and P the encode + decode
+pairs this rank runs per step, P = Σ_calls k · d for collectives of d elements, k from ``codec_work_factor``.
+The codec work is added, not overlapped: on a CPU rank it shares the core with the backward pass.
+``fastest`` takes the width with the smallest T among 32 and the allowed widths (``min_bits`` .. 8); a tie goes
+to the wider one (more accurate). Each strategy supplies W_b and P:
+
+* QuantDDP (``codec="auto"``; ``predicted_seconds`` / ``choose_bits`` here): one all-reduce of the d gradient
+  elements per step, W_b = ``wire_bytes_formula("all_reduce", d, N, codec_b)``, P = k_N · d with
+  k_N = (3 + 1/N) / 2.
+* QSDP (``weight_bits`` / ``grad_bits="auto"``): ``comm.auto_qsdp``.
+
+Invariants: the decision is deterministic given the costs, and ``measure_widths`` makes the costs identical on
+every rank (each rank measures, then one all-reduce keeps the maximum, the slowest rank's), so every rank
+chooses the same width. On one rank nothing travels: nothing is measured and the choice is 32. The choice is
+made once, at setup, and logged with its measurements.
 
 Example::
 
@@ -25,7 +32,9 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +49,7 @@ UNCOMPRESSED = 32
 WIDTHS = (8, 4, 2)
 AUTO_CODEC = "uniform"  # min-max stochastic rounding: unbiased, contractive, the fastest fused CPU path
 PROBE_NUMEL = 1 << 20
+WORK_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -50,26 +60,44 @@ class WidthCosts:
     codec_s_per_element: dict[int, float]
 
 
-def codec_work_factor(world_size: int) -> float:
-    """Encode + decode pairs per element of d in one compressed all-reduce over N ranks.
+def codec_work_factor(world_size: int, collective: str = "all_reduce") -> float:
+    """Encode + decode pairs per element of d in one compressed ``collective`` over N ranks (d: the whole
+    logical buffer, N shards of d/N for the all-gather and the reduce-scatter).
 
-    Phase 1 encodes the d elements (N chunks) and decodes the N received chunks (d); phase 2 encodes this
-    rank's reduced chunk (d/N) and decodes the N gathered chunks (d): 2d + d/N + d element-operations, i.e.
-    (3 + 1/N) / 2 encode + decode pairs per element.
+    * all_reduce (two-phase): phase 1 encodes the d elements (N chunks) and decodes the N received chunks (d);
+      phase 2 encodes this rank's reduced chunk (d/N) and decodes the N gathered chunks (d): (3 + 1/N) / 2.
+    * all_gather (QSDP weights): encode this rank's shard (d/N), decode all N shards (d): (1 + 1/N) / 2.
+    * reduce_scatter (QSDP gradients): encode the N rows (d), decode the N - 1 received ones (d - d/N; the own
+      row stays exact): (2 - 1/N) / 2.
     """
-    return (3 + 1 / world_size) / 2
+    n = world_size
+    if collective == "all_reduce":
+        return (3 + 1 / n) / 2
+    if collective == "all_gather":
+        return (1 + 1 / n) / 2
+    if collective == "reduce_scatter":
+        return (2 - 1 / n) / 2
+    raise ValueError(f"collective={collective!r} is not allowed; allowed: {', '.join(WORK_COLLECTIVES)}")
+
+
+def step_seconds(bits: int, wire_bytes: float, codec_pairs: float, costs: WidthCosts) -> float:
+    """T(bits) = W / R + P · c_bits of the module docstring (no codec work at 32 bits)."""
+    work = 0.0 if bits == UNCOMPRESSED else codec_pairs * costs.codec_s_per_element[bits]
+    return wire_bytes / costs.link_bytes_per_s + work
+
+
+def fastest(times: Mapping[int, float]) -> int:
+    """The width with the smallest predicted time; on a tie the wider one (more accurate)."""
+    return min(times, key=lambda b: (times[b], -b))
 
 
 def predicted_seconds(bits: int, numel: int, world_size: int, costs: WidthCosts, bucket_size: int = 512) -> float:
-    """T(bits) of the module docstring (``bits=32``: the fp32 all-reduce, no codec work)."""
+    """QuantDDP's T(bits): one all-reduce of ``numel`` gradient elements (``bits=32``: fp32, no codec work)."""
     if world_size <= 1:
         return 0.0
-    if bits == UNCOMPRESSED:
-        return wire_bytes_formula("all_reduce", numel, world_size) / costs.link_bytes_per_s
-    codec = get_codec(AUTO_CODEC, bits=bits, bucket_size=bucket_size)
+    codec = None if bits == UNCOMPRESSED else get_codec(AUTO_CODEC, bits=bits, bucket_size=bucket_size)
     wire = wire_bytes_formula("all_reduce", numel, world_size, codec)
-    work = codec_work_factor(world_size) * costs.codec_s_per_element[bits] * numel
-    return wire / costs.link_bytes_per_s + work
+    return step_seconds(bits, wire, codec_work_factor(world_size) * numel, costs)
 
 
 def candidate_widths(min_bits: int) -> tuple[int, ...]:
@@ -80,13 +108,9 @@ def candidate_widths(min_bits: int) -> tuple[int, ...]:
 
 
 def choose_bits(numel: int, world_size: int, costs: WidthCosts, min_bits: int = 4, bucket_size: int = 512) -> int:
-    """The width with the smallest predicted time (ties: the wider one)."""
-    best, best_t = UNCOMPRESSED, float("inf")
-    for b in candidate_widths(min_bits):  # widest first: a strict < keeps the wider one on a tie
-        t = predicted_seconds(b, numel, world_size, costs, bucket_size)
-        if t < best_t:
-            best, best_t = b, t
-    return best
+    """QuantDDP's width: ``fastest`` over ``candidate_widths(min_bits)``."""
+    times = {b: predicted_seconds(b, numel, world_size, costs, bucket_size) for b in candidate_widths(min_bits)}
+    return fastest(times)
 
 
 def _timed(fn, repeats: int) -> float:
@@ -97,13 +121,20 @@ def _timed(fn, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def measure_codec(bits: int, numel: int = PROBE_NUMEL, device: torch.device | None = None, repeats: int = 3) -> float:
-    """Seconds per element of one encode + decode at ``bits`` on ``device`` (a Gaussian probe)."""
+def measure_codec(
+    bits: int,
+    numel: int = PROBE_NUMEL,
+    device: torch.device | None = None,
+    repeats: int = 3,
+    codec: str = AUTO_CODEC,
+    bucket_size: int | None = None,
+) -> float:
+    """Seconds per element of one encode + decode with ``codec`` at ``bits`` on ``device`` (a Gaussian probe)."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device or "cpu")
-    codec = get_codec(AUTO_CODEC, bits=bits)
+    code = get_codec(codec, bits=bits, **({} if bucket_size is None else {"bucket_size": bucket_size}))
 
     def roundtrip() -> None:
-        codec.decode(codec.encode(x, seed=1))
+        code.decode(code.encode(x, seed=1))
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
 
@@ -111,7 +142,7 @@ def measure_codec(bits: int, numel: int = PROBE_NUMEL, device: torch.device | No
 
 
 def measure_link(group: dist.ProcessGroup | None, numel: int = PROBE_NUMEL, device=None, repeats: int = 3) -> float:
-    """Bytes per second per direction of the fp32 all-reduce over ``group`` (collective)."""
+    """Bytes per second per direction of the fp32 all-reduce over ``group`` (collective; two ranks or more)."""
     world = dist.get_world_size(group)
     buf = torch.zeros(numel, device=device or "cpu")
 
@@ -123,31 +154,53 @@ def measure_link(group: dist.ProcessGroup | None, numel: int = PROBE_NUMEL, devi
     return wire_bytes_formula("all_reduce", numel, world) / _timed(all_reduce, repeats)
 
 
-def measure_costs(group: dist.ProcessGroup | None = None, min_bits: int = 4, device=None) -> WidthCosts:
-    """Measure the link and every candidate width's codec on every rank, then agree on the slowest figures
-    (one all-reduce MAX of the seconds), so the costs, and any choice made from them, are the same everywhere.
-    Collective."""
+def measure_widths(
+    group: dist.ProcessGroup | None = None,
+    min_bits: int = 4,
+    device=None,
+    codecs: Sequence[tuple[str, int | None]] = ((AUTO_CODEC, None),),
+) -> tuple[WidthCosts, ...]:
+    """The link once and every candidate width of each ``(codec name, bucket_size)`` in ``codecs``, on every
+    rank, then the slowest figures agreed (one all-reduce MAX of the seconds): one ``WidthCosts`` per codec, the
+    same everywhere. Collective. On one rank nothing travels: link ``inf``, codec 0, nothing is timed."""
     widths = [b for b in candidate_widths(min_bits) if b != UNCOMPRESSED]
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if world <= 1:
+        return tuple(WidthCosts(math.inf, dict.fromkeys(widths, 0.0)) for _ in codecs)
     link_s_per_byte = 1.0 / measure_link(group, device=device)
-    codec_s = [measure_codec(b, device=device) for b in widths]
+    codec_s = [measure_codec(b, device=device, codec=name, bucket_size=bs) for name, bs in codecs for b in widths]
     seconds = torch.tensor([link_s_per_byte, *codec_s], dtype=torch.float64, device=device or "cpu")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
     values = seconds.tolist()
-    return WidthCosts(1.0 / values[0], dict(zip(widths, values[1:])))
+    k = len(widths)
+    return tuple(
+        WidthCosts(1.0 / values[0], dict(zip(widths, values[1 + i * k : 1 + (i + 1) * k]))) for i in range(len(codecs))
+    )
+
+
+def measure_costs(group: dist.ProcessGroup | None = None, min_bits: int = 4, device=None) -> WidthCosts:
+    """``measure_widths`` for QuantDDP's codec (``AUTO_CODEC``). Collective."""
+    return measure_widths(group, min_bits, device)[0]
+
+
+def format_costs(costs: WidthCosts) -> str:
+    """The measurements, for a log line."""
+    codec = ", ".join(f"{b}-bit {s * 1e9:.2f} ns/element" for b, s in sorted(costs.codec_s_per_element.items()))
+    return f"link {costs.link_bytes_per_s / 1e6:.1f} MB/s, codec {codec}"
+
+
+def format_times(times: Mapping[int, float]) -> str:
+    """Every candidate's predicted time, for a log line."""
+    return ", ".join(f"{b} bits {t * 1e3:.1f} ms" for b, t in times.items())
 
 
 def describe(bits: int, numel: int, world_size: int, costs: WidthCosts, min_bits: int, bucket_size: int) -> str:
     """One log line: the choice, the measurements and every candidate's predicted time."""
-    times = ", ".join(
-        f"{b} bits {predicted_seconds(b, numel, world_size, costs, bucket_size) * 1e3:.1f} ms"
-        for b in candidate_widths(min_bits)
-    )
-    codec = ", ".join(f"{b}-bit {s * 1e9:.2f} ns/element" for b, s in sorted(costs.codec_s_per_element.items()))
+    times = {b: predicted_seconds(b, numel, world_size, costs, bucket_size) for b in candidate_widths(min_bits)}
     return (
         f"codec='auto' chose {'no compression (fp32)' if bits == UNCOMPRESSED else f'{AUTO_CODEC} {bits}-bit'} for "
-        f"{numel} gradient elements over {world_size} ranks: link {costs.link_bytes_per_s / 1e6:.1f} MB/s, codec "
-        f"{codec}; predicted per step: {times}"
+        f"{numel} gradient elements over {world_size} ranks: {format_costs(costs)}; predicted per step: "
+        f"{format_times(times)}"
     )
 
 
@@ -160,8 +213,13 @@ __all__ = [
     "choose_bits",
     "codec_work_factor",
     "describe",
+    "fastest",
+    "format_costs",
+    "format_times",
     "measure_codec",
     "measure_costs",
     "measure_link",
+    "measure_widths",
     "predicted_seconds",
+    "step_seconds",
 ]

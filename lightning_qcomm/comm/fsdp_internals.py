@@ -132,6 +132,28 @@ def fsdp_param_shards(module: torch.nn.Module) -> list[ParamShard]:
     return [param_shard(fp) for fp in fsdp_params(module)]
 
 
+def gathers_per_step(module: torch.nn.Module, is_root: bool) -> int:
+    """Weight all-gathers of ``module``'s FSDP param group per training step: 2 when FSDP2 reshards it after
+    forward (gathered again for backward), 1 when it stays unsharded: a group set to
+    ``reshard_after_forward=False``, or a root (an FSDP module under no other) left at FSDP2's default, which
+    FSDP2 keeps unsharded after forward (its lazy init, at the first forward, clears the root's post-forward
+    mesh; before that only the default flag tells)."""
+    state = module._get_fsdp_state()
+    if is_root and getattr(state, "_auto_reshard_after_forward", False):
+        return 1
+    return 1 if state._fsdp_param_groups[0].post_forward_mesh_info is None else 2
+
+
+def param_dtypes(module: torch.nn.Module) -> tuple[torch.dtype, torch.dtype]:
+    """(all-gather dtype, reduce-scatter dtype) of ``module``'s FSDP param group: its ``MixedPrecisionPolicy``'s
+    ``param_dtype`` / ``reduce_dtype``, else the sharded parameters' own dtype (FSDP2's rule)."""
+    group = module._get_fsdp_state()._fsdp_param_groups[0]
+    own = group.fsdp_params[0].sharded_param.dtype
+    policy = getattr(group, "mp_policy", None)
+    gather = getattr(policy, "param_dtype", None) or own
+    return gather, getattr(policy, "reduce_dtype", None) or gather
+
+
 def shard_rank(module: torch.nn.Module) -> int:
     """This rank's index in the mesh ``module``'s FSDP param group shards over."""
     return module._get_fsdp_state()._fsdp_param_groups[0].mesh_info.shard_mesh_rank

@@ -6,10 +6,13 @@ already sharded with ``fully_shard`` keeps its grouping); every ``optimizer.step
 the non-finite policy, then advances the RNG step; ``fabric.save`` stores the RNG step with the checkpoint
 (``state["qsdp"]``, the same on every rank) and ``fabric.load`` restores it. As with Fabric's own
 ``ModelParallelStrategy``, make the optimizer after ``setup_module`` (it must hold the sharded parameters).
+A width of ``"auto"`` is chosen by ``apply_qsdp`` in each ``setup_module`` from the measured link and codec
+speeds, logged once per model (``self.qsdp.config``: the widths chosen).
 
 Example::
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy=QSDPFabricStrategy(bits=8))   # or strategy="qsdp"
+    # or QSDPFabricStrategy(weight_bits="auto", grad_bits="auto", min_bits=4): chosen in setup_module
     fabric.launch()
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -23,7 +26,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -107,6 +110,7 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
             background=self._background,
             owner=type(self).__name__,
             check_ranks=False,  # done in setup_environment, with the checkpoint form
+            info=rank_zero_info,
         )
         quantizes = self.qsdp.quantizes_any_param()
         message = no_effect_message(type(self).__name__, self.config, self.world_size, quantizes, type(module).__name__)

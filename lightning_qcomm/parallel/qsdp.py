@@ -9,6 +9,13 @@ process group of their own, and each group prefetches the next one's weights in 
 ``QSDPHandle``: the groups and the one piece of state training must advance, the RNG step (once per
 optimizer step; ``attach(optimizer)`` does it from an optimizer step post-hook).
 
+A width of ``"auto"`` (``QSDPConfig(weight_bits="auto", grad_bits="auto", min_bits=4)``) is chosen here, after
+sharding and before the comms are installed: every rank measures the link and the codec over the mesh, the
+ranks agree on the slowest figures, and ``comm.auto_qsdp`` picks, per direction, the width (32, or 8 down to
+``min_bits``) with the smallest predicted step time for this model's FSDP groups; the choice is logged once
+(rank 0) with the measurements, and ``QSDPHandle.config`` is the resolved config (``QSDPHandle.auto_choice``:
+what was measured and predicted).
+
 ``QSDPStrategy`` (Trainer) and ``QSDPFabricStrategy`` (Fabric) call this function; it is the whole QSDP
 setup, theirs is only the Lightning glue around it.
 
@@ -28,12 +35,15 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_qcomm.comm.auto_qsdp import QSDPAutoChoice, choose_qsdp_widths, group_traffic
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config
 from lightning_qcomm.comm.fsdp import (
@@ -62,7 +72,8 @@ class QSDPHandle:
     Attributes:
         modules: the FSDP groups (``FSDPModule``) that own parameters, in group-id order (the seeds' order).
         comm_state: seed and RNG step read by every quantized collective (identical on all ranks).
-        config: the ``QSDPConfig`` it was applied with.
+        config: the ``QSDPConfig`` it runs with (an ``"auto"`` width resolved to the width chosen).
+        auto_choice: with an ``"auto"`` width, what was measured, predicted and chosen (``comm.auto_qsdp``).
         nonfinite: the non-finite gradient policy (the ranks agree through one 8-byte all-reduce).
 
     Example::
@@ -79,8 +90,10 @@ class QSDPHandle:
         comm_state: QSDPCommState,
         background: BackgroundComm | None,
         owner: str,
+        auto_choice: QSDPAutoChoice | None = None,
     ) -> None:
         self.modules = modules
+        self.auto_choice = auto_choice
         self.mesh = mesh
         self.config = config
         self.comm_state = comm_state
@@ -143,11 +156,18 @@ class QSDPHandle:
 def config_fingerprint(config: QSDPConfig) -> dict[str, Any]:
     """Everything that decides the FSDP groups and what their collectives send (compared across ranks: codecs
     with equal payload sizes would otherwise decode each other's bytes as garbage)."""
-    weight, grad = config.build_weight_codec(), config.build_grad_codec()
+
+    def codec(auto: bool, name: str, build: Callable[[], Any]) -> Any:
+        if auto:  # the width is chosen at setup: compare what it is chosen for
+            return {"auto": name.lower(), "bucket_size": config.bucket_size}
+        built = build()
+        return None if built is None else built.config()
+
     layer_classes = config.layer_class_set
     return {
-        "weight_codec": None if weight is None else weight.config(),
-        "grad_codec": None if grad is None else grad.config(),
+        "weight_codec": codec(config.auto_weights, config.weight_codec, config.build_weight_codec),
+        "grad_codec": codec(config.auto_grads, config.grad_codec, config.build_grad_codec),
+        "min_bits": config.min_bits,
         "min_quant_numel": config.min_quant_numel,
         "quantize_master": config.quantize_master,
         "seed": config.seed,
@@ -170,6 +190,7 @@ def apply_qsdp(
     background: BackgroundComm | None = None,
     owner: str = "apply_qsdp",
     check_ranks: bool = True,
+    info: Callable[[str], Any] | None = None,
 ) -> QSDPHandle:
     """Shard ``module`` with FSDP2 over the 1-D ``mesh`` and quantize its weight all-gathers and gradient
     reduce-scatters (see the module docstring). Collective: every rank calls it with the same settings.
@@ -184,6 +205,8 @@ def apply_qsdp(
             (default: made here when ``overlap_comm`` and the mesh is on CPU).
         owner: the name error messages and logs use.
         check_ranks: compare ``config`` across ranks first (``comm.consistency``; a mismatch raises on every rank).
+        info: where the choice of an ``"auto"`` width is logged (default: ``rank_zero_info``); called on every
+            rank with the same line (rank-zero loggers print it once).
 
     Returns:
         a ``QSDPHandle``: ``attach(optimizer)`` after the optimizer is made (it must see the sharded parameters).
@@ -222,6 +245,10 @@ def apply_qsdp(
         for m in sharded:
             m.reshard()
     _check_all_sharded(module, owner)
+    auto_choice = None
+    if config.has_auto:
+        config, auto_choice = resolve_auto_widths(module, shard_mesh, config)
+        (rank_zero_info if info is None else info)(f"{owner}: {auto_choice.describe()}")
     comm_state = QSDPCommState(seed=config.seed, step=0) if comm_state is None else comm_state
     codecs = config.build_intra_codecs() if config.hsdp else (config.build_weight_codec(), config.build_grad_codec())
     worker = worker_group = None
@@ -245,7 +272,32 @@ def apply_qsdp(
         install_inter_node_average(modules, config.build_grad_codec(), mesh, comm_state, config.min_quant_numel)
     if worker is not None:
         chain_forward_prefetch(modules)
-    return QSDPHandle(modules, mesh, config, comm_state, background, owner)
+    return QSDPHandle(modules, mesh, config, comm_state, background, owner, auto_choice)
+
+
+def resolve_auto_widths(module: nn.Module, mesh: Any, config: QSDPConfig) -> tuple[QSDPConfig, QSDPAutoChoice]:
+    """Choose ``config``'s ``"auto"`` widths for the FSDP groups of the sharded ``module`` over the 1-D ``mesh``
+    (collective: measures over ``mesh.get_group()``, the same result on every rank); returns the resolved config
+    and the choice.
+
+    Example::
+
+        config, choice = resolve_auto_widths(model, mesh, QSDPConfig(bits="auto"))   # model: after fully_shard
+        config.weight_bits, choice.describe()
+    """
+    device = torch.device(mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    choice = choose_qsdp_widths(
+        group_traffic(module, config.min_quant_numel),
+        mesh.get_group(),
+        mesh.size(),
+        config.min_bits,
+        weight=(config.weight_codec.lower(), config.bucket_size) if config.auto_weights else None,
+        grad=(config.grad_codec.lower(), config.bucket_size) if config.auto_grads else None,
+        device=device,
+    )
+    return config.resolve_auto(choice.weight_bits, choice.grad_bits), choice
 
 
 def _check_all_sharded(root: nn.Module, owner: str) -> None:
@@ -272,4 +324,4 @@ def chain_forward_prefetch(fsdp_modules: list[nn.Module]) -> None:
             cur.set_modules_to_forward_prefetch([nxt])
 
 
-__all__ = ["QSDPHandle", "apply_qsdp", "chain_forward_prefetch", "config_fingerprint"]
+__all__ = ["QSDPHandle", "apply_qsdp", "chain_forward_prefetch", "config_fingerprint", "resolve_auto_widths"]

@@ -13,7 +13,12 @@ step in checkpoints, with the layout they were written on (another one is warned
 
 Bit widths: ``bits`` sets both widths; ``weight_bits`` / ``grad_bits`` override one each. A width of 32
 means "unquantized" (the comm still runs through the adapter and the ledger). Codec names are those of
-``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"`` (unquantized).
+``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"`` (unquantized). A width of ``"auto"`` is chosen at the
+first setup from the measured link and codec speeds (``parallel.apply_qsdp``, ``comm.auto_qsdp``: 32 or 8 down
+to ``min_bits``, per direction, the same on every rank), logged once, and kept for later stages
+(``run_config``):
+
+    Trainer(strategy=QSDPStrategy(weight_bits="auto", grad_bits="auto", min_bits=4))
 
 Auto-sharding (no ``configure_model`` calling ``fully_shard``): ``parallel.sharding.plan_fsdp_groups``
 (``layer_classes`` or ``nn.ModuleList`` elements, else a ``min_wrap_numel`` size policy; then the
@@ -39,7 +44,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -53,7 +58,7 @@ from lightning_qcomm.comm.onebit import max_over_ranks
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.parallel.hsdp import another_topology_message, hsdp_mesh, mesh_topology
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint
-from lightning_qcomm.parallel.qsdp_config import DEFAULT_MIN_WRAP_NUMEL, QSDPConfig
+from lightning_qcomm.parallel.qsdp_config import DEFAULT_MIN_BITS, DEFAULT_MIN_WRAP_NUMEL, BitsArg, QSDPConfig
 from lightning_qcomm.strategies.presets import QSDP_PRESETS, register_presets
 from lightning_qcomm.strategies.qsdp_checkpoint import (
     FullStateLauncher,
@@ -80,6 +85,8 @@ class QSDPStrategy(ModelParallelStrategy):
         hsdp / intra_node_bits: shard inside a node, replicate across nodes; ``grad_bits`` is then the width of
             the gradient all-reduce across nodes (``parallel.hsdp``; docs/design.md, "Topology").
         node_size: ranks per node for ``hsdp`` (default: Lightning's devices per node).
+        min_bits: with ``weight_bits`` / ``grad_bits`` / ``bits`` ``"auto"``, the narrowest width the choice may
+            take (2, 4 or 8; ``QSDPConfig.min_bits``).
         save_distributed_checkpoint: True saves one shard per rank (a folder, replaced atomically, see
             ``qsdp_checkpoint``; ``python -m lightning_qcomm.consolidate IN OUT`` makes it one file for
             ``load_from_checkpoint``), False a full state dict in one file, gathered on rank 0 at each save.
@@ -90,15 +97,16 @@ class QSDPStrategy(ModelParallelStrategy):
     Example::
 
         trainer = Trainer(accelerator="cpu", devices=2, strategy=QSDPStrategy(weight_bits=8, grad_bits=8))
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=QSDPStrategy(bits="auto", min_bits=4))
     """
 
     strategy_name = "qsdp"
 
     def __init__(
         self,
-        bits: int | None = None,
-        weight_bits: int | None = None,
-        grad_bits: int | None = None,
+        bits: BitsArg = None,
+        weight_bits: BitsArg = None,
+        grad_bits: BitsArg = None,
         bucket_size: int = 1024,
         weight_codec: str = "uniform",
         grad_codec: str = "uniform",
@@ -113,6 +121,7 @@ class QSDPStrategy(ModelParallelStrategy):
         hsdp: bool = False,
         intra_node_bits: int | None = None,
         node_size: int | None = None,
+        min_bits: int = DEFAULT_MIN_BITS,
         save_distributed_checkpoint: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -130,8 +139,7 @@ class QSDPStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.weight_codec = self.config.build_weight_codec()
-        self.grad_codec = self.config.build_grad_codec()
+        self._run_config: QSDPConfig | None = None  # the config with "auto" resolved, once chosen
         # gradient shards differ per rank: agree on "all finite" (one 8-byte all-reduce per step)
         self.nonfinite = NonFiniteGuard(nonfinite, "QSDPStrategy", agree=self._all_ranks_finite)
         self._background = BackgroundComm("lightning_qcomm-qsdp", timeout=timeout)  # one group for every stage
@@ -144,12 +152,30 @@ class QSDPStrategy(ModelParallelStrategy):
         self._warned_no_effect = False
 
     @property
-    def weight_bits(self) -> int:
-        return self.config.weight_bits
+    def run_config(self) -> QSDPConfig:
+        """The settings the comms run with: ``config``, with an ``"auto"`` width replaced by the one chosen at the
+        first setup (until then ``config`` itself)."""
+        return self.config if self._run_config is None else self._run_config
 
     @property
-    def grad_bits(self) -> int:
-        return self.config.grad_bits
+    def weight_bits(self) -> int | str:
+        """The weight width (``"auto"`` until the first setup has chosen it)."""
+        return self.run_config.weight_bits
+
+    @property
+    def grad_bits(self) -> int | str:
+        """The gradient width (``"auto"`` until the first setup has chosen it)."""
+        return self.run_config.grad_bits
+
+    @property
+    def weight_codec(self):
+        """The weight all-gather's codec (None: unquantized, or ``"auto"`` not chosen yet)."""
+        return None if self.run_config.auto_weights else self.run_config.build_weight_codec()
+
+    @property
+    def grad_codec(self):
+        """The gradient reduce-scatter's codec (None: unquantized, or ``"auto"`` not chosen yet)."""
+        return None if self.run_config.auto_grads else self.run_config.build_grad_codec()
 
     @property
     def _fsdp_modules(self) -> list[nn.Module]:
@@ -199,7 +225,7 @@ class QSDPStrategy(ModelParallelStrategy):
         if not sharded and is_overridden("configure_model", self.lightning_module):
             log.warning("QSDP: configure_model did not call fully_shard; sharding the model with the default policy")
         # the whole QSDP setup (also Fabric's and plain torch's); checked across ranks in setup_environment
-        config, mesh = self.config, self.dp_mesh
+        config, mesh = self.run_config, self.dp_mesh
         if config.hsdp:  # shard inside a node, replicate across nodes (parallel.hsdp)
             if self._hsdp is None:
                 self._hsdp = hsdp_mesh(config, self._node_size, self.num_processes, "QSDPStrategy", self._timeout)
@@ -212,7 +238,10 @@ class QSDPStrategy(ModelParallelStrategy):
             background=self._background,
             owner=type(self).__name__,
             check_ranks=False,
+            info=rank_zero_info,
         )
+        if self.config.has_auto and self._run_config is None:
+            self._run_config = self._qsdp.config  # chosen once: later stages (fit, validate, ...) keep it
         self._root_is_group = isinstance(self.lightning_module, FSDPModule)
         self._warn_if_no_effect()
         _materialize_distributed_module(self.model, self.root_device)

@@ -29,10 +29,11 @@ def no_effect_message(
     """Why ``config`` changes nothing for this run, or None when it does something."""
     if world_size == 1:
         return (
-            f"{owner} runs on one device: nothing is communicated, so weight_bits={config.weight_bits} and "
-            f"grad_bits={config.grad_bits} have no effect (FSDP2 over one rank only adds its bookkeeping)"
+            f"{owner} runs on one device: nothing is communicated, so weight_bits={config.weight_bits!r} and "
+            f"grad_bits={config.grad_bits!r} have no effect (FSDP2 over one rank only adds its bookkeeping)"
         )
-    if config.build_weight_codec() is None and config.build_grad_codec() is None:
+    # an "auto" width is chosen from measurements (and logged), no compression included
+    if not config.has_auto and config.build_weight_codec() is None and config.build_grad_codec() is None:
         return (
             f"{owner}(weight_bits={config.weight_bits}, grad_bits={config.grad_bits}, weight_codec="
             f"{config.weight_codec!r}, grad_codec={config.grad_codec!r}) quantizes nothing: weights "
