@@ -72,6 +72,13 @@ def test_bad_min_bits_and_bits_with_auto_are_refused():
     assert QuantDDPConfig(codec="auto").resolve_auto(4).build_codec().bits == 4
 
 
+@pytest.mark.parametrize("value", [4.0, "4"])
+def test_min_bits_of_another_type_is_a_type_error(value):
+    """``min_bits`` must be an int: 4.0 or "4" is refused with a TypeError naming the argument and the allowed set."""
+    with pytest.raises(TypeError, match=r"min_bits.*allowed: 2, 4, 8"):
+        QuantDDPConfig(codec="auto", min_bits=value)
+
+
 # ---------------------------------------------------------------------------------------------- 2 ranks
 def _fit(strategy) -> dict:
     import lightning.pytorch as pl

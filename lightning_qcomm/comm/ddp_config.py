@@ -82,7 +82,9 @@ class QuantDDPConfig:
         if not isinstance(self.codec, str) or self.codec.lower() not in DDP_CODECS:
             raise ValueError(f"{own}(codec={self.codec!r}) is not supported; allowed: {', '.join(DDP_CODECS)}")
         object.__setattr__(self, "codec", self.codec.lower())
-        if self.min_bits not in AUTO_MIN_BITS or isinstance(self.min_bits, bool):
+        if not isinstance(self.min_bits, int) or isinstance(self.min_bits, bool):
+            raise TypeError(f"{own}(min_bits={self.min_bits!r}) must be an int; allowed: 2, 4, 8")
+        if self.min_bits not in AUTO_MIN_BITS:
             raise ValueError(f"{own}(min_bits={self.min_bits!r}) is not allowed; allowed: 2, 4, 8")
         auto = self.codec == "auto"
         if auto and self.bits is not None:
