@@ -113,9 +113,7 @@ def _two_by_two(outdir: str) -> dict:
         "calls": _calls(ledger),
         "loss": _full_loss(straight),
         "init_loss": _full_loss(_module()),
-        "outer_same_on_ranks": all(
-            all(torch.equal(e[0], e[i]) for i in range(len(e))) for e in map(_gather, outer["momentum"])
-        ),
+        "outer_same_on_ranks": _same_on_ranks(outer["momentum"]),
         "momentum_nonzero": all(bool(m.abs().sum() > 0) for m in outer["momentum"]),
     }
     res["diloco"]["inter_wire"] = _inter_wire_per_call(ledger)
@@ -131,10 +129,7 @@ def _two_by_two(outdir: str) -> dict:
         "calls": _calls(ledger),
         "inter_wire": _inter_wire_per_call(ledger),
         "outer_steps": outer["num_steps"],
-        "outer_same_on_ranks": all(
-            all(torch.equal(e[0], e[i]) for i in range(len(e))) for e in map(_gather, outer["global_params"])
-        )
-        and all(all(torch.equal(e[0], e[i]) for i in range(len(e))) for e in map(_gather, outer["momentum"])),
+        "outer_same_on_ranks": _same_on_ranks(outer["global_params"]) and _same_on_ranks(outer["momentum"]),
         "momentum_nonzero": all(bool(m.abs().sum() > 0) for m in outer["momentum"]),
         "params_are_global": all(torch.equal(p, g) for p, g in zip(_params(quant), outer["global_params"])),
         "warnings": caught,
@@ -163,6 +158,11 @@ def _two_by_two(outdir: str) -> dict:
 def _inter_wire_per_call(ledger) -> float:
     t = ledger.cumulative[("all_reduce", "param_average@inter")]
     return t.wire_bytes / t.calls
+
+
+def _same_on_ranks(tensors) -> bool:
+    """Every tensor of ``tensors`` bit-identical on all ranks (gathered)."""
+    return all(all(torch.equal(e[0], e[i]) for i in range(len(e))) for e in map(_gather, tensors))
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:

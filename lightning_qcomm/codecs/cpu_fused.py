@@ -207,23 +207,31 @@ def decode(
 ) -> torch.Tensor:
     """Fused ``codec.decode_reference(codes, dec_params, numel)``: flat fp32 values, written into ``out``
     (a contiguous CPU fp32 tensor of ``numel`` elements) when given."""
-    _require()
-    need = packing.packed_nbytes(numel, codec.bits)
-    c = codes.reshape(-1)
-    if c.numel() < need:
-        raise ValueError(f"codes has {c.numel()} bytes, {numel} codes of {codec.bits} bits need {need}")
+    c, out = _decode_buffers(codec, codes, numel, out)
     params = dec_params.to(torch.float32).contiguous()
     spec = kernel_spec(codec)
     # one column: a norm codec's plain_decode_params (the (n / k, m) kinds only; uniform needs all three)
     if params.shape[1] != spec.dec_params and not (params.shape[1] == 1 and hasattr(codec, "plain_decode_params")):
         raise ValueError(f"dec_params of shape {tuple(params.shape)} do not match codec {codec!r}")
+    lut = decode_lut(codec)
+    torch.ops.qcomm.c_decode_codes(c, params, lut, numel, codec.bits, spec.bucket, out)
+    return out
+
+
+def _decode_buffers(
+    codec, codes: torch.Tensor, numel: int, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat contiguous codes, fp32 output) of a fused decode of ``numel`` values, both checked."""
+    _require()
+    need = packing.packed_nbytes(numel, codec.bits)
+    c = codes.reshape(-1)
+    if c.numel() < need:
+        raise ValueError(f"codes has {c.numel()} bytes, {numel} codes of {codec.bits} bits need {need}")
     if out is None:
         out = torch.empty(numel, dtype=torch.float32)
     else:
         _check_f32("out", out, numel)
-    lut = decode_lut(codec)
-    torch.ops.qcomm.c_decode_codes(c.contiguous(), params, lut, numel, codec.bits, spec.bucket, out)
-    return out
+    return c.contiguous(), out
 
 
 def decode_wire(
@@ -235,15 +243,8 @@ def decode_wire(
     spec = kernel_spec(codec)
     if spec.kind != KernelKind.UNIFORM:
         return decode(codec, codes, _fused_decode_params(codec, scales), numel, out)
-    _require()
-    c = codes.reshape(-1)
-    if c.numel() < packing.packed_nbytes(numel, codec.bits):
-        raise ValueError(f"codes has {c.numel()} bytes, {numel} codes of {codec.bits} bits need more")
-    if out is None:
-        out = torch.empty(numel, dtype=torch.float32)
-    else:
-        _check_f32("out", out, numel)
-    torch.ops.qcomm.c_uniform_decode.default(c.contiguous(), scales.contiguous(), numel, codec.bits, spec.bucket, out)
+    c, out = _decode_buffers(codec, codes, numel, out)
+    torch.ops.qcomm.c_uniform_decode.default(c, scales.contiguous(), numel, codec.bits, spec.bucket, out)
     return out
 
 
