@@ -164,11 +164,13 @@ def _plain_quant_ddp(rank: int, out: dict) -> None:
         params = _flat(ddp.module)
         res = {"loss": _full_loss(ddp.module), "params": params, "identical": _identical_across_ranks(params)}
         res["step"] = None if state is None else state.step
+        res["chosen"] = None if state is None or state.trial is None else state.trial.chosen
         return res
 
     out["ddp"] = run(None)
     out["quant_none"] = run(QuantDDPConfig(codec="none"))
     out["quant_uniform8"] = run(QuantDDPConfig(codec="uniform", bits=8, min_quant_numel=0))
+    out["quant_auto"] = run(QuantDDPConfig(codec="auto", min_quant_numel=0))
 
 
 def _plain_qsdp(rank: int, out: dict) -> None:
@@ -341,6 +343,7 @@ def _fabric_quant_ddp(rank: int, outdir: str, out: dict) -> None:
         res = {"loss": _full_loss(model) if make is _mlp else None, "params": params}
         hook_state = getattr(fabric.strategy, "hook_state", None)
         res.update(identical=_identical_across_ranks(params), step=None if hook_state is None else hook_state.step)
+        res["chosen"] = getattr(getattr(hook_state, "trial", None), "chosen", None)
         res["type"] = type(fabric.strategy).__name__
         return res
 
@@ -348,6 +351,7 @@ def _fabric_quant_ddp(rank: int, outdir: str, out: dict) -> None:
     out["quant_uniform8"] = run(QuantDDPFabricStrategy(codec="uniform", bits=8, min_quant_numel=0))
     out["quant_ddp_uniform8"] = run("quant_ddp_uniform8")  # the registered name (min_quant_numel=1024)
     out["quant_none"] = run(QuantDDPFabricStrategy(codec="none"))
+    out["quant_auto"] = run(QuantDDPFabricStrategy(codec="auto", min_quant_numel=0))
     steps, half = 12, 6
     out["ef_straight"] = run(QuantDDPFabricStrategy(**MULTI_BUCKET), _wide_mlp, steps, save_at=half)
     ckpt = os.path.join(outdir, "quant_ddp.ckpt")
@@ -487,6 +491,17 @@ def test_plain_quant_ddp_hook_bands(runs):
     q, ddp = r0["quant_uniform8"], r0["ddp"]
     assert not torch.equal(q["params"], ddp["params"])  # it did quantize
     assert _rel(q["loss"], ddp["loss"]) <= 0.01, (q["loss"], ddp["loss"])
+    _check_auto([r["plain"]["quant_auto"] for r in runs], ddp)
+
+
+def _check_auto(auto: list[dict], ddp: dict) -> None:
+    """``codec="auto"`` without the Trainer: every step counted, one choice on both ranks (after the 12 trial
+    steps at 32, 8 and 4 bits, which did compress: not plain DDP), the 8-bit loss band."""
+    assert auto[0]["chosen"] == auto[1]["chosen"] in (32, 8, 4)
+    for a in auto:
+        assert a["identical"] and a["step"] == MLP_STEPS
+    assert not torch.equal(auto[0]["params"], ddp["params"])
+    assert _rel(auto[0]["loss"], ddp["loss"]) <= 0.01, (auto[0]["loss"], ddp["loss"])
 
 
 @pytest.mark.slow
@@ -548,6 +563,7 @@ def test_fabric_quant_ddp_bands(runs):
         assert not torch.equal(q["params"], ddp["params"]) and _rel(q["loss"], ddp["loss"]) <= 0.01, (name, q, ddp)
     # the same hook as the plain-torch entry point: bit-identical results
     assert torch.equal(f0["quant_uniform8"]["params"], runs[0]["plain"]["quant_uniform8"]["params"])
+    _check_auto([r["fabric"]["quant_auto"] for r in runs], ddp)
 
 
 @pytest.mark.slow

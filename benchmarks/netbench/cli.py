@@ -67,7 +67,7 @@ from typing import Any
 
 from benchmarks.netbench.net import make_net
 from benchmarks.netbench.orchestrate import make_schedule, run_schedule
-from benchmarks.netbench.report import aggregate, machine_line, plot, render_markdown
+from benchmarks.netbench.report import aggregate, auto_choices, machine_line, plot, render_markdown
 from benchmarks.netbench.report_nodes import aggregate_nodes, render_markdown_nodes
 from benchmarks.netbench.variants import MULTI_RANK_ALL, VARIANT_BY_NAME, VARIANTS, variant_available
 
@@ -156,6 +156,7 @@ def write_report(
     results: list[dict], rates: list[float | None], names: list[str], meta: dict, out: Path, name: str
 ) -> int:
     """Aggregate, write NAME.md / NAME.json / NAME.png under ``out``, print the markdown."""
+    meta = {**meta, "auto_choices": auto_choices(results)}
     if meta.get("ranks_per_node", 1) > 1:
         table = aggregate_nodes(results, rates, names)
         md = render_markdown_nodes(table, meta, names)

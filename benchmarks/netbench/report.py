@@ -97,6 +97,15 @@ def aggregate(results: list[dict], rates: list[float | None], names: list[str]) 
     return table
 
 
+def auto_choices(results: list[dict]) -> list[str]:
+    """One line per ``auto`` run (rank 0): variant, rate, repeat and what it chose."""
+    done = [r for r in results if r.get("event") == "done" and r.get("rank") == 0 and r.get("auto_choice")]
+    return [
+        f"`{r['variant']}` at {r.get('rate_mbit') or 'loopback'} Mbit/s, repeat {r['repeat']}: {r['auto_choice']}"
+        for r in done
+    ]
+
+
 def _fmt(x: Any, spec: str = ".2f", scale: float = 1.0) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -162,6 +171,9 @@ def render_markdown(table: dict, meta: dict, names: list[str]) -> str:
         lines.append("")
     lines += ["## Variants", ""]
     lines += [f"- `{n}`: {VARIANT_BY_NAME[n].label}" for n in names]
+    if meta.get("auto_choices"):
+        lines += ["", "What the `auto` variants chose (rank 0, each rate and repeat):", ""]
+        lines += [f"- {line}" for line in meta["auto_choices"]]
     if meta["skipped"]:
         lines += ["", "Skipped (not landed / not importable):", ""]
         lines += [f"- `{n}`: {why[:300]}" for n, why in meta["skipped"].items()]

@@ -59,7 +59,11 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant("localsgd_h4", "lq", "LocalSGDStrategy(sync='constant', period=4)", LSGD),
     Variant("onebit_adam", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps)", ONEBIT),
-    Variant("qddp_auto", "lq", "QuantDDPStrategy(codec='auto', min_bits=4): width chosen at setup from measured costs", QDDP),
+    Variant(
+        "qddp_none", "lq", "QuantDDPStrategy(codec='none') (ablation: the hook's fp32 path against DDP's own)", QDDP,
+        False,
+    ),
+    Variant("qddp_auto", "lq", "QuantDDPStrategy(codec='auto', min_bits=4): width chosen by timed trial steps (32, 8, 4 bits)", QDDP),
     Variant(
         "qsdp_auto", "lq",
         "QSDPStrategy(weight_bits='auto', grad_bits='auto', min_bits=4): widths chosen at setup from measured costs",
@@ -118,6 +122,7 @@ MULTI_RANK_ALL = (
 # mismatch, issue 16), so multi-rank runs give it one bucket
 ONE_BUCKET_MB = 10_000
 QDDP_CODECS = {
+    "qddp_none": ("none", 32),
     "qddp_uniform8": ("uniform", 8),
     "qddp_fp8_e4m3": ("fp8_e4m3", 8),
     "qddp_nuqsgd4": ("nuqsgd", 4),

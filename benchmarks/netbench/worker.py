@@ -239,7 +239,17 @@ def run_entry(entry: dict, spec: dict, rank: int) -> dict:
         "val_loss": float(val) if val is not None else None,
         "fit_s": fit_s,
         "params": module.describe()["params"],
+        "auto_choice": _auto_choice(strategy),
     }
+
+
+def _auto_choice(strategy) -> str | None:
+    """What an ``auto`` variant chose (its log line), None for the others."""
+    trial = getattr(getattr(strategy, "hook_state", None), "trial", None)
+    if trial is not None:
+        return trial.describe()
+    choice = getattr(getattr(strategy, "_qsdp", None), "auto_choice", None)  # QSDPStrategy's QSDPHandle
+    return None if choice is None else choice.describe()
 
 
 def worker_main(spec_path: str, rank: int, results_path: str) -> int:

@@ -11,12 +11,9 @@ with W_b the bytes this rank sends per step (``comm.wire_bytes.wire_bytes_formul
 pairs this rank runs per step, P = Σ_calls k · d for collectives of d elements, k from ``codec_work_factor``.
 The codec work is added, not overlapped: on a CPU rank it shares the core with the backward pass.
 ``fastest`` takes the width with the smallest T among 32 and the allowed widths (``min_bits`` .. 8); a tie goes
-to the wider one (more accurate). Each strategy supplies W_b and P:
-
-* QuantDDP (``codec="auto"``; ``predicted_seconds`` / ``choose_bits`` here): one all-reduce of the d gradient
-  elements per step, W_b = ``wire_bytes_formula("all_reduce", d, N, codec_b)``, P = k_N · d with
-  k_N = (3 + 1/N) / 2.
-* QSDP (``weight_bits`` / ``grad_bits="auto"``): ``comm.auto_qsdp``.
+to the wider one (more accurate). QSDP (``weight_bits`` / ``grad_bits="auto"``, ``comm.auto_qsdp``) supplies W_b
+and P. QuantDDP's ``codec="auto"`` measures whole steps instead (``comm.auto_trial``): its fp32 all-reduce
+overlaps backward, which this model cannot see.
 
 Invariants: the decision is deterministic given the costs, and ``measure_widths`` makes the costs identical on
 every rank (each rank measures, then one all-reduce keeps the maximum, the slowest rank's), so every rank
@@ -25,8 +22,9 @@ made once, at setup, and logged with its measurements.
 
 Example::
 
-    costs = measure_costs(group)                                  # collective: every rank calls it
-    bits = choose_bits(numel=3_300_000, world_size=2, costs=costs, min_bits=4)   # 32, 8, 4 or 2
+    (costs,) = measure_widths(group, min_bits=4)                  # collective: every rank calls it
+    wire = wire_bytes_formula("all_gather", 3_300_000, 2, get_codec("uniform", bits=4))
+    step_seconds(4, wire, codec_work_factor(2, "all_gather") * 3_300_000, costs)   # predicted seconds
 """
 
 from __future__ import annotations
@@ -91,26 +89,11 @@ def fastest(times: Mapping[int, float]) -> int:
     return min(times, key=lambda b: (times[b], -b))
 
 
-def predicted_seconds(bits: int, numel: int, world_size: int, costs: WidthCosts, bucket_size: int = 512) -> float:
-    """QuantDDP's T(bits): one all-reduce of ``numel`` gradient elements (``bits=32``: fp32, no codec work)."""
-    if world_size <= 1:
-        return 0.0
-    codec = None if bits == UNCOMPRESSED else get_codec(AUTO_CODEC, bits=bits, bucket_size=bucket_size)
-    wire = wire_bytes_formula("all_reduce", numel, world_size, codec)
-    return step_seconds(bits, wire, codec_work_factor(world_size) * numel, costs)
-
-
 def candidate_widths(min_bits: int) -> tuple[int, ...]:
     """32 and the widths of ``WIDTHS`` at or above ``min_bits``, widest first."""
     if not isinstance(min_bits, int) or isinstance(min_bits, bool) or min_bits not in WIDTHS:
         raise ValueError(f"min_bits={min_bits!r} is not allowed; allowed: {', '.join(map(str, sorted(WIDTHS)))}")
     return (UNCOMPRESSED, *(b for b in WIDTHS if b >= min_bits))
-
-
-def choose_bits(numel: int, world_size: int, costs: WidthCosts, min_bits: int = 4, bucket_size: int = 512) -> int:
-    """QuantDDP's width: ``fastest`` over ``candidate_widths(min_bits)``."""
-    times = {b: predicted_seconds(b, numel, world_size, costs, bucket_size) for b in candidate_widths(min_bits)}
-    return fastest(times)
 
 
 def _timed(fn, repeats: int) -> float:
@@ -178,11 +161,6 @@ def measure_widths(
     )
 
 
-def measure_costs(group: dist.ProcessGroup | None = None, min_bits: int = 4, device=None) -> WidthCosts:
-    """``measure_widths`` for QuantDDP's codec (``AUTO_CODEC``). Collective."""
-    return measure_widths(group, min_bits, device)[0]
-
-
 def format_costs(costs: WidthCosts) -> str:
     """The measurements, for a log line."""
     codec = ", ".join(f"{b}-bit {s * 1e9:.2f} ns/element" for b, s in sorted(costs.codec_s_per_element.items()))
@@ -194,32 +172,18 @@ def format_times(times: Mapping[int, float]) -> str:
     return ", ".join(f"{b} bits {t * 1e3:.1f} ms" for b, t in times.items())
 
 
-def describe(bits: int, numel: int, world_size: int, costs: WidthCosts, min_bits: int, bucket_size: int) -> str:
-    """One log line: the choice, the measurements and every candidate's predicted time."""
-    times = {b: predicted_seconds(b, numel, world_size, costs, bucket_size) for b in candidate_widths(min_bits)}
-    return (
-        f"codec='auto' chose {'no compression (fp32)' if bits == UNCOMPRESSED else f'{AUTO_CODEC} {bits}-bit'} for "
-        f"{numel} gradient elements over {world_size} ranks: {format_costs(costs)}; predicted per step: "
-        f"{format_times(times)}"
-    )
-
-
 __all__ = [
     "AUTO_CODEC",
     "UNCOMPRESSED",
     "WIDTHS",
     "WidthCosts",
     "candidate_widths",
-    "choose_bits",
     "codec_work_factor",
-    "describe",
     "fastest",
     "format_costs",
     "format_times",
     "measure_codec",
-    "measure_costs",
     "measure_link",
     "measure_widths",
-    "predicted_seconds",
     "step_seconds",
 ]

@@ -25,7 +25,8 @@ from lightning_qcomm.comm.nonfinite import check_policy
 
 DDP_CODECS = (*codec_names(family="quantizer", with_none=True), "auto")
 """Codec names the DDP hook accepts (the registry's quantizers); ``"none"`` is the uncompressed fp32 path
-(through our ledger); ``"auto"`` is resolved at setup to uniform 8/4/2-bit or "none" (``comm.auto_width``)."""
+(through our ledger); ``"auto"`` times the first steps at "none" and uniform 8/4/2-bit and keeps the fastest
+(``comm.auto_trial``)."""
 AUTO_MIN_BITS = (2, 4, 8)
 
 UNCOMPRESSED_BITS = 32
@@ -56,8 +57,11 @@ class QuantDDPConfig:
         node_size: ranks per node for ``hierarchical``; None takes the launcher's (Lightning's devices per node,
             torchrun's ``LOCAL_WORLD_SIZE``). Must divide the world size (checked at setup).
         min_bits: with ``codec="auto"``, the narrowest width it may choose (2, 4 or 8): the accuracy rule. The
-            width (or no compression) is chosen at setup from the measured link and codec speeds
-            (``comm.auto_width``), the same on every rank, and logged; ``resolve_auto`` makes the concrete config.
+            hook times ``auto_trial_steps`` optimizer steps (after one untimed one) at each of 32 (no compression)
+            and the uniform widths 8 .. ``min_bits``, from ``start_step`` on, and keeps the fastest
+            (``comm.auto_trial``): the same on every rank, logged, checkpointed.
+        auto_trial_steps: with ``codec="auto"``, timed steps per candidate width (their minimum counts).
+        auto_recheck_steps: with ``codec="auto"``, steps at the choice before the trial runs again (0: never).
 
     Example::
 
@@ -76,6 +80,8 @@ class QuantDDPConfig:
     hierarchical: bool = False
     node_size: int | None = None
     min_bits: int = 4
+    auto_trial_steps: int = 3
+    auto_recheck_steps: int = 2000
 
     def __post_init__(self) -> None:
         own = type(self).__name__
@@ -86,6 +92,8 @@ class QuantDDPConfig:
             raise TypeError(f"{own}(min_bits={self.min_bits!r}) must be an int; allowed: 2, 4, 8")
         if self.min_bits not in AUTO_MIN_BITS:
             raise ValueError(f"{own}(min_bits={self.min_bits!r}) is not allowed; allowed: 2, 4, 8")
+        check_int(own, "auto_trial_steps", self.auto_trial_steps, minimum=1)
+        check_int(own, "auto_recheck_steps", self.auto_recheck_steps, minimum=0)
         auto = self.codec == "auto"
         if auto and self.bits is not None:
             raise ValueError(f"{own}(codec='auto', bits={self.bits}): 'auto' chooses the width; set min_bits")
@@ -127,8 +135,8 @@ class QuantDDPConfig:
         """The codec object (None for ``"none"``); raises ValueError/TypeError on bad combinations."""
         if self.codec == "auto":
             raise ValueError(
-                "codec='auto' is resolved by QuantDDPStrategy at setup; elsewhere measure and choose first: "
-                "config.resolve_auto(choose_bits(numel, world_size, measure_costs(group), config.min_bits))"
+                "codec='auto' has no single codec: the hook state builds one per candidate width "
+                "(config.resolve_auto(bits).build_codec())"
             )
         if self.codec == "none":
             return None
@@ -144,7 +152,14 @@ def warn_if_not_contractive(config: QuantDDPConfig, owner: str) -> None:
             "hierarchical=True"
         )
     if config.codec == "auto":
-        return  # checked once the width is chosen
+        return  # uniform: contractive at every width
+    defaults = QuantDDPConfig()
+    for name in ("min_bits", "auto_trial_steps", "auto_recheck_steps"):
+        if getattr(config, name) != getattr(defaults, name):
+            rank_zero_warn(
+                f"{owner}(codec={config.codec!r}, {name}={getattr(config, name)}): {name} has no "
+                "effect without codec='auto'"
+            )
     codec = config.build_codec()
     if not config.error_feedback or codec is None:
         return

@@ -13,24 +13,21 @@ Per bucket and optimizer step t, with the bucket's flat fp32 gradient g (this ra
 
 Before ``start_step`` every element takes the plain path (warmup). The plain path is
 ``quantized_all_reduce(..., codec=None)``, so it is recorded in the ``CommLedger`` like the rest.
+``codec="auto"``: the width of step t (32 = the plain path) is ``state.trial.width(t)``, timed trials then the
+choice (``comm.auto_trial``); ``next_step`` records the step's end.
 
 The reduction is precision preserving (reduce-scatter of codes, fp32 sum, requantize, all-gather), so
 every rank ends with the same averaged gradient.
 
 Overlap with backward: given a ``CommWorker`` (and a process group dedicated to it), the hook does the
-bookkeeping on the autograd thread (layout, seed, error buffer, round counter) and hands the
-collective to the worker thread, returning its future at once -- as torch's own gloo all-reduce hook
-does -- so encoding and transfer overlap the rest of the backward pass. CUDA buckets (``overlap_comm``) run
-their job on a side stream and return a CUDA-aware future (``comm.side_stream``): the host queues the job
-inline, and the backward kernels queued after it do not wait for NCCL. Otherwise the hook runs inline and
-returns a completed future. Every path computes bit-identical results.
+bookkeeping on the autograd thread (layout, seed, error buffer, round counter) and returns the future of the
+collective it hands to the worker thread, as torch's gloo all-reduce hook does. CUDA buckets (``overlap_comm``)
+run their job on a side stream and return a CUDA-aware future (``comm.side_stream``). Otherwise the hook runs
+inline and returns a completed future. Every path computes bit-identical results.
 
 Canonical order: the quantized elements of a bucket are laid out in a fixed parameter order (reverse
-definition order), not in DDP's bucket order, before chunking and quantization. DDP's first iteration
-uses a different in-bucket order than its rebuilt buckets (and a resumed run starts again from the
-initial one), so this makes the compressed result independent of that order (membership is handled by
-the layout replay below). It costs a gather/scatter copy only for buckets whose order differs
-(typically DDP's first iteration).
+definition order), not in DDP's bucket order, so the compressed result does not depend on DDP's first-iteration
+(or a resumed run's) in-bucket order; it costs a gather/scatter copy only for buckets whose order differs.
 
 Error feedback (``error_feedback=True``): one fp32 buffer e per bucket (whatever the gradients' dtype: a
 bf16 residual would round away what it exists to keep), on this rank only, holding the compression
@@ -64,7 +61,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import derive_seed
+from lightning_qcomm.codecs import Codec, derive_seed
+from lightning_qcomm.comm.auto_trial import WidthTrial, agree_max
+from lightning_qcomm.comm.auto_width import UNCOMPRESSED, candidate_widths
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket
@@ -86,7 +85,7 @@ class _BucketPlan:
     big_numels: tuple[int, ...]
     big_numel: int
     members: tuple[str, ...] = ()  # every parameter of the bucket, in DDP's bucket order
-    checked: set[bool] = field(default_factory=set)  # modes (compressed or not) already cross-rank checked
+    checked: set[int] = field(default_factory=set)  # widths (32: uncompressed) already cross-rank checked
     shards: ParamShards | None = None  # hierarchical: the quantized elements' shard layout
 
     @property
@@ -123,9 +122,20 @@ class QuantDDPHookState:
         self.config = config
         self.node_groups = node_groups
         self.loss_scale = loss_scale
-        self.codec = config.build_codec()
         self.process_group = process_group
         self.worker = worker
+        self.trial: WidthTrial | None = None  # codec="auto": the width of each step
+        if config.codec == "auto":
+            many = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+            widths = candidate_widths(config.min_bits) if many else (UNCOMPRESSED,)
+            self._codecs = {b: config.resolve_auto(b).build_codec() for b in widths}
+            self.trial = WidthTrial(
+                widths, config.auto_trial_steps, recheck_steps=config.auto_recheck_steps, start=config.start_step,
+                owner="QuantDDP(codec='auto')",
+            )  # fmt: skip
+        else:
+            self._codecs = {config.bits: config.build_codec()}
+        self._device = torch.device("cpu")  # the buckets' (the trial's all-reduce runs there)
         self.side_stream = SideStream() if config.overlap_comm else None  # CUDA buckets' overlap
         self._names = {id(p): n for p, n in param_names.items()}
         self._params_by_name = {n: p for p, n in param_names.items()}
@@ -149,8 +159,15 @@ class QuantDDPHookState:
     # ---------------------------------------------------------------- step bookkeeping
     def next_step(self) -> None:
         """Call once per optimizer step (after it)."""
+        if self.trial is not None:
+            self.trial.step_done(self.step, agree_max(self.process_group, self.worker, self._device))
         self.step += 1
         self.round = 0
+
+    @property
+    def codec(self) -> Codec | None:
+        """The codec of the current step (None: uncompressed)."""
+        return next(iter(self._codecs.values())) if self.trial is None else self._codecs[self.trial.width(self.step)]
 
     def advance_round(self) -> None:
         """After the last bucket of a backward pass: the next pass of this step is a new round."""
@@ -251,6 +268,7 @@ class QuantDDPHookState:
             "error_feedback": self.ef_state_dict() if self.config.error_feedback else {},
             "bucket_layout": [list(m) for m in self.bucket_layout()],
             "topology": self.topology(),
+            **({} if self.trial is None else {"auto": self.trial.state_dict()}),
         }
 
     def topology(self) -> list[int] | None:
@@ -261,6 +279,8 @@ class QuantDDPHookState:
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.round = 0
+        if self.trial is not None:
+            self.trial.load_state_dict(state.get("auto"), self.step)
         if self.config.error_feedback:
             self.load_ef_state_dict(state.get("error_feedback", {}))
         layout = [tuple(m) for m in state.get("bucket_layout", [])]
@@ -303,10 +323,13 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
     buf = bucket.buffer()
     group = state.process_group
     plan = state.plan(bucket)
+    codec = state.codec
     compress = state.compressing() and plan.big_numel > 0
-    # Bucket shapes agree across ranks by construction; verify once per layout, then skip the check.
-    check = compress not in plan.checked
-    plan.checked.add(compress)
+    # Bucket shapes agree across ranks by construction; verify once per layout and width, then skip the check.
+    width = codec.bits if compress else UNCOMPRESSED
+    check = width not in plan.checked
+    plan.checked.add(width)
+    state._device = buf.device
     seed = derive_seed(state.config.seed, state.step, bucket.index(), state.round)
     if not isinstance(bucket, VirtualBucket):
         state._members[bucket.index()] = plan.members
@@ -338,11 +361,11 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
             ef.mul_(scale)  # into the gradients' (scaled) units for the collective ...
         if plan.shards is None:
             quantized_all_reduce(
-                big, state.codec, group=group, op="avg", error_feedback=ef, seed=seed, tag="grads", check=check
+                big, codec, group=group, op="avg", error_feedback=ef, seed=seed, tag="grads", check=check
             )
         else:
             rows = plan.shards.to_rows(big)
-            hierarchical_all_reduce(rows, state.codec, groups, "avg", ef, seed, tag="grads", check=check)
+            hierarchical_all_reduce(rows, codec, groups, "avg", ef, seed, tag="grads", check=check)
             plan.shards.from_rows(rows, big)
         if scale is not None:
             ef.div_(scale)  # ... and back: the residual outlives this step's scale

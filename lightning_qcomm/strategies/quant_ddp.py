@@ -41,13 +41,11 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_qcomm._checks import START_METHODS, build_as, check_choice, check_timeout
-from lightning_qcomm.comm.auto_width import choose_bits, describe, measure_costs
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.ddp_config import DDP_CODECS, QuantDDPConfig, warn_if_not_contractive
@@ -151,29 +149,13 @@ class QuantDDPStrategy(DDPStrategy):
         self._run_config, self._topology = resolve_hierarchy(self.config, owner, self.world_size, self.num_processes)
         # every rank publishes its settings before any collective of ours (a rank without us must not pair with one)
         check_same_config("QuantDDPStrategy", self.config_fingerprint(), timeout=presence_timeout(self._timeout))
-        if self.config.codec == "auto":
-            self._run_config = self._choose_width()
         if self._topology is not None and (self._node_groups is None or self._node_groups.topology != self._topology):
             self._node_groups = node_groups(self._topology, timeout=self._timeout, device_type=self.root_device.type)
 
-    def _choose_width(self) -> QuantDDPConfig:
-        """``codec="auto"``: measure the link and the codec on every rank, agree on the slowest figures, choose
-        (``comm.auto_width``; collective, the same on every rank) and log the choice with its measurements."""
-        assert self.lightning_module is not None
-        numel = sum(p.numel() for p in self.lightning_module.parameters() if p.requires_grad)
-        cfg = self.config
-        costs = measure_costs(None, cfg.min_bits, device=self.root_device)
-        bits = choose_bits(numel, self.world_size, costs, cfg.min_bits, cfg.bucket_size)
-        rank_zero_info(
-            f"QuantDDPStrategy: {describe(bits, numel, self.world_size, costs, cfg.min_bits, cfg.bucket_size)}"
-        )
-        self.auto_costs = costs
-        return self._run_config.resolve_auto(bits)
-
     @property
     def run_config(self) -> QuantDDPConfig:
-        """The settings the hook runs with: ``config`` after setup's decisions (flat when there is no hierarchy,
-        the width ``codec="auto"`` chose)."""
+        """The settings the hook runs with: ``config`` after setup's decisions (flat when there is no hierarchy;
+        ``codec="auto"`` stays: the hook state's ``trial`` chooses the width of each step)."""
         return self._run_config
 
     def config_fingerprint(self) -> dict[str, Any]:

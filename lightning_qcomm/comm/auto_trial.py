@@ -1,0 +1,205 @@
+"""Auto widths by trial: ``QuantDDPConfig(codec="auto")`` times a few optimizer steps at each candidate width and
+keeps the fastest (comm layer; docs/design.md, "Auto widths").
+
+The cost model of ``comm.auto_width`` predicts T(b) = W_b / R + P · c_b and cannot see what decides the choice on
+a fast link: DDP overlaps its fp32 all-reduce with backward, while the codec's work shares the rank's core with
+it; per-call overheads; the comm thread. A trial measures the whole step instead, so "compress" is chosen only
+where it is measured to pay, and "no compression" (32) runs DDP's own fp32 average.
+
+Schedule, from step ``start`` on: the candidates c_1 .. c_K (32 first, then the widths down to ``min_bits``) each
+run ``warm_steps + measured_steps`` consecutive optimizer steps. The duration of step s is the wall time between
+the ends of steps s - 1 and s (``step_done``), so it holds step s's forward, its backward with the overlapped
+communication DDP waits for before the optimizer, and the optimizer; the first ``warm_steps`` of a candidate are
+not measured (they carry its first-use costs: kernel builds, plans, buffers). A candidate's figure is the
+minimum over its measured steps: on a shared machine noise (another process, a validation loop, a checkpoint
+write) only adds time. The ranks agree on the elementwise maximum of the figures (one all-reduce, the slowest
+rank's), and ``choose_measured`` takes the widest candidate within ``tolerance`` of the fastest: a near-tie goes
+to the more accurate width. After ``recheck_steps`` steps at the choice (0: never) the trial runs again.
+
+Invariants: the width of step s is a function of s and the agreed figures only, so every rank runs the same
+width at every step; ``choose_measured`` is deterministic given the figures. The trial's state (choice, the
+step it was made, the figures) is checkpointed, so a resumed run continues with the choice, without a new trial.
+
+Example::
+
+    trial = WidthTrial((32, 8, 4))
+    for step in range(steps):
+        bits = trial.width(step)                 # what this step's all-reduce uses
+        ...                                      # forward, backward, optimizer
+        trial.step_done(step, agree)             # agree: the all-reduce MAX of a list of floats over the ranks
+    trial.chosen                                  # 32, 8 or 4, the same on every rank
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_info
+
+log = logging.getLogger(__name__)
+
+TOLERANCE = 0.02  # a compressed width must be measured > 2% faster than the next wider one to be chosen
+
+
+def choose_measured(seconds: Mapping[int, float], tolerance: float = TOLERANCE) -> int:
+    """The widest width whose measured step time is within ``tolerance`` of the fastest one.
+
+    Example::
+
+        choose_measured({32: 0.100, 8: 0.099, 4: 0.120})   # 32: 8-bit is only 1% faster
+        choose_measured({32: 0.300, 8: 0.150, 4: 0.120})   # 4
+    """
+    if not seconds:
+        raise ValueError("seconds={} is empty; it needs one step time per candidate width")
+    best = min(seconds.values())
+    return max(b for b, t in seconds.items() if t <= best * (1.0 + tolerance))
+
+
+def agree_max(
+    group: dist.ProcessGroup | None, worker=None, device: torch.device | str = "cpu"
+) -> Callable[[list[float]], list[float]]:
+    """``WidthTrial.step_done``'s ``agree`` over ``group``: the elementwise maximum of every rank's list (one
+    all-reduce on ``device``, run on ``worker``, a ``CommWorker``, when given: the thread that owns ``group``).
+    Without a process group, or on one rank, the list itself."""
+
+    def agree(seconds: list[float]) -> list[float]:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+            return list(seconds)
+        values = torch.tensor(seconds, dtype=torch.float64, device=device)
+
+        def job() -> torch.Tensor:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+            return values
+
+        if worker is None:
+            job()
+        else:
+            worker.submit(job).wait()
+        return values.tolist()
+
+    return agree
+
+
+class WidthTrial:
+    """The trial schedule and its decision (see the module docstring).
+
+    Args:
+        candidates: the widths to try, in trial order (32 = no compression). One candidate: chosen at once.
+        measured_steps: timed steps per candidate (their minimum is its figure).
+        warm_steps: untimed first steps per candidate.
+        recheck_steps: steps at the choice before the trial runs again (0: never).
+        start: the first step of the first trial.
+        tolerance: ``choose_measured``'s.
+        owner: the name the log line uses.
+        clock: seconds, monotonic (None: ``time.perf_counter``; injectable for tests).
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[int],
+        measured_steps: int = 3,
+        warm_steps: int = 1,
+        recheck_steps: int = 0,
+        start: int = 0,
+        tolerance: float = TOLERANCE,
+        owner: str = "auto",
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if not candidates:
+            raise ValueError("candidates=() is empty; it needs at least one width")
+        if measured_steps < 1 or warm_steps < 0 or recheck_steps < 0:
+            raise ValueError(
+                f"measured_steps={measured_steps}, warm_steps={warm_steps}, recheck_steps={recheck_steps}: "
+                "measured_steps must be >= 1, the others >= 0"
+            )
+        self.candidates = tuple(candidates)
+        self.measured_steps = measured_steps
+        self.warm_steps = warm_steps
+        self.recheck_steps = recheck_steps
+        self.tolerance = tolerance
+        self.owner = owner
+        self.clock = clock
+        self.start = start  # first step of the running (or next) trial
+        self.chosen: int | None = self.candidates[0] if len(self.candidates) == 1 else None
+        self.decided_at: int | None = start if self.chosen is not None else None
+        self.figures: dict[int, float] = {}  # the agreed figures of the last trial
+        self._times: dict[int, list[float]] = {b: [] for b in self.candidates}
+        self._last_end: float | None = None
+
+    @property
+    def steps_per_candidate(self) -> int:
+        return self.warm_steps + self.measured_steps
+
+    def trialing(self, step: int) -> bool:
+        """Whether ``step`` is part of a running trial."""
+        return self.chosen is None and step >= self.start
+
+    def width(self, step: int) -> int:
+        """The width step ``step`` runs: its candidate during a trial, else the choice (before the first trial:
+        the first candidate)."""
+        if self.chosen is not None:
+            return self.chosen
+        if step < self.start:
+            return self.candidates[0]
+        index = min((step - self.start) // self.steps_per_candidate, len(self.candidates) - 1)
+        return self.candidates[index]
+
+    def step_done(self, step: int, agree: Callable[[list[float]], list[float]]) -> None:
+        """Record the end of optimizer step ``step``; at a trial's last step decide (``agree`` is collective: it is
+        called on every rank at the same step), and start the re-check trial when it is due."""
+        now = (self.clock or time.perf_counter)()
+        if self.trialing(step):
+            index, pos = divmod(step - self.start, self.steps_per_candidate)
+            if pos >= self.warm_steps and self._last_end is not None:
+                self._times[self.candidates[index]].append(now - self._last_end)
+            if step - self.start == len(self.candidates) * self.steps_per_candidate - 1:
+                self._decide(step, agree)
+        elif self.chosen is not None and self.recheck_steps and len(self.candidates) > 1:
+            if step + 1 - self.decided_at >= self.recheck_steps:
+                self.start, self.chosen, self.decided_at = step + 1, None, None
+                self._times = {b: [] for b in self.candidates}
+        self._last_end = now
+
+    def _decide(self, step: int, agree: Callable[[list[float]], list[float]]) -> None:
+        mine = [min(self._times[b]) for b in self.candidates]
+        agreed = agree(mine)
+        self.figures = dict(zip(self.candidates, (float(t) for t in agreed)))
+        self.chosen = choose_measured(self.figures, self.tolerance)
+        self.decided_at = step + 1
+        rank_zero_info(f"{self.owner}: {self.describe()}")
+
+    def describe(self) -> str:
+        """One log line: the choice and the figures it was made from."""
+        times = ", ".join(f"{b} bits {t * 1e3:.1f} ms" for b, t in self.figures.items())
+        return (
+            f"auto chose {self.chosen} bits at step {self.decided_at} from measured step times "
+            f"(the slowest rank's minimum over {self.measured_steps} steps each): {times}"
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "chosen": self.chosen,
+            "decided_at": self.decided_at,
+            "start": self.start,
+            "figures": {str(b): t for b, t in self.figures.items()},
+        }
+
+    def load_state_dict(self, state: dict | None, step: int) -> None:
+        """Continue a saved trial's choice; without one (a checkpoint of a fixed width, or of a trial still
+        running), start a new trial at ``step``."""
+        self._times = {b: [] for b in self.candidates}
+        self._last_end = None
+        chosen = None if state is None else state.get("chosen")
+        if chosen is None or int(chosen) not in self.candidates:
+            self.start, self.chosen, self.decided_at, self.figures = step, None, None, {}
+            return
+        self.chosen, self.decided_at = int(chosen), int(state["decided_at"])
+        self.start = int(state.get("start", self.decided_at))
+        self.figures = {int(b): float(t) for b, t in state.get("figures", {}).items()}
+
+
+__all__ = ["TOLERANCE", "WidthTrial", "agree_max", "choose_measured"]
