@@ -6,7 +6,7 @@ one untimed step each), the figure of a candidate (the minimum of its timed step
 width within the tolerance of the fastest), the agreed figures deciding rather than this rank's, the re-check,
 the checkpointed state. On 2 gloo ranks a Trainer whose ranks "measure" differently runs, at every step, the width
 the schedule and the agreed (slowest) figures imply, on both ranks, as the ledger's bytes per step show; with the
-real clock the ranks end with one choice. The QSDP cost model keeps ``measure_widths``: its agreement is here.
+real clock the ranks end with one choice (QSDP's trial: ``test_auto_width_qsdp.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch
 from _launch import free_port, lightning_env, rank_results, spawn, write_rank_result
 
 from lightning_qcomm.comm import auto_trial
-from lightning_qcomm.comm.auto_trial import WidthTrial, choose_measured
-from lightning_qcomm.comm.auto_width import UNCOMPRESSED, candidate_widths
+from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths, choose_measured
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 
 

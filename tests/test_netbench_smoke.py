@@ -65,6 +65,9 @@ def test_aggregate_efficiency_speedup_and_floor_check():
     assert rows["ddp_fp32"]["step_mean_s"] == pytest.approx(1.25)  # the slower rank
     assert rows["ddp_fp32"]["ideal_s"] == pytest.approx(0.21 + 12.5e6 / 12.5e6)
     assert rows["ddp_fp32"]["efficiency"] == pytest.approx(1.21 / 1.25)
+    assert rows["ddp_fp32"]["limit_s"] == pytest.approx(1.0)  # max(floor 0.21, wire 1.0)
+    assert rows["ddp_fp32"]["over_limit"] == pytest.approx(1.25)
+    assert rows["ddp_fp16"]["limit_s"] == pytest.approx(0.5)  # 6.25 MB at 12.5 MB/s
     assert rows["ddp_fp16"]["speedup_vs_fp32"] == pytest.approx(1.25 / 0.8)
     assert rows["ddp_fp16"]["bytes_vs_fp32"] == pytest.approx(6.25 / 12.5)
     assert rows["ddp_fp32"]["wire_over_ledger"] == pytest.approx(12.25e6 / 12.0e6)

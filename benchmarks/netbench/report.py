@@ -91,8 +91,11 @@ def aggregate(results: list[dict], rates: list[float | None], names: list[str]) 
                 row["speedup_vs_fp32"] = base["step_mean_s"] / row["step_mean_s"]
                 row["bytes_vs_fp32"] = row["tx_max"] / base["tx_max"] if base["tx_max"] > 0 else None
             if rate is not None and floor:
-                row["ideal_s"] = floor + row["tx_max"] / (rate * 1e6 / 8)
+                wire_s = row["tx_max"] / (rate * 1e6 / 8)
+                row["ideal_s"] = floor + wire_s
                 row["efficiency"] = row["ideal_s"] / row["step_mean_s"]
+                row["limit_s"] = max(floor, wire_s)  # communication fully hidden behind compute
+                row["over_limit"] = row["step_mean_s"] / row["limit_s"]
         table[str(rate)] = floor_entry(rows)
     return table
 
@@ -130,7 +133,8 @@ def render_markdown(table: dict, meta: dict, names: list[str]) -> str:
         "Columns: step = the slower rank's mean step time over the timed window (median over repeats, "
         "[min-max] over repeats); median = median step duration; wire = veth tx bytes per step (max over "
         "ranks); ledger = ledger wire estimate per step (mean over ranks); wire/ledger (mean over ranks; "
-        "goal within 10%); ideal = floor + wire / rate; eff = ideal / step (goal >= 0.85); loss = training "
+        "goal within 10%); ideal = floor + wire / rate; eff = ideal / step (goal >= 0.85); limit = max(floor, "
+        "wire / rate), the step with its communication fully hidden; /limit = step / limit; loss = training "
         "loss, mean of the last 5 steps and of the ranks; val = validation loss after the last step "
         "(the floor trains each rank on its own data, so its losses are not comparable).",
         "",
@@ -148,15 +152,15 @@ def render_markdown(table: dict, meta: dict, names: list[str]) -> str:
             lines += ["Floor check passed: the compute floor is faster than every communicating variant.", ""]
         lines += [
             "| variant | step ms [min-max] | median ms | speedup vs DDP fp32 | wire MB/step | bytes vs fp32 "
-            "| ledger MB/step | wire/ledger | ideal ms | eff | loss | val |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| ledger MB/step | wire/ledger | ideal ms | eff | limit ms | /limit | loss | val |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name in names:
             r = rows.get(name)
             if r is None:
                 continue
             if "step_mean_s" not in r:
-                lines.append(f"| {name} | FAILED: {r['error'][:100]} |" + " |" * 10)
+                lines.append(f"| {name} | FAILED: {r['error'][:100]} |" + " |" * 12)
                 continue
             lo, hi = r["step_mean_spread_s"]
             shown = f"{name} ({len(r['errors'])} failed, {r['repeats']} ok)" if r.get("errors") else name
@@ -166,6 +170,7 @@ def render_markdown(table: dict, meta: dict, names: list[str]) -> str:
                 f"| {_fmt(r['tx_max'], '.3f', 1e-6)} | {_fmt(r.get('bytes_vs_fp32'), '.3f')} "
                 f"| {_fmt(r['ledger_mean'], '.3f', 1e-6)} | {_fmt(r.get('wire_over_ledger'), '.3f')} "
                 f"| {_fmt(r.get('ideal_s'), '.0f', 1e3)} | {_fmt(r.get('efficiency'))} "
+                f"| {_fmt(r.get('limit_s'), '.0f', 1e3)} | {_fmt(r.get('over_limit'))} "
                 f"| {_fmt(r['train_loss'], '.3f')} | {_fmt(r['val_loss'], '.3f')} |"
             )
         lines.append("")

@@ -66,7 +66,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("qddp_auto", "lq", "QuantDDPStrategy(codec='auto', min_bits=4): width chosen by timed trial steps (32, 8, 4 bits)", QDDP),
     Variant(
         "qsdp_auto", "lq",
-        "QSDPStrategy(weight_bits='auto', grad_bits='auto', min_bits=4): widths chosen at setup from measured costs",
+        "QSDPStrategy(weight_bits='auto', grad_bits='auto', min_bits=4): width chosen by timed trial steps (32, 8, 4 bits)",
         QSDP,
     ),
     Variant(

@@ -245,11 +245,9 @@ def run_entry(entry: dict, spec: dict, rank: int) -> dict:
 
 def _auto_choice(strategy) -> str | None:
     """What an ``auto`` variant chose (its log line), None for the others."""
-    trial = getattr(getattr(strategy, "hook_state", None), "trial", None)
-    if trial is not None:
-        return trial.describe()
-    choice = getattr(getattr(strategy, "_qsdp", None), "auto_choice", None)  # QSDPStrategy's QSDPHandle
-    return None if choice is None else choice.describe()
+    trial = getattr(getattr(strategy, "hook_state", None), "trial", None)  # QuantDDPStrategy
+    trial = trial or getattr(getattr(strategy, "comm_state", None), "trial", None)  # QSDPStrategy
+    return None if trial is None else trial.describe()
 
 
 def worker_main(spec_path: str, rank: int, results_path: str) -> int:

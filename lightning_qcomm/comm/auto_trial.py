@@ -1,10 +1,11 @@
-"""Auto widths by trial: ``QuantDDPConfig(codec="auto")`` times a few optimizer steps at each candidate width and
-keeps the fastest (comm layer; docs/design.md, "Auto widths").
+"""Auto widths by trial: ``QuantDDPConfig(codec="auto")`` and ``QSDPConfig(weight_bits="auto", grad_bits="auto")``
+time a few optimizer steps at each candidate width and keep the fastest (comm layer; docs/design.md, "Auto widths").
 
-The cost model of ``comm.auto_width`` predicts T(b) = W_b / R + P · c_b and cannot see what decides the choice on
-a fast link: DDP overlaps its fp32 all-reduce with backward, while the codec's work shares the rank's core with
-it; per-call overheads; the comm thread. A trial measures the whole step instead, so "compress" is chosen only
-where it is measured to pay, and "no compression" (32) runs DDP's own fp32 average.
+A cost model (T(b) = W_b / R + P · c_b from a probe of the link and the codec) cannot see what decides the choice
+on a fast link: DDP overlaps its fp32 all-reduce with backward and FSDP2 prefetches its all-gathers, while the
+codec's work shares the rank's core with the backward pass; per-call overheads; the comm thread. A trial measures
+whole steps instead, so compression is chosen only where it is measured to pay, and 32 (no compression) keeps
+the uncompressed collectives.
 
 Schedule, from step ``start`` on: the candidates c_1 .. c_K (32 first, then the widths down to ``min_bits``) each
 run ``warm_steps + measured_steps`` consecutive optimizer steps. The duration of step s is the wall time between
@@ -43,6 +44,23 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 log = logging.getLogger(__name__)
 
 TOLERANCE = 0.02  # a compressed width must be measured > 2% faster than the next wider one to be chosen
+TRIAL_STEPS = 3  # timed steps per candidate width
+RECHECK_STEPS = 2000  # steps at the choice before the trial runs again
+UNCOMPRESSED = 32
+WIDTHS = (8, 4, 2)
+AUTO_CODEC = "uniform"  # QuantDDP's: min-max stochastic rounding, unbiased, contractive, the fastest fused CPU path
+
+
+def candidate_widths(min_bits: int) -> tuple[int, ...]:
+    """32 and the widths of ``WIDTHS`` at or above ``min_bits``, widest first: the trial's order.
+
+    Example::
+
+        candidate_widths(4)   # (32, 8, 4)
+    """
+    if not isinstance(min_bits, int) or isinstance(min_bits, bool) or min_bits not in WIDTHS:
+        raise ValueError(f"min_bits={min_bits!r} is not allowed; allowed: {', '.join(map(str, sorted(WIDTHS)))}")
+    return (UNCOMPRESSED, *(b for b in WIDTHS if b >= min_bits))
 
 
 def choose_measured(seconds: Mapping[int, float], tolerance: float = TOLERANCE) -> int:
@@ -101,9 +119,9 @@ class WidthTrial:
     def __init__(
         self,
         candidates: Sequence[int],
-        measured_steps: int = 3,
+        measured_steps: int = TRIAL_STEPS,
         warm_steps: int = 1,
-        recheck_steps: int = 0,
+        recheck_steps: int = RECHECK_STEPS,
         start: int = 0,
         tolerance: float = TOLERANCE,
         owner: str = "auto",
@@ -202,4 +220,15 @@ class WidthTrial:
         self.figures = {int(b): float(t) for b, t in state.get("figures", {}).items()}
 
 
-__all__ = ["TOLERANCE", "WidthTrial", "agree_max", "choose_measured"]
+__all__ = [
+    "AUTO_CODEC",
+    "RECHECK_STEPS",
+    "TOLERANCE",
+    "TRIAL_STEPS",
+    "UNCOMPRESSED",
+    "WIDTHS",
+    "WidthTrial",
+    "agree_max",
+    "candidate_widths",
+    "choose_measured",
+]

@@ -21,6 +21,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_qcomm._checks import check_bool, check_int
 from lightning_qcomm.codecs import Codec, codec_names, get_codec
+from lightning_qcomm.comm.auto_trial import AUTO_CODEC, RECHECK_STEPS, TRIAL_STEPS, UNCOMPRESSED
 from lightning_qcomm.comm.nonfinite import check_policy
 
 DDP_CODECS = (*codec_names(family="quantizer", with_none=True), "auto")
@@ -80,8 +81,8 @@ class QuantDDPConfig:
     hierarchical: bool = False
     node_size: int | None = None
     min_bits: int = 4
-    auto_trial_steps: int = 3
-    auto_recheck_steps: int = 2000
+    auto_trial_steps: int = TRIAL_STEPS
+    auto_recheck_steps: int = RECHECK_STEPS
 
     def __post_init__(self) -> None:
         own = type(self).__name__
@@ -125,8 +126,6 @@ class QuantDDPConfig:
     def resolve_auto(self, bits: int) -> QuantDDPConfig:
         """This config with ``codec="auto"`` replaced by what it chose: ``"none"`` for 32 bits, else uniform."""
         import dataclasses
-
-        from lightning_qcomm.comm.auto_width import AUTO_CODEC, UNCOMPRESSED
 
         codec = "none" if bits == UNCOMPRESSED else AUTO_CODEC
         return dataclasses.replace(self, codec=codec, bits=bits)

@@ -62,8 +62,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.comm.auto_trial import WidthTrial, agree_max
-from lightning_qcomm.comm.auto_width import UNCOMPRESSED, candidate_widths
+from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, agree_max, candidate_widths
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket

@@ -31,6 +31,9 @@ the forward all-gather and the backward re-gather of the same shard in the same 
 codes: forward and backward see the same quantized weights. Reduce-scatters also fold in a per-step call
 counter, so gradient-accumulation micro-batches get fresh rounding.
 
+Widths chosen by trial (``weight_bits`` / ``grad_bits="auto"``): a comm given one codec per width (``{32: None,
+8: ..., 4: ...}``) uses, at each call, the codec of ``QSDPCommState.trial.width(step)`` (``comm.auto_trial``).
+
 Every call records one entry into ``get_ledger()`` (tags ``"weights"`` / ``"grads"``, plus ``QSDPCommConfig.scope``'s
 suffix: ``"@intra"`` when the group is a node's, under HSDP): payload = bytes this rank handed to
 torch.distributed; baseline = 4 bytes per logical element (fp32).
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +51,7 @@ import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
+from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial
 from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork
 from lightning_qcomm.comm.fsdp_internals import (
     ParamShard,
@@ -107,10 +111,12 @@ def _log_once(key: str, msg: str) -> None:
 
 @dataclass
 class QSDPCommState:
-    """Mutable state shared by all comms of one strategy: the user seed and the optimizer step."""
+    """Mutable state shared by all comms of one strategy: the user seed, the optimizer step, and with an
+    ``"auto"`` width the trial that sets each step's width."""
 
     seed: int = 0
     step: int = 0
+    trial: WidthTrial | None = None
 
 
 # --------------------------------------------------------------------------- FSDP2 comms
@@ -119,19 +125,27 @@ class _QSDPComm:
 
     def __init__(
         self,
-        codec: Codec | None,
+        codec: Codec | None | Mapping[int, Codec | None],
         state: QSDPCommState,
         group_id: int,
         params: Sequence[ParamShard],
         min_quant_numel: int,
         scope: str = "",
     ) -> None:
-        self.codec = codec
+        self._codecs = dict(codec) if isinstance(codec, Mapping) else {UNCOMPRESSED: codec}
+        self._by_width = isinstance(codec, Mapping)  # one codec per width: the trial's width of this step
         self.state = state
         self.group_id = int(group_id)
         self.params = list(params)
         self.min_quant_numel = int(min_quant_numel)
         self.scope = scope  # the ledger tags' suffix: "" (the whole world) or "@intra" (a node's group)
+
+    @property
+    def codec(self) -> Codec | None:
+        """The codec of this call (None: unquantized)."""
+        if not self._by_width:
+            return self._codecs[UNCOMPRESSED]
+        return self._codecs[self.state.trial.width(self.state.step)]
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -301,11 +315,12 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
 # --------------------------------------------------------------------------- installation and master projection
 @dataclass(frozen=True)
 class QSDPCommConfig:
-    """What to install: codecs (None = unquantized), the small-tensor threshold, and the ledger tags' scope suffix
-    (``""``: the group spans the world; ``"@intra"``: it is one node's, as under HSDP)."""
+    """What to install: codecs (None = unquantized; a mapping: one per width, see the module docstring), the
+    small-tensor threshold, and the ledger tags' scope suffix (``""``: the group spans the world; ``"@intra"``: it
+    is one node's, as under HSDP)."""
 
-    weight_codec: Codec | None
-    grad_codec: Codec | None
+    weight_codec: Codec | None | Mapping[int, Codec | None]
+    grad_codec: Codec | None | Mapping[int, Codec | None]
     min_quant_numel: int = 1024
     scope: str = ""
 

@@ -6,13 +6,13 @@ already sharded with ``fully_shard`` keeps its grouping); every ``optimizer.step
 the non-finite policy, then advances the RNG step; ``fabric.save`` stores the RNG step with the checkpoint
 (``state["qsdp"]``, the same on every rank) and ``fabric.load`` restores it. As with Fabric's own
 ``ModelParallelStrategy``, make the optimizer after ``setup_module`` (it must hold the sharded parameters).
-A width of ``"auto"`` is chosen by ``apply_qsdp`` in each ``setup_module`` from the measured link and codec
-speeds, logged once per model (``self.qsdp.config``: the widths chosen).
+A width of ``"auto"`` is chosen by timed trial steps (``comm.auto_trial``, ``self.comm_state.trial``: one trial
+for every model this strategy sets up), logged once, saved with ``fabric.save``.
 
 Example::
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy=QSDPFabricStrategy(bits=8))   # or strategy="qsdp"
-    # or QSDPFabricStrategy(weight_bits="auto", grad_bits="auto", min_bits=4): chosen in setup_module
+    # or QSDPFabricStrategy(weight_bits="auto", grad_bits="auto", min_bits=4): chosen by the first steps
     fabric.launch()
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -26,7 +26,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -35,7 +35,7 @@ from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.fsdp import QSDPCommState
 from lightning_qcomm.fabric._base import QCommFabricStrategy, config_from
 from lightning_qcomm.parallel.hsdp import another_topology_message, hsdp_mesh, mesh_topology
-from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint
+from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint, new_trial
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
 from lightning_qcomm.strategies.presets import QSDP_PRESETS
 from lightning_qcomm.strategies.qsdp_checks import no_effect_message
@@ -89,6 +89,8 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+        if self.config.has_auto and self.comm_state.trial is None:
+            self.comm_state.trial = new_trial(self.config, self.world_size, self.comm_state.step, type(self).__name__)
 
     @override
     def config_fingerprint(self) -> dict[str, Any]:
@@ -110,7 +112,6 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
             background=self._background,
             owner=type(self).__name__,
             check_ranks=False,  # done in setup_environment, with the checkpoint form
-            info=rank_zero_info,
         )
         quantizes = self.qsdp.quantizes_any_param()
         message = no_effect_message(type(self).__name__, self.config, self.world_size, quantizes, type(module).__name__)
@@ -135,6 +136,8 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
     @override
     def checkpoint_entry(self, state: dict[str, Any]) -> tuple[dict[str, Any], None]:
         entry = {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}  # per-rank state: sharded
+        if self.comm_state.trial is not None:
+            entry["auto"] = self.comm_state.trial.state_dict()
         return {**entry, "world_size": self.world_size, "topology": self.topology}, None
 
     @override
@@ -143,6 +146,8 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
             rank_zero_warn(f"{type(self).__name__}: the checkpoint has no 'qsdp' entry; the RNG step stays")
             return
         self.comm_state.step = int(entry["rng_step"])
+        if self.comm_state.trial is not None:
+            self.comm_state.trial.load_state_dict(entry.get("auto"), self.comm_state.step)
         message = another_topology_message(type(self).__name__, entry, self.world_size, self.topology)
         if message is not None:
             rank_zero_warn(message)

@@ -9,12 +9,12 @@ process group of their own, and each group prefetches the next one's weights in 
 ``QSDPHandle``: the groups and the one piece of state training must advance, the RNG step (once per
 optimizer step; ``attach(optimizer)`` does it from an optimizer step post-hook).
 
-A width of ``"auto"`` (``QSDPConfig(weight_bits="auto", grad_bits="auto", min_bits=4)``) is chosen here, after
-sharding and before the comms are installed: every rank measures the link and the codec over the mesh, the
-ranks agree on the slowest figures, and ``comm.auto_qsdp`` picks, per direction, the width (32, or 8 down to
-``min_bits``) with the smallest predicted step time for this model's FSDP groups; the choice is logged once
-(rank 0) with the measurements, and ``QSDPHandle.config`` is the resolved config (``QSDPHandle.auto_choice``:
-what was measured and predicted).
+A width of ``"auto"`` (``QSDPConfig(weight_bits="auto", grad_bits="auto", min_bits=4)``) is chosen by timed trial
+steps (``comm.auto_trial``): the comms get one codec per candidate width (32, then 8 down to ``min_bits``, the same
+width for every ``"auto"`` direction) and use, at each step, the width of ``comm_state.trial``; ``after_step``
+times the step and, at the trial's end, agrees the figures over the mesh and keeps the fastest (logged once, rank
+0). The trial lives in ``comm_state``, so a strategy's later stages and its checkpoints keep it. On one rank
+nothing travels: 32, no trial.
 
 ``QSDPStrategy`` (Trainer) and ``QSDPFabricStrategy`` (Fabric) call this function; it is the whole QSDP
 setup, theirs is only the Lightning glue around it.
@@ -39,11 +39,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_qcomm.comm.auto_qsdp import QSDPAutoChoice, choose_qsdp_widths, group_traffic
+from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, agree_max, candidate_widths
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config
 from lightning_qcomm.comm.fsdp import (
@@ -72,8 +71,8 @@ class QSDPHandle:
     Attributes:
         modules: the FSDP groups (``FSDPModule``) that own parameters, in group-id order (the seeds' order).
         comm_state: seed and RNG step read by every quantized collective (identical on all ranks).
-        config: the ``QSDPConfig`` it runs with (an ``"auto"`` width resolved to the width chosen).
-        auto_choice: with an ``"auto"`` width, what was measured, predicted and chosen (``comm.auto_qsdp``).
+        config: the ``QSDPConfig`` it runs with (``"auto"`` widths included: ``trial`` sets them per step).
+        trial: with an ``"auto"`` width, the ``comm.auto_trial.WidthTrial`` (``comm_state.trial``), else None.
         nonfinite: the non-finite gradient policy (the ranks agree through one 8-byte all-reduce).
 
     Example::
@@ -90,16 +89,21 @@ class QSDPHandle:
         comm_state: QSDPCommState,
         background: BackgroundComm | None,
         owner: str,
-        auto_choice: QSDPAutoChoice | None = None,
     ) -> None:
         self.modules = modules
-        self.auto_choice = auto_choice
         self.mesh = mesh
         self.config = config
         self.comm_state = comm_state
         self.background = background
-        self.weight_codec = config.build_weight_codec() if not config.hsdp else config.build_intra_codecs()[0]
+        # the master projection's codec (quantize_master; refused with an "auto" weight width)
+        self.weight_codec = None if config.auto_weights else config.build_weight_codec()
+        if config.hsdp:
+            self.weight_codec = config.build_intra_codecs()[0]
         self.nonfinite = NonFiniteGuard(config.nonfinite, owner, agree=self._all_ranks_finite)
+
+    @property
+    def trial(self) -> WidthTrial | None:
+        return self.comm_state.trial
 
     @property
     def rng_step(self) -> int:
@@ -116,6 +120,9 @@ class QSDPHandle:
         the step, so the next step's codes use fresh random bits."""
         if self.config.quantize_master:
             project_master_weights(self.modules, self.weight_codec, self.comm_state, self.config.min_quant_numel)
+        if self.trial is not None:
+            group = self.mesh.get_group()
+            self.trial.step_done(self.comm_state.step, agree_max(group, device=self._device()))
         self.comm_state.step += 1
 
     def before_step(self, optimizer: Optimizer) -> bool:
@@ -135,22 +142,30 @@ class QSDPHandle:
             h.remove()
         self._hooks = []
 
-    def state_dict(self) -> dict[str, int]:
-        """What continuing training needs besides weights and optimizer: the RNG step (same on all ranks)."""
-        return {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}
+    def state_dict(self) -> dict[str, Any]:
+        """What continuing training needs besides weights and optimizer: the RNG step (same on all ranks), and
+        with an ``"auto"`` width the trial's state."""
+        state: dict[str, Any] = {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}
+        if self.trial is not None:
+            state["auto"] = self.trial.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.comm_state.step = int(state["rng_step"])
+        if self.trial is not None:
+            self.trial.load_state_dict(state.get("auto"), self.comm_state.step)
 
     def close(self) -> None:
         """Stop the background all-gather thread (if any); a later all-gather restarts it."""
         if self.background is not None:
             self.background.close()
 
+    def _device(self) -> torch.device | None:
+        return next((p.device for m in self.modules for p in m.parameters()), None)
+
     def _all_ranks_finite(self, finite: bool) -> bool:
         group = None if self.config.hsdp else self.mesh.get_group()  # HSDP: the whole world
-        device = next((p.device for m in self.modules for p in m.parameters()), None)
-        return max_over_ranks(0.0 if finite else 1.0, group, device=device) == 0.0
+        return max_over_ranks(0.0 if finite else 1.0, group, device=self._device()) == 0.0
 
 
 def config_fingerprint(config: QSDPConfig) -> dict[str, Any]:
@@ -190,7 +205,6 @@ def apply_qsdp(
     background: BackgroundComm | None = None,
     owner: str = "apply_qsdp",
     check_ranks: bool = True,
-    info: Callable[[str], Any] | None = None,
 ) -> QSDPHandle:
     """Shard ``module`` with FSDP2 over the 1-D ``mesh`` and quantize its weight all-gathers and gradient
     reduce-scatters (see the module docstring). Collective: every rank calls it with the same settings.
@@ -205,8 +219,6 @@ def apply_qsdp(
             (default: made here when ``overlap_comm`` and the mesh is on CPU).
         owner: the name error messages and logs use.
         check_ranks: compare ``config`` across ranks first (``comm.consistency``; a mismatch raises on every rank).
-        info: where the choice of an ``"auto"`` width is logged (default: ``rank_zero_info``); called on every
-            rank with the same line (rank-zero loggers print it once).
 
     Returns:
         a ``QSDPHandle``: ``attach(optimizer)`` after the optimizer is made (it must see the sharded parameters).
@@ -245,12 +257,13 @@ def apply_qsdp(
         for m in sharded:
             m.reshard()
     _check_all_sharded(module, owner)
-    auto_choice = None
-    if config.has_auto:
-        config, auto_choice = resolve_auto_widths(module, shard_mesh, config)
-        (rank_zero_info if info is None else info)(f"{owner}: {auto_choice.describe()}")
     comm_state = QSDPCommState(seed=config.seed, step=0) if comm_state is None else comm_state
-    codecs = config.build_intra_codecs() if config.hsdp else (config.build_weight_codec(), config.build_grad_codec())
+    if config.hsdp:
+        codecs = config.build_intra_codecs()
+    elif config.has_auto:
+        codecs = auto_codecs(config, comm_state, shard_mesh.size(), owner)
+    else:
+        codecs = (config.build_weight_codec(), config.build_grad_codec())
     worker = worker_group = None
     if config.hsdp and codecs == (None, None):
         background = None  # inside a node FSDP2's own collectives; nothing of ours to install there
@@ -272,32 +285,34 @@ def apply_qsdp(
         install_inter_node_average(modules, config.build_grad_codec(), mesh, comm_state, config.min_quant_numel)
     if worker is not None:
         chain_forward_prefetch(modules)
-    return QSDPHandle(modules, mesh, config, comm_state, background, owner, auto_choice)
+    return QSDPHandle(modules, mesh, config, comm_state, background, owner)
 
 
-def resolve_auto_widths(module: nn.Module, mesh: Any, config: QSDPConfig) -> tuple[QSDPConfig, QSDPAutoChoice]:
-    """Choose ``config``'s ``"auto"`` widths for the FSDP groups of the sharded ``module`` over the 1-D ``mesh``
-    (collective: measures over ``mesh.get_group()``, the same result on every rank); returns the resolved config
-    and the choice.
+def new_trial(config: QSDPConfig, world_size: int, start: int, owner: str) -> WidthTrial:
+    """The trial of ``config``'s ``"auto"`` widths from step ``start``: 32, 8 .. ``min_bits`` (one rank: 32 only)."""
+    widths = candidate_widths(config.min_bits) if world_size > 1 else (UNCOMPRESSED,)
+    return WidthTrial(widths, start=start, owner=f"{owner}(weight_bits/grad_bits='auto')")
+
+
+def auto_codecs(config: QSDPConfig, comm_state: QSDPCommState, world_size: int, owner: str) -> tuple[Any, Any]:
+    """The (weight, grad) codecs of a config with an ``"auto"`` width: ``{width: codec}`` for an ``"auto"``
+    direction (one per candidate width, chosen per step by ``comm_state.trial``, made here at the first call:
+    32, 8 .. ``min_bits``; on one rank only 32), the fixed codec for the other.
 
     Example::
 
-        config, choice = resolve_auto_widths(model, mesh, QSDPConfig(bits="auto"))   # model: after fully_shard
-        config.weight_bits, choice.describe()
+        weights, grads = auto_codecs(QSDPConfig(bits="auto"), QSDPCommState(), 2, "apply_qsdp")   # {32: None, 8: ..., 4: ...}
     """
-    device = torch.device(mesh.device_type)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    choice = choose_qsdp_widths(
-        group_traffic(module, config.min_quant_numel),
-        mesh.get_group(),
-        mesh.size(),
-        config.min_bits,
-        weight=(config.weight_codec.lower(), config.bucket_size) if config.auto_weights else None,
-        grad=(config.grad_codec.lower(), config.bucket_size) if config.auto_grads else None,
-        device=device,
+    if comm_state.trial is None:
+        comm_state.trial = new_trial(config, world_size, comm_state.step, owner)
+    by_width = {b: config.resolve_auto(b, b) for b in comm_state.trial.candidates}
+    fixed = config.resolve_auto(UNCOMPRESSED, UNCOMPRESSED)  # the non-"auto" direction is the same at every width
+    weights = {b: c.build_weight_codec() for b, c in by_width.items()} if config.auto_weights else None
+    grads = {b: c.build_grad_codec() for b, c in by_width.items()} if config.auto_grads else None
+    return (
+        fixed.build_weight_codec() if weights is None else weights,
+        fixed.build_grad_codec() if grads is None else grads,
     )
-    return config.resolve_auto(choice.weight_bits, choice.grad_bits), choice
 
 
 def _check_all_sharded(root: nn.Module, owner: str) -> None:
@@ -324,4 +339,4 @@ def chain_forward_prefetch(fsdp_modules: list[nn.Module]) -> None:
             cur.set_modules_to_forward_prefetch([nxt])
 
 
-__all__ = ["QSDPHandle", "apply_qsdp", "chain_forward_prefetch", "config_fingerprint", "resolve_auto_widths"]
+__all__ = ["QSDPHandle", "apply_qsdp", "auto_codecs", "chain_forward_prefetch", "config_fingerprint", "new_trial"]

@@ -2,8 +2,8 @@
 
 ``bits`` sets both widths; ``weight_bits`` / ``grad_bits`` override one each (default 8). A width of 32, or
 codec ``"none"``, means unquantized (the comm still runs through the adapter and the ledger). A width of
-``"auto"`` is chosen at setup (``apply_qsdp``) from the measured link and codec speeds, 32 or 8 down to
-``min_bits`` (``comm.auto_qsdp``), the same on every rank; ``resolve_auto`` gives the concrete config. Codec names
+``"auto"`` is chosen by timed trial steps (``apply_qsdp``, ``comm.auto_trial``): 32 or 8 down to ``min_bits``, the
+same on every rank; ``resolve_auto`` gives the config of one width. Codec names
 are ``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"``. Every field is a typed primitive, so the same
 settings come from Python, a YAML config or a registry preset, and ``QSDPStrategy`` (Trainer),
 ``QSDPFabricStrategy`` (Fabric) and ``apply_qsdp`` (plain torch) read them from this one class.
@@ -12,7 +12,7 @@ Example::
 
     config = QSDPConfig(weight_bits=8, grad_bits=4, layer_classes="Block")
     config.build_weight_codec()       # UniformCodec(bits=8, bucket_size=1024)
-    QSDPConfig(bits="auto", min_bits=4).resolve_auto(32, 4)   # what apply_qsdp does with its measured choice
+    QSDPConfig(bits="auto", min_bits=4).resolve_auto(32, 4)   # the config of one candidate width per direction
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_qcomm._checks import check_bool, check_int, check_str
 from lightning_qcomm.codecs import Codec, codec_names, get_codec
-from lightning_qcomm.comm.auto_width import WIDTHS, candidate_widths
+from lightning_qcomm.comm.auto_trial import WIDTHS, candidate_widths
 from lightning_qcomm.comm.nonfinite import check_policy
 
 UNQUANTIZED_BITS = 32
@@ -35,7 +35,7 @@ AUTO = "auto"
 AUTO_MIN_BITS = tuple(sorted(WIDTHS))  # 2, 4, 8: the narrowest width "auto" may choose
 DEFAULT_MIN_BITS = 4
 BitsArg = int | Literal["auto"] | None
-"""A width argument: an int, ``"auto"`` (chosen at setup) or None (the default rule); LightningCLI parses YAML by it."""
+"""A width argument: an int, ``"auto"`` (chosen by timed trial steps) or None (the default rule); LightningCLI parses YAML by it."""
 
 
 def check_bits(owner: str, name: str, value: Any) -> int | str | None:
@@ -118,7 +118,7 @@ class QSDPConfig:
     Example::
 
         cfg = QSDPConfig(weight_bits=8, grad_bits=4)   # or QSDPConfig(bits=8) for both
-        cfg = QSDPConfig(bits="auto", min_bits=4)      # both widths chosen at setup from measured speeds
+        cfg = QSDPConfig(bits="auto", min_bits=4)      # both widths chosen by timed trial steps
     """
 
     bits: BitsArg = None
@@ -213,12 +213,12 @@ class QSDPConfig:
 
     @property
     def auto_weights(self) -> bool:
-        """Whether the weight width is chosen at setup (``weight_bits="auto"``)."""
+        """Whether the weight width is chosen by the trial (``weight_bits="auto"``)."""
         return self.weight_bits == AUTO
 
     @property
     def auto_grads(self) -> bool:
-        """Whether the gradient width is chosen at setup (``grad_bits="auto"``)."""
+        """Whether the gradient width is chosen by the trial (``grad_bits="auto"``)."""
         return self.grad_bits == AUTO
 
     @property
@@ -247,8 +247,8 @@ class QSDPConfig:
     def _check_resolved(self, name: str) -> None:
         if getattr(self, name) == AUTO:
             raise ValueError(
-                f"{name}='auto' is resolved by apply_qsdp at setup (QSDPStrategy, QSDPFabricStrategy call it); "
-                "elsewhere choose first: config.resolve_auto(weight_bits, grad_bits)"
+                f"{name}='auto' has no single codec: apply_qsdp builds one per candidate width (auto_codecs) and the "
+                "trial sets each step's; for one width use config.resolve_auto(weight_bits, grad_bits)"
             )
 
     def build_weight_codec(self) -> Codec | None:

@@ -13,10 +13,9 @@ step in checkpoints, with the layout they were written on (another one is warned
 
 Bit widths: ``bits`` sets both widths; ``weight_bits`` / ``grad_bits`` override one each. A width of 32
 means "unquantized" (the comm still runs through the adapter and the ledger). Codec names are those of
-``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"`` (unquantized). A width of ``"auto"`` is chosen at the
-first setup from the measured link and codec speeds (``parallel.apply_qsdp``, ``comm.auto_qsdp``: 32 or 8 down
-to ``min_bits``, per direction, the same on every rank), logged once, and kept for later stages
-(``run_config``):
+``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"`` (unquantized). A width of ``"auto"`` is chosen by timed
+trial steps (``comm.auto_trial``: 32, then 8 down to ``min_bits``, the same on every rank), logged once, kept
+for later stages and checkpointed (``run_config`` once chosen):
 
     Trainer(strategy=QSDPStrategy(weight_bits="auto", grad_bits="auto", min_bits=4))
 
@@ -44,7 +43,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -57,7 +56,7 @@ from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import max_over_ranks
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.parallel.hsdp import another_topology_message, hsdp_mesh, mesh_topology
-from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint
+from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint, new_trial
 from lightning_qcomm.parallel.qsdp_config import DEFAULT_MIN_BITS, DEFAULT_MIN_WRAP_NUMEL, BitsArg, QSDPConfig
 from lightning_qcomm.strategies.presets import QSDP_PRESETS, register_presets
 from lightning_qcomm.strategies.qsdp_checkpoint import (
@@ -139,7 +138,6 @@ class QSDPStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._run_config: QSDPConfig | None = None  # the config with "auto" resolved, once chosen
         # gradient shards differ per rank: agree on "all finite" (one 8-byte all-reduce per step)
         self.nonfinite = NonFiniteGuard(nonfinite, "QSDPStrategy", agree=self._all_ranks_finite)
         self._background = BackgroundComm("lightning_qcomm-qsdp", timeout=timeout)  # one group for every stage
@@ -153,18 +151,21 @@ class QSDPStrategy(ModelParallelStrategy):
 
     @property
     def run_config(self) -> QSDPConfig:
-        """The settings the comms run with: ``config``, with an ``"auto"`` width replaced by the one chosen at the
-        first setup (until then ``config`` itself)."""
-        return self.config if self._run_config is None else self._run_config
+        """The settings the comms run with: ``config``, with an ``"auto"`` width replaced by the one the trial
+        chose (until then ``config`` itself)."""
+        trial = self.comm_state.trial
+        if trial is None or trial.chosen is None:
+            return self.config
+        return self.config.resolve_auto(trial.chosen, trial.chosen)
 
     @property
     def weight_bits(self) -> int | str:
-        """The weight width (``"auto"`` until the first setup has chosen it)."""
+        """The weight width (``"auto"`` until the trial has chosen it)."""
         return self.run_config.weight_bits
 
     @property
     def grad_bits(self) -> int | str:
-        """The gradient width (``"auto"`` until the first setup has chosen it)."""
+        """The gradient width (``"auto"`` until the trial has chosen it)."""
         return self.run_config.grad_bits
 
     @property
@@ -198,6 +199,8 @@ class QSDPStrategy(ModelParallelStrategy):
         super().setup_environment()
         destroy_gloo_group_at_exit()  # a finished rank must not abort in interpreter teardown
         check_same_config("QSDPStrategy", self.config_fingerprint(), timeout=presence_timeout(self._timeout))
+        if self.config.has_auto and self.comm_state.trial is None:  # before a checkpoint restores its state
+            self.comm_state.trial = new_trial(self.config, self.world_size, self.comm_state.step, "QSDPStrategy")
 
     def config_fingerprint(self) -> dict[str, Any]:
         """Everything that decides the FSDP groups and what their collectives send (compared across ranks at
@@ -225,7 +228,7 @@ class QSDPStrategy(ModelParallelStrategy):
         if not sharded and is_overridden("configure_model", self.lightning_module):
             log.warning("QSDP: configure_model did not call fully_shard; sharding the model with the default policy")
         # the whole QSDP setup (also Fabric's and plain torch's); checked across ranks in setup_environment
-        config, mesh = self.run_config, self.dp_mesh
+        config, mesh = self.config, self.dp_mesh  # "auto" stays: the trial in comm_state sets each step's width
         if config.hsdp:  # shard inside a node, replicate across nodes (parallel.hsdp)
             if self._hsdp is None:
                 self._hsdp = hsdp_mesh(config, self._node_size, self.num_processes, "QSDPStrategy", self._timeout)
@@ -238,10 +241,7 @@ class QSDPStrategy(ModelParallelStrategy):
             background=self._background,
             owner=type(self).__name__,
             check_ranks=False,
-            info=rank_zero_info,
         )
-        if self.config.has_auto and self._run_config is None:
-            self._run_config = self._qsdp.config  # chosen once: later stages (fit, validate, ...) keep it
         self._root_is_group = isinstance(self.lightning_module, FSDPModule)
         self._warn_if_no_effect()
         _materialize_distributed_module(self.model, self.root_device)
@@ -345,16 +345,20 @@ class QSDPStrategy(ModelParallelStrategy):
     def qsdp_state_dict(self) -> dict[str, Any]:
         """What continuing training needs besides weights and optimizer: the RNG step (identical on all ranks),
         and the layout it was written on (``world_size``, ``topology``)."""
+        trial = self.comm_state.trial
         return {
             "rng_step": self.comm_state.step,
             "seed": self.comm_state.seed,
             "world_size": self.world_size,
             "topology": self.topology,
+            **({} if trial is None else {"auto": trial.state_dict()}),
         }
 
     def load_qsdp_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the RNG step; on another layout warn once (``parallel.hsdp.another_topology_message``)."""
         self.comm_state.step = int(state["rng_step"])
+        if self.comm_state.trial is not None:
+            self.comm_state.trial.load_state_dict(state.get("auto"), self.comm_state.step)
         if int(state.get("seed", self.config.seed)) != self.config.seed:
             log.warning(
                 "QSDP: checkpoint seed %s differs from this strategy's seed %s", state["seed"], self.config.seed
