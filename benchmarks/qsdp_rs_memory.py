@@ -107,7 +107,7 @@ def measure(world: int, codec: Codec, layout, dtype: torch.dtype = torch.float32
         rs(out, inp, group)  # warm: caches, first-use work
         peak = peak_bytes(lambda: rs(out, inp, group))
     # the encode alone, into a send buffer allocated beforehand: its own temporaries
-    rc = rs._row_codec(shard_numel, dtype, params)
+    rc = rs._row_codec(shard_numel, dtype, params, rs.codec)
     pieces = PieceLayout.for_rows(world, rc.row_nbytes(dtype), inp.device)
     send, rows = pieces.empty(inp.device), inp.view(world, shard_numel)
     encode = peak_bytes(lambda: rc.encode(rows, 5, send, pieces))

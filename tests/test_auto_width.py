@@ -110,6 +110,29 @@ def test_a_checkpointed_choice_continues_and_a_missing_one_starts_a_trial():
     assert fresh.chosen is None and [fresh.width(s) for s in (40, 42, 44)] == [32, 8, 4]
 
 
+def test_a_resumed_hook_without_a_choice_trials_after_the_warm_up():
+    """A checkpoint with no choice (one written mid-trial, or on another world size) starts a new trial, but not
+    before ``start_step``: steps before it are uncompressed whatever their width, so timing them compares nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        p = torch.nn.Parameter(torch.zeros(4))
+        state = QuantDDPHookState(QuantDDPConfig(codec="auto", start_step=10), {p: "p"})
+        state.load_state_dict({"step": 3})
+        assert (state.trial.start, state.trial.chosen) == (10, None)
+        state.load_state_dict({"step": 30})
+        assert state.trial.start == 30
+    finally:
+        dist.destroy_process_group()
+    alone = WidthTrial((UNCOMPRESSED,))
+    alone.load_state_dict(None, step=5)  # one candidate: nothing to try, even without a saved choice
+    assert alone.chosen == UNCOMPRESSED
+
+
 def test_bad_settings_are_refused_and_settings_without_effect_warned():
     with pytest.raises(ValueError, match="min_bits=3.*allowed: 2, 4, 8"):
         candidate_widths(3)

@@ -387,12 +387,19 @@ def _fabric_qsdp(rank: int, outdir: str, out: dict) -> None:
         losses = _gpt_losses(model, opt, rank, steps - start, start, backward=fabric.backward, at=at)
         qsdp = getattr(fabric.strategy, "qsdp", None)
         rng = None if qsdp is None else qsdp.rng_step
-        return {"losses": losses, "rng_step": rng, "type": type(fabric.strategy).__name__}
+        trial = None if qsdp is None else qsdp.trial
+        res = {"losses": losses, "rng_step": rng, "type": type(fabric.strategy).__name__}
+        return {**res, "auto": None if trial is None else [trial.chosen, trial.decided_at]}
 
     out["fsdp2"] = run(ModelParallelStrategy(parallelize_fn=fsdp2, data_parallel_size=WORLD, tensor_parallel_size=1))
     out["qsdp32"] = run(QSDPFabricStrategy(bits=32))
     out["qsdp_w8g8"] = run("qsdp_w8g8", save_at=GPT_STEPS // 2)
     out["qsdp_resumed"] = run("qsdp_w8g8", save_at=GPT_STEPS // 2, load=os.path.join(outdir, "qsdp_ckpt"))
+    # "auto": the 12-step trial decides, fabric.save keeps the choice, a resumed run continues it without a trial
+    out["qsdp_auto"] = run(QSDPFabricStrategy(bits="auto"), save_at=GPT_STEPS - 2)
+    out["qsdp_auto_resumed"] = run(
+        QSDPFabricStrategy(bits="auto"), save_at=GPT_STEPS - 2, load=os.path.join(outdir, "qsdp_ckpt")
+    )
 
 
 def _fabric_local_sgd(rank: int, outdir: str, out: dict) -> None:
@@ -589,6 +596,10 @@ def test_fabric_qsdp_bands_and_resume(runs):
         resumed = f["qsdp_resumed"]
         assert len(resumed["losses"]) == GPT_STEPS // 2 and resumed["rng_step"] == GPT_STEPS
         assert all(_rel(a, b) < 1e-6 for a, b in zip(resumed["losses"], w8[GPT_STEPS // 2 :])), (resumed, w8)
+        auto, auto_resumed = f["qsdp_auto"]["auto"], f["qsdp_auto_resumed"]["auto"]
+        assert auto[0] in (32, 8, 4) and auto[1] == 12  # decided after 3 widths x 4 steps
+        assert auto_resumed == auto and f["qsdp_auto_resumed"]["rng_step"] == GPT_STEPS
+    assert runs[0]["fabric"]["qsdp_auto"]["auto"] == runs[1]["fabric"]["qsdp_auto"]["auto"]
 
 
 @pytest.mark.slow

@@ -198,6 +198,10 @@ class WidthTrial:
             f"(the slowest rank's minimum over {self.measured_steps} steps each): {times}"
         )
 
+    def restart_clock(self) -> None:
+        """Forget the last step's end (a new stage or fit begins): the next step is not timed across the gap."""
+        self._last_end = None
+
     def state_dict(self) -> dict:
         return {
             "chosen": self.chosen,
@@ -207,15 +211,18 @@ class WidthTrial:
         }
 
     def load_state_dict(self, state: dict | None, step: int) -> None:
-        """Continue a saved trial's choice; without one (a checkpoint of a fixed width, or of a trial still
-        running), start a new trial at ``step``."""
+        """Continue a saved trial's choice; without one (a checkpoint of a fixed width, of a trial still running, or
+        None: one made on another world size or topology), start a new trial at ``step``."""
         self._times = {b: [] for b in self.candidates}
         self._last_end = None
         chosen = None if state is None else state.get("chosen")
-        if chosen is None or int(chosen) not in self.candidates:
+        if len(self.candidates) == 1:
+            chosen = self.candidates[0]  # nothing to try
+        elif chosen is None or int(chosen) not in self.candidates:
             self.start, self.chosen, self.decided_at, self.figures = step, None, None, {}
             return
-        self.chosen, self.decided_at = int(chosen), int(state["decided_at"])
+        state = state or {}
+        self.chosen, self.decided_at = int(chosen), int(state.get("decided_at", step))
         self.start = int(state.get("start", self.decided_at))
         self.figures = {int(b): float(t) for b, t in state.get("figures", {}).items()}
 

@@ -278,8 +278,8 @@ class QuantDDPHookState:
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.round = 0
-        if self.trial is not None:
-            self.trial.load_state_dict(state.get("auto"), self.step)
+        if self.trial is not None:  # a new trial, if any, starts after the uncompressed warm-up
+            self.trial.load_state_dict(state.get("auto"), max(self.step, self.config.start_step))
         if self.config.error_feedback:
             self.load_ef_state_dict(state.get("error_feedback", {}))
         layout = [tuple(m) for m in state.get("bucket_layout", [])]

@@ -31,8 +31,13 @@ the forward all-gather and the backward re-gather of the same shard in the same 
 codes: forward and backward see the same quantized weights. Reduce-scatters also fold in a per-step call
 counter, so gradient-accumulation micro-batches get fresh rounding.
 
+Unquantized calls (codec None: a width of 32) run FSDP2's own collective on FSDP2's group,
+``all_gather_into_tensor`` (async when FSDP2 asks) and, for fp32 gradients, ``reduce_scatter_tensor``: no encode or
+decode copies, so 32 bits costs what FSDP2 fp32 costs (low-precision gradients keep the row path's fp32 sum).
+
 Widths chosen by trial (``weight_bits`` / ``grad_bits="auto"``): a comm given one codec per width (``{32: None,
-8: ..., 4: ...}``) uses, at each call, the codec of ``QSDPCommState.trial.width(step)`` (``comm.auto_trial``).
+8: ..., 4: ...}``) uses, at each call, the codec of ``QSDPCommState.trial.width(step)`` (``comm.auto_trial``), read
+when the call is made (a job queued on the worker thread keeps it).
 
 Every call records one entry into ``get_ledger()`` (tags ``"weights"`` / ``"grads"``, plus ``QSDPCommConfig.scope``'s
 suffix: ``"@intra"`` when the group is a node's, under HSDP): payload = bytes this rank handed to
@@ -150,9 +155,11 @@ class _QSDPComm:
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _row_codec(self, row_numel: int, dtype: torch.dtype, params: Sequence[ParamShard]) -> RowCodec:
-        codec = self.codec if dtype in FLOAT_DTYPES else None
-        if codec is None and self.codec is not None:
+    def _row_codec(
+        self, row_numel: int, dtype: torch.dtype, params: Sequence[ParamShard], codec: Codec | None
+    ) -> RowCodec:
+        wanted, codec = codec, codec if dtype in FLOAT_DTYPES else None
+        if codec is None and wanted is not None:
             _log_once(f"dtype{dtype}", f"QSDP: FSDP buffer of dtype {dtype} is not floating; sent unquantized")
         if sum(p.padded_shard_numel for p in params) == row_numel:
             segs = [Segment(p.padded_shard_numel, is_quantized_param(p, self.min_quant_numel)) for p in params]
@@ -192,35 +199,34 @@ class QuantizedAllGather(_QSDPComm, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> FutureWork | None:
+        codec = self.codec  # read when the call is made: a queued job must not see a later step's width
+        if codec is None:  # unquantized: FSDP2's own collective, no encode / decode copies
+            world, nbytes = group.size(), input_tensor.numel() * input_tensor.element_size()
+            work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            _record("all_gather", world * nbytes, world * input_tensor.numel(), world, nbytes, "weights" + self.scope)
+            return work
         rank = group.rank()
         seed = derive_seed(self.state.seed, SEED_WEIGHTS, self.state.step, self.group_id, rank)
         if self.worker is None or input_tensor.device.type != "cpu":
-            self._gather(output_tensor, input_tensor, group, seed)
+            self._gather(output_tensor, input_tensor, group, seed, codec)
             return None
         if (self.worker_group.size(), self.worker_group.rank()) != (group.size(), rank):
             raise ValueError(
                 f"QuantizedAllGather: worker_group (size {self.worker_group.size()}, rank {self.worker_group.rank()}) "
                 f"does not match FSDP's group (size {group.size()}, rank {rank})"
             )
-        job = functools.partial(self._gather, output_tensor, input_tensor, self.worker_group, seed)
+        job = functools.partial(self._gather, output_tensor, input_tensor, self.worker_group, seed, codec)
         return FutureWork(self.worker.submit(job))
 
-    def _gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, seed: int):
+    def _gather(self, output_tensor, input_tensor, group: dist.ProcessGroup, seed: int, codec: Codec) -> None:
         world = group.size()
         s_numel = input_tensor.numel()
-        rc = self._row_codec(s_numel, input_tensor.dtype, self.params)
+        rc = self._row_codec(s_numel, input_tensor.dtype, self.params, codec)
         payload = rc.encode(input_tensor.reshape(1, s_numel), seed).reshape(-1)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         all_gather_bytes(gathered, payload, group=group)
         rc.decode(gathered.view(world, -1), output_tensor.view(world, s_numel))
-        get_ledger().record(
-            "all_gather",
-            collective_bytes=world * payload.numel(),
-            baseline_collective_bytes=world * s_numel * FP32_BYTES,
-            world_size=world,
-            payload_bytes=payload.numel(),
-            tag="weights" + self.scope,
-        )
+        _record("all_gather", world * payload.numel(), world * s_numel, world, payload.numel(), "weights" + self.scope)
 
 
 class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
@@ -273,10 +279,18 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         s_numel = output_tensor.numel()
         if input_tensor.numel() != world * s_numel:
             raise ValueError(f"reduce-scatter input has {input_tensor.numel()} elements, expected {world}x{s_numel}")
+        codec = self.codec
+        if codec is None and input_tensor.dtype == torch.float32:  # unquantized: FSDP2's own collective
+            nbytes = input_tensor.numel() * FP32_BYTES
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+            if divide:
+                output_tensor.div_(world)
+            _record("reduce_scatter", nbytes, input_tensor.numel(), world, nbytes, "grads" + self.scope)
+            return None
         if self._call_step != self.state.step:
             self._call_step, self._calls = self.state.step, 0
         self._calls += 1
-        rc = self._row_codec(s_numel, input_tensor.dtype, self._layout(s_numel))
+        rc = self._row_codec(s_numel, input_tensor.dtype, self._layout(s_numel), codec)
         seed = derive_seed(self.state.seed, SEED_GRADS, self.state.step, self.group_id, rank, self._calls)
         rows, device = input_tensor.view(world, s_numel), input_tensor.device
         layout = PieceLayout.for_rows(world, rc.row_nbytes(input_tensor.dtype), device)
@@ -301,15 +315,13 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
             total.div_(world)
         if not direct:
             output_tensor.copy_(total.view(output_tensor.shape))
-        get_ledger().record(
-            "reduce_scatter",
-            collective_bytes=recv.numel(),
-            baseline_collective_bytes=world * s_numel * FP32_BYTES,
-            world_size=world,
-            payload_bytes=recv.numel(),
-            tag="grads" + self.scope,
-        )
+        _record("reduce_scatter", recv.numel(), world * s_numel, world, recv.numel(), "grads" + self.scope)
         return None
+
+
+def _record(op: str, collective_bytes: int, logical_numel: int, world: int, payload_bytes: int, tag: str) -> None:
+    """One ledger entry; the baseline is fp32 for the ``logical_numel`` elements of the whole buffer."""
+    get_ledger().record(op, collective_bytes, logical_numel * FP32_BYTES, world, payload_bytes=payload_bytes, tag=tag)
 
 
 # --------------------------------------------------------------------------- installation and master projection

@@ -146,9 +146,9 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
             rank_zero_warn(f"{type(self).__name__}: the checkpoint has no 'qsdp' entry; the RNG step stays")
             return
         self.comm_state.step = int(entry["rng_step"])
-        if self.comm_state.trial is not None:
-            self.comm_state.trial.load_state_dict(entry.get("auto"), self.comm_state.step)
         message = another_topology_message(type(self).__name__, entry, self.world_size, self.topology)
+        if self.comm_state.trial is not None:  # a choice made on another layout is measured again
+            self.comm_state.trial.load_state_dict(None if message else entry.get("auto"), self.comm_state.step)
         if message is not None:
             rank_zero_warn(message)
 

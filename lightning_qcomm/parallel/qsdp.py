@@ -305,6 +305,7 @@ def auto_codecs(config: QSDPConfig, comm_state: QSDPCommState, world_size: int, 
     """
     if comm_state.trial is None:
         comm_state.trial = new_trial(config, world_size, comm_state.step, owner)
+    comm_state.trial.restart_clock()  # a later stage or fit: its first step is not timed across the gap
     by_width = {b: config.resolve_auto(b, b) for b in comm_state.trial.candidates}
     fixed = config.resolve_auto(UNCOMPRESSED, UNCOMPRESSED)  # the non-"auto" direction is the same at every width
     weights = {b: c.build_weight_codec() for b, c in by_width.items()} if config.auto_weights else None

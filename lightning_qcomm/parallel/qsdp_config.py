@@ -1,7 +1,7 @@
 """QSDPConfig: what QSDP quantizes and how it groups a model, checked when it is made (entry-point layer).
 
 ``bits`` sets both widths; ``weight_bits`` / ``grad_bits`` override one each (default 8). A width of 32, or
-codec ``"none"``, means unquantized (the comm still runs through the adapter and the ledger). A width of
+codec ``"none"``, means unquantized (FSDP2's own collective, counted in the ledger). A width of
 ``"auto"`` is chosen by timed trial steps (``apply_qsdp``, ``comm.auto_trial``): 32 or 8 down to ``min_bits``, the
 same on every rank; ``resolve_auto`` gives the config of one width. Codec names
 are ``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"``. Every field is a typed primitive, so the same

@@ -12,7 +12,7 @@ step in checkpoints, with the layout they were written on (another one is warned
     Trainer(strategy=QSDPStrategy(weight_bits=8, grad_bits=4)) # or strategy="qsdp" / "qsdp_w8g8" / "qsdp_w4g4"
 
 Bit widths: ``bits`` sets both widths; ``weight_bits`` / ``grad_bits`` override one each. A width of 32
-means "unquantized" (the comm still runs through the adapter and the ledger). Codec names are those of
+means "unquantized" (FSDP2's own collective, counted in the ledger). Codec names are those of
 ``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"`` (unquantized). A width of ``"auto"`` is chosen by timed
 trial steps (``comm.auto_trial``: 32, then 8 down to ``min_bits``, the same on every rank), logged once, kept
 for later stages and checkpointed (``run_config`` once chosen):
@@ -357,13 +357,13 @@ class QSDPStrategy(ModelParallelStrategy):
     def load_qsdp_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the RNG step; on another layout warn once (``parallel.hsdp.another_topology_message``)."""
         self.comm_state.step = int(state["rng_step"])
-        if self.comm_state.trial is not None:
-            self.comm_state.trial.load_state_dict(state.get("auto"), self.comm_state.step)
+        message = another_topology_message(type(self).__name__, state, self.world_size, self.topology)
+        if self.comm_state.trial is not None:  # a choice made on another layout is measured again
+            self.comm_state.trial.load_state_dict(None if message else state.get("auto"), self.comm_state.step)
         if int(state.get("seed", self.config.seed)) != self.config.seed:
             log.warning(
                 "QSDP: checkpoint seed %s differs from this strategy's seed %s", state["seed"], self.config.seed
             )
-        message = another_topology_message(type(self).__name__, state, self.world_size, self.topology)
         if message is not None:
             rank_zero_warn(message)
 
