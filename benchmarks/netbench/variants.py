@@ -48,6 +48,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("post_local_sgd", "torch", "torch post-local SGD: local steps after warm-up, PeriodicModelAverager(4)"),
     Variant("qsdp_w8g8", "lq", "QSDPStrategy(weight_bits=8, grad_bits=8)", QSDP),
     Variant("qsdp_w4g4", "lq", "QSDPStrategy(weight_bits=4, grad_bits=4)", QSDP),
+    Variant("qsdp_32", "lq", "QSDPStrategy(bits=32) (ablation: unquantized through our comms)", QSDP, False),
     Variant("qsdp_w8g8_inline", "lq", "QSDPStrategy(weight_bits=8, grad_bits=8, overlap_comm=False)", QSDP, False),
     Variant("qsdp_w4g4_inline", "lq", "QSDPStrategy(weight_bits=4, grad_bits=4, overlap_comm=False)", QSDP, False),
     Variant("qddp_uniform8", "lq", "QuantDDPStrategy(codec='uniform', bits=8)", QDDP),
@@ -251,8 +252,8 @@ def build_variant(
             codec="nuqsgd", bits=4, nonfinite="propagate", process_group_backend="gloo", timeout=timeout
         )
         return strat, BenchLM, {}, []
-    if name in ("qsdp_w8g8", "qsdp_w4g4", "qsdp_w8g8_inline", "qsdp_w4g4_inline"):
-        bits = 8 if name.startswith("qsdp_w8g8") else 4
+    if name in ("qsdp_w8g8", "qsdp_w4g4", "qsdp_w8g8_inline", "qsdp_w4g4_inline", "qsdp_32"):
+        bits = {"qsdp_w8": 8, "qsdp_w4": 4, "qsdp_32": 32}[name[:7]]
         overlap = not name.endswith("_inline")  # the ablation: weight all-gathers inline, no prefetch
         strat = load_symbol(QSDP)(weight_bits=bits, grad_bits=bits, overlap_comm=overlap, timeout=timeout)
         return strat, BenchLM, {}, []
