@@ -67,8 +67,6 @@ from lightning_qcomm.comm.fsdp_internals import (
     fsdp_params,
     install_requires_grad_sync,
     install_requires_grad_syncs,
-    param_shard,
-    shard_rank,
     sync_unsharded_requires_grad,
 )
 from lightning_qcomm.comm.ledger import get_ledger
@@ -101,7 +99,6 @@ __all__ = [
     "install_qsdp_comms",
     "install_requires_grad_syncs",
     "is_quantized_param",
-    "project_master_weights",
     "sync_unsharded_requires_grad",
 ]
 
@@ -399,29 +396,3 @@ def install_qsdp_comms(
         install_requires_grad_sync(module, root_group)
         installed.append(module)
     return installed
-
-
-@torch.no_grad()
-def project_master_weights(
-    modules: Sequence[torch.nn.Module], codec: Codec, state: QSDPCommState, min_quant_numel: int
-) -> None:
-    """Project each large parameter's sharded master weights onto the codec's lattice (QSDP's analysed variant).
-
-    ``modules`` in group-id order (as returned by ``install_qsdp_comms``). Each rank rounds its own padded
-    shard exactly as the all-gather segments it (one segment per parameter, buckets starting at the segment
-    start), then writes back only the real elements (padding stays zero). For the min-max codec the bucket
-    extremes map to themselves, so the next all-gather of a projected shard is exact up to fp rounding.
-    """
-    for gid, module in enumerate(modules):
-        fparams = fsdp_params(module)
-        if not fparams:
-            continue
-        rank = shard_rank(module)
-        for k, fp in enumerate(fparams):
-            info = param_shard(fp)
-            data = fp._sharded_param_data
-            if info.shard_numel == 0 or not is_quantized_param(info, min_quant_numel) or data.dtype not in FLOAT_DTYPES:
-                continue
-            seed = derive_seed(state.seed, SEED_MASTER, state.step, gid, rank, k)
-            q = codec.roundtrip(data, seed)
-            data[: info.shard_numel].copy_(q[: info.shard_numel])

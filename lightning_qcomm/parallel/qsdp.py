@@ -53,8 +53,8 @@ from lightning_qcomm.comm.fsdp import (
     install_qsdp_comms,
     install_requires_grad_syncs,
     is_quantized_param,
-    project_master_weights,
 )
+from lightning_qcomm.comm.fsdp_master import project_master_weights
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import max_over_ranks
 from lightning_qcomm.parallel.hsdp import check_hsdp_mesh, fsdp_groups, install_inter_node_average
