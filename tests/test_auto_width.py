@@ -133,6 +133,40 @@ def test_a_resumed_hook_without_a_choice_trials_after_the_warm_up():
     assert alone.chosen == UNCOMPRESSED
 
 
+def test_a_32_bit_step_after_compressed_ones_sends_the_residual_exactly():
+    """Error feedback under ``auto``: a compressed step leaves a residual e; when the width turns to 32, the next step
+    sends g + e uncompressed (exact, so the residual becomes 0) instead of keeping e for the next compressed step,
+    possibly 2000 steps later. On a fake process group the all-reduce leaves each rank's own buffer, averaged by N."""
+    import torch.distributed as dist
+    from _launch import FakeBucket
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        p = torch.nn.Parameter(torch.zeros(4096))
+        state = QuantDDPHookState(QuantDDPConfig(codec="auto", error_feedback=True, min_quant_numel=0), {p: "p"})
+        state.trial.load_state_dict({"chosen": 4, "decided_at": 0}, step=0)  # a compressed step first
+        p.grad = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+        quant_ddp_comm_hook(state, FakeBucket(0, [p])).wait()
+        state.next_step()
+        residual = state.ef_state_dict()["p"].clone()
+        assert residual.abs().sum() > 0
+        state.trial.chosen = UNCOMPRESSED  # the re-check chose 32
+        p.grad = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+        out = quant_ddp_comm_hook(state, FakeBucket(0, [p])).wait()
+        state.next_step()
+        reference = FakeBucket(0, [p]).buffer() + residual  # g + e
+        fresh = QuantDDPHookState(QuantDDPConfig(codec="none", min_quant_numel=0), {p: "p"})
+        p.grad = reference.clone()
+        expected = quant_ddp_comm_hook(fresh, FakeBucket(0, [p])).wait()  # the plain average of g + e
+        assert torch.equal(out, expected)
+        assert state.ef_state_dict()["p"].abs().sum() == 0
+    finally:
+        dist.destroy_process_group()
+
+
 def test_bad_settings_are_refused_and_settings_without_effect_warned():
     with pytest.raises(ValueError, match="min_bits=3.*allowed: 2, 4, 8"):
         candidate_widths(3)

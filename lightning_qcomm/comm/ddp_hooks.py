@@ -56,7 +56,6 @@ collective keeps the previous residual wherever the new one is non-finite, so it
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -65,6 +64,7 @@ from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, agree_max, candidate_widths
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
+from lightning_qcomm.comm.ddp_plan import BucketPlan, append_segment, gather_segments, scatter_segments
 from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket
 from lightning_qcomm.comm.hierarchical import ParamShards, hierarchical_all_reduce, shard_numel
 from lightning_qcomm.comm.quantized import quantized_all_reduce
@@ -72,25 +72,6 @@ from lightning_qcomm.comm.side_stream import SideStream
 from lightning_qcomm.comm.topology import NodeGroups
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _BucketPlan:
-    """How one bucket layout is split: (offset, numel) segments of quantized and plain elements."""
-
-    big: list[tuple[int, int]]
-    small: list[tuple[int, int]]
-    big_names: tuple[str, ...]
-    big_numels: tuple[int, ...]
-    big_numel: int
-    members: tuple[str, ...] = ()  # every parameter of the bucket, in DDP's bucket order
-    checked: set[int] = field(default_factory=set)  # widths (32: uncompressed) already cross-rank checked
-    shards: ParamShards | None = None  # hierarchical: the quantized elements' shard layout
-
-    @property
-    def ef_numels(self) -> tuple[int, ...]:
-        """Residual elements per quantized parameter on this rank (its shard's piece when hierarchical)."""
-        return self.big_numels if self.shards is None else self.shards.chunks
 
 
 class QuantDDPHookState:
@@ -135,6 +116,7 @@ class QuantDDPHookState:
         else:
             self._codecs = {config.bits: config.build_codec()}
         self._device = torch.device("cpu")  # the buckets' (the trial's all-reduce runs there)
+        self._ef_live = False  # residuals may be non-zero (auto flushes them at a 32-bit step)
         self.side_stream = SideStream() if config.overlap_comm else None  # CUDA buckets' overlap
         self._names = {id(p): n for p, n in param_names.items()}
         self._params_by_name = {n: p for p, n in param_names.items()}
@@ -146,7 +128,7 @@ class QuantDDPHookState:
         self._canonical = {id(p): -i for i, p in enumerate(param_names)}
         self.step = 0  # optimizer steps completed; the owner calls ``next_step``
         self.round = 0  # all-reduce rounds inside the current step (several backward passes per step)
-        self._plans: dict[tuple[int, tuple[int, ...]], _BucketPlan] = {}
+        self._plans: dict[tuple[int, tuple[int, ...]], BucketPlan] = {}
         # bucket index -> (quantized parameter names, flat residual of their elements)
         self._ef: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}
         # per-parameter residuals waiting for a bucket (after a layout change or a checkpoint load)
@@ -159,6 +141,7 @@ class QuantDDPHookState:
     def next_step(self) -> None:
         """Call once per optimizer step (after it)."""
         if self.trial is not None:
+            self._ef_live &= self.compressing()  # an uncompressed step sent every residual
             self.trial.step_done(self.step, agree_max(self.process_group, self.worker, self._device))
         self.step += 1
         self.round = 0
@@ -176,7 +159,7 @@ class QuantDDPHookState:
         return self.codec is not None and self.step >= self.config.start_step
 
     # ---------------------------------------------------------------- layout
-    def plan(self, bucket: dist.GradBucket) -> _BucketPlan:
+    def plan(self, bucket: dist.GradBucket) -> BucketPlan:
         params = bucket.parameters()
         key = (bucket.index(), tuple(id(p) for p in params))
         plan = self._plans.get(key)
@@ -189,15 +172,15 @@ class QuantDDPHookState:
                 if n >= self.config.min_quant_numel:
                     quant.append((self._canonical[id(p)], offset, p))
                 else:
-                    _append_segment(small, offset, n)
+                    append_segment(small, offset, n)
                 offset += n
             big: list[tuple[int, int]] = []
             for _, off, p in sorted(quant, key=lambda t: t[0]):
-                _append_segment(big, off, p.numel())
+                append_segment(big, off, p.numel())
             names = tuple(self._names[id(p)] for _, _, p in sorted(quant, key=lambda t: t[0]))
             numels = tuple(self._numel_by_name[n] for n in names)
             members = tuple(self._names[id(p)] for p in params)
-            plan = _BucketPlan(big, small, names, numels, sum(numels), members)
+            plan = BucketPlan(big, small, names, numels, sum(numels), members)
             if self.node_groups is not None:
                 plan.shards = ParamShards(numels, self.node_groups.topology.node_size)
             self._plans[key] = plan
@@ -212,7 +195,7 @@ class QuantDDPHookState:
                 self._pending[name] = piece.clone()
         self._ef.clear()
 
-    def error_buffer(self, bucket_index: int, plan: _BucketPlan, like: torch.Tensor) -> torch.Tensor:
+    def error_buffer(self, bucket_index: int, plan: BucketPlan, like: torch.Tensor) -> torch.Tensor:
         """The fp32 residual buffer of this bucket layout (on ``like``'s device), rebuilt from per-parameter
         pieces if needed."""
         entry = self._ef.get(bucket_index)
@@ -251,6 +234,7 @@ class QuantDDPHookState:
         """Replace this rank's residuals; they are placed into buckets when each bucket next runs."""
         self._ef.clear()
         self._pending = {str(k): v.detach().reshape(-1).to(torch.float32).clone() for k, v in state.items()}
+        self._ef_live = bool(self._pending)
 
     def bucket_layout(self) -> list[tuple[str, ...]]:
         """Member names of each bucket by index, as last reduced (the replayed layout while a replay runs)."""
@@ -293,30 +277,6 @@ class QuantDDPHookState:
             )
 
 
-def _append_segment(segments: list[tuple[int, int]], offset: int, numel: int) -> None:
-    """Add [offset, offset + numel) to a list of segments, merging with the last one if adjacent."""
-    if segments and segments[-1][0] + segments[-1][1] == offset:
-        segments[-1] = (segments[-1][0], segments[-1][1] + numel)
-    else:
-        segments.append((offset, numel))
-
-
-def _gather(buf: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
-    if len(segments) == 1:
-        off, n = segments[0]
-        return buf[off : off + n]
-    return torch.cat([buf[off : off + n] for off, n in segments])
-
-
-def _scatter(buf: torch.Tensor, segments: list[tuple[int, int]], flat: torch.Tensor) -> None:
-    pos = 0
-    for off, n in segments:
-        dst = buf[off : off + n]
-        if dst.data_ptr() != flat[pos : pos + n].data_ptr():
-            dst.copy_(flat[pos : pos + n])
-        pos += n
-
-
 def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[], torch.Tensor]:
     """Bookkeeping on the calling (autograd) thread; the returned job does the communication."""
     buf = bucket.buffer()
@@ -332,7 +292,10 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
     seed = derive_seed(state.config.seed, state.step, bucket.index(), state.round)
     if not isinstance(bucket, VirtualBucket):
         state._members[bucket.index()] = plan.members
-    ef = state.error_buffer(bucket.index(), plan, buf) if compress and state.config.error_feedback else None
+    # codec="auto" at 32 bits after compressed steps: send their residual with g, exactly (the residual becomes 0)
+    flush = not compress and state.trial is not None and state._ef_live and plan.big_numel > 0
+    ef = state.error_buffer(bucket.index(), plan, buf) if (compress or flush) and state.config.error_feedback else None
+    state._ef_live |= ef is not None and compress
     scale = None if ef is None or state.loss_scale is None else state.loss_scale()
     if scale is not None:
         scale = torch.as_tensor(scale).to(device=ef.device, dtype=torch.float32)
@@ -349,13 +312,18 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
 
     def job() -> torch.Tensor:
         if not compress:
+            if ef is not None:
+                big = gather_segments(buf, plan.big)
+                big.add_(ef if scale is None else ef * scale)
+                scatter_segments(buf, plan.big, big)
+                ef.zero_()
             plain_average(buf)
             return buf
         if plan.small:
-            plain = _gather(buf, plan.small)
+            plain = gather_segments(buf, plan.small)
             plain_average(plain)
-            _scatter(buf, plan.small, plain)
-        big = _gather(buf, plan.big)
+            scatter_segments(buf, plan.small, plain)
+        big = gather_segments(buf, plan.big)
         if scale is not None:
             ef.mul_(scale)  # into the gradients' (scaled) units for the collective ...
         if plan.shards is None:
@@ -368,7 +336,7 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
             plan.shards.from_rows(rows, big)
         if scale is not None:
             ef.div_(scale)  # ... and back: the residual outlives this step's scale
-        _scatter(buf, plan.big, big)
+        scatter_segments(buf, plan.big, big)
         return buf
 
     return job
