@@ -215,8 +215,11 @@ def _fit(strategy, max_steps: int = STEPS, save: str | None = None, resume: str 
             widths.append(hook.config.bits if hook.trial is None else hook.trial.width(hook.step))
 
         def on_train_batch_end(self, trainer, *args) -> None:
-            # the all-reduces only: the cross-rank check's all-gather runs once per width, not per fit
-            total = sum(t.wire_bytes for (op, _), t in ledger.cumulative.items() if op == "all_reduce")
+            # the gradients' all-reduces only: the cross-rank check's all-gather runs once per width, not per fit,
+            # and the trial's agreement ("control") once per trial
+            total = sum(
+                t.wire_bytes for (op, tag), t in ledger.cumulative.items() if (op, tag) == ("all_reduce", "grads")
+            )
             per_step.append(total - sum(per_step))
 
     trainer = pl.Trainer(

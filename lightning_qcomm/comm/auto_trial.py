@@ -27,7 +27,7 @@ Example::
     for step in range(steps):
         bits = trial.width(step)                 # what this step's all-reduce uses
         ...                                      # forward, backward, optimizer
-        trial.step_done(step, agree)             # agree: the all-reduce MAX of a list of floats over the ranks
+        trial.step_done(step, agree)             # agree: the MAX over the ranks of a list (comm.onebit.max_over_ranks_each)
     trial.chosen                                  # 32, 8 or 4, the same on every rank
 """
 
@@ -37,8 +37,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-import torch
-import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_info
 
 log = logging.getLogger(__name__)
@@ -75,31 +73,6 @@ def choose_measured(seconds: Mapping[int, float], tolerance: float = TOLERANCE) 
         raise ValueError("seconds={} is empty; it needs one step time per candidate width")
     best = min(seconds.values())
     return max(b for b, t in seconds.items() if t <= best * (1.0 + tolerance))
-
-
-def agree_max(
-    group: dist.ProcessGroup | None, worker=None, device: torch.device | str = "cpu"
-) -> Callable[[list[float]], list[float]]:
-    """``WidthTrial.step_done``'s ``agree`` over ``group``: the elementwise maximum of every rank's list (one
-    all-reduce on ``device``, run on ``worker``, a ``CommWorker``, when given: the thread that owns ``group``).
-    Without a process group, or on one rank, the list itself."""
-
-    def agree(seconds: list[float]) -> list[float]:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
-            return list(seconds)
-        values = torch.tensor(seconds, dtype=torch.float64, device=device)
-
-        def job() -> torch.Tensor:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-            return values
-
-        if worker is None:
-            job()
-        else:
-            worker.submit(job).wait()
-        return values.tolist()
-
-    return agree
 
 
 class WidthTrial:
@@ -235,7 +208,6 @@ __all__ = [
     "UNCOMPRESSED",
     "WIDTHS",
     "WidthTrial",
-    "agree_max",
     "candidate_widths",
     "choose_measured",
 ]

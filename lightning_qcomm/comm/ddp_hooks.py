@@ -61,12 +61,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, agree_max, candidate_widths
+from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_plan import BucketPlan, append_segment, gather_segments, scatter_segments
 from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket
 from lightning_qcomm.comm.hierarchical import ParamShards, hierarchical_all_reduce, shard_numel
+from lightning_qcomm.comm.onebit import max_over_ranks_each
 from lightning_qcomm.comm.quantized import quantized_all_reduce
 from lightning_qcomm.comm.side_stream import SideStream
 from lightning_qcomm.comm.topology import NodeGroups
@@ -108,13 +109,12 @@ class QuantDDPHookState:
         if config.codec == "auto":
             many = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
             widths = candidate_widths(config.min_bits) if many else (UNCOMPRESSED,)
-            self._codecs = {b: config.resolve_auto(b).build_codec() for b in widths}
+            self._auto_codecs = {b: config.resolve_auto(b).build_codec() for b in widths}
             self.trial = WidthTrial(
                 widths, config.auto_trial_steps, recheck_steps=config.auto_recheck_steps, start=config.start_step,
                 owner="QuantDDP(codec='auto')",
             )  # fmt: skip
-        else:
-            self._codecs = {config.bits: config.build_codec()}
+        self._codec = None if self.trial is not None else config.build_codec()
         self._device = torch.device("cpu")  # the buckets' (the trial's all-reduce runs there)
         self._ef_live = False  # residuals may be non-zero (auto flushes them at a 32-bit step)
         self.side_stream = SideStream() if config.overlap_comm else None  # CUDA buckets' overlap
@@ -142,14 +142,19 @@ class QuantDDPHookState:
         """Call once per optimizer step (after it)."""
         if self.trial is not None:
             self._ef_live &= self.compressing()  # an uncompressed step sent every residual
-            self.trial.step_done(self.step, agree_max(self.process_group, self.worker, self._device))
+            self.trial.step_done(self.step, self._agree)
         self.step += 1
         self.round = 0
 
     @property
     def codec(self) -> Codec | None:
         """The codec of the current step (None: uncompressed)."""
-        return next(iter(self._codecs.values())) if self.trial is None else self._codecs[self.trial.width(self.step)]
+        return self._codec if self.trial is None else self._auto_codecs[self.trial.width(self.step)]
+
+    def _agree(self, seconds: list[float]) -> list[float]:
+        """The trial's figures, the maximum over the ranks, on the thread that owns ``process_group``."""
+        job = functools.partial(max_over_ranks_each, seconds, self.process_group, self._device)
+        return job() if self.worker is None else self.worker.submit(job).wait()
 
     def advance_round(self) -> None:
         """After the last bucket of a backward pass: the next pass of this step is a new round."""

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
-from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial
+from lightning_qcomm.comm.auto_trial import WidthTrial
 from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork
 from lightning_qcomm.comm.fsdp_internals import (
     ParamShard,
@@ -134,8 +134,9 @@ class _QSDPComm:
         min_quant_numel: int,
         scope: str = "",
     ) -> None:
-        self._codecs = dict(codec) if isinstance(codec, Mapping) else {UNCOMPRESSED: codec}
-        self._by_width = isinstance(codec, Mapping)  # one codec per width: the trial's width of this step
+        # one codec per width (the trial's width of this step picks one), or the one codec of every call
+        self._by_width = dict(codec) if isinstance(codec, Mapping) else None
+        self._codec = None if isinstance(codec, Mapping) else codec
         self.state = state
         self.group_id = int(group_id)
         self.params = list(params)
@@ -145,9 +146,9 @@ class _QSDPComm:
     @property
     def codec(self) -> Codec | None:
         """The codec of this call (None: unquantized)."""
-        if not self._by_width:
-            return self._codecs[UNCOMPRESSED]
-        return self._codecs[self.state.trial.width(self.state.step)]
+        if self._by_width is None:
+            return self._codec
+        return self._by_width[self.state.trial.width(self.state.step)]
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)

@@ -34,7 +34,7 @@ This file owns the collectives 1-bit Adam issues and knows nothing of Lightning 
   additionally turns DDP's gradient synchronisation off after the freeze, so the hook is then not even
   called.)
 
-* ``max_over_ranks``: the auto-freeze decision's max of one float over ranks (one 8-byte fp64
+* ``max_over_ranks`` / ``max_over_ranks_each``: the auto-freeze decision's max of one float over ranks (one 8-byte fp64
   all-reduce, ledger op ``all_reduce`` with tag ``"control"`` -- kept apart from ``"momentum"`` and
   ``"grads"`` so the per-phase bytes stay clean; baseline 0 bytes, it has no fp32 counterpart).
 
@@ -42,6 +42,7 @@ No ``from __future__ import annotations`` here: DDP checks a hook's annotations 
 """
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -215,17 +216,27 @@ def max_over_ranks(
     Recorded in the ``CommLedger`` as (``all_reduce``, ``tag``) with a 0-byte baseline. A world of one
     (or torch.distributed not initialised) returns ``value`` and communicates nothing.
     """
+    return max_over_ranks_each([value], group, device, tag)[0]
+
+
+def max_over_ranks_each(
+    values: Sequence[float],
+    group: dist.ProcessGroup | NodeGroups | None = None,
+    device: torch.device | None = None,
+    tag: str = "control",
+) -> list[float]:
+    """``max_over_ranks`` of every element of ``values`` in one fp64 all-reduce (8 bytes per element)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return float(value)
+        return [float(v) for v in values]
     if isinstance(group, NodeGroups):  # a hierarchical momentum sync's groups: the decision is over the world
         group = None
     world = dist.get_world_size(group)
     if world == 1:
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     get_ledger().record("all_reduce", t.numel() * t.element_size(), 0, world, tag=tag)
-    return float(t.item())
+    return t.tolist()
 
 
 class OneBitGradHookState:
@@ -264,5 +275,6 @@ __all__ = [
     "OneBitMomentumSync",
     "bucket_layout",
     "max_over_ranks",
+    "max_over_ranks_each",
     "onebit_adam_grad_hook",
 ]

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, agree_max, candidate_widths
+from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config
 from lightning_qcomm.comm.fsdp import (
@@ -56,7 +56,7 @@ from lightning_qcomm.comm.fsdp import (
 )
 from lightning_qcomm.comm.fsdp_master import project_master_weights
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.comm.onebit import max_over_ranks
+from lightning_qcomm.comm.onebit import max_over_ranks, max_over_ranks_each
 from lightning_qcomm.parallel.hsdp import check_hsdp_mesh, fsdp_groups, install_inter_node_average
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
 from lightning_qcomm.parallel.sharding import plan_fsdp_groups
@@ -121,8 +121,7 @@ class QSDPHandle:
         if self.config.quantize_master:
             project_master_weights(self.modules, self.weight_codec, self.comm_state, self.config.min_quant_numel)
         if self.trial is not None:
-            group = self.mesh.get_group()
-            self.trial.step_done(self.comm_state.step, agree_max(group, device=self._device()))
+            self.trial.step_done(self.comm_state.step, self._agree)
         self.comm_state.step += 1
 
     def before_step(self, optimizer: Optimizer) -> bool:
@@ -162,6 +161,9 @@ class QSDPHandle:
 
     def _device(self) -> torch.device | None:
         return next((p.device for m in self.modules for p in m.parameters()), None)
+
+    def _agree(self, seconds: list[float]) -> list[float]:
+        return max_over_ranks_each(seconds, self.mesh.get_group(), device=self._device())
 
     def _all_ranks_finite(self, finite: bool) -> bool:
         group = None if self.config.hsdp else self.mesh.get_group()  # HSDP: the whole world
@@ -307,12 +309,11 @@ def auto_codecs(config: QSDPConfig, comm_state: QSDPCommState, world_size: int, 
         comm_state.trial = new_trial(config, world_size, comm_state.step, owner)
     comm_state.trial.restart_clock()  # a later stage or fit: its first step is not timed across the gap
     by_width = {b: config.resolve_auto(b, b) for b in comm_state.trial.candidates}
-    fixed = config.resolve_auto(UNCOMPRESSED, UNCOMPRESSED)  # the non-"auto" direction is the same at every width
     weights = {b: c.build_weight_codec() for b, c in by_width.items()} if config.auto_weights else None
     grads = {b: c.build_grad_codec() for b, c in by_width.items()} if config.auto_grads else None
     return (
-        fixed.build_weight_codec() if weights is None else weights,
-        fixed.build_grad_codec() if grads is None else grads,
+        config.build_weight_codec() if weights is None else weights,
+        config.build_grad_codec() if grads is None else grads,
     )
 
 
