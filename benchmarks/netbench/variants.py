@@ -75,6 +75,26 @@ VARIANTS: tuple[Variant, ...] = (
         QSDP, False,
     ),
     Variant(
+        "qsdp_w4g4_nfprop", "lq", "QSDPStrategy(bits=4, nonfinite='propagate') (ablation: no per-step non-finite check)",
+        QSDP, False,
+    ),
+    Variant(
+        "onebit_adam_nfprop", "lq",
+        "DDP + OneBitAdamCallback(freeze_step=warm-up steps, nonfinite='propagate') (ablation: no per-step non-finite check)",
+        ONEBIT, False,
+    ),
+    Variant(
+        "onebit_adam_inline", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps, overlap=False) (ablation)",
+        ONEBIT, False,
+    ),
+    *(
+        Variant(
+            f"onebit_adam_b{mb}", "lq", f"DDP + OneBitAdamCallback(freeze_step=warm-up steps, bucket_mb={mb}) (ablation)",
+            ONEBIT, False,
+        )
+        for mb in (1, 2, 4, 8)
+    ),
+    Variant(
         "qddp_nuqsgd4_nfprop", "lq",
         "QuantDDPStrategy(codec='nuqsgd', bits=4, nonfinite='propagate') (ablation: no per-step non-finite check)",
         QDDP, False,
@@ -244,9 +264,17 @@ def build_variant(
     if name == "qsdp_auto":
         strat = load_symbol(QSDP)(weight_bits="auto", grad_bits="auto", min_bits=4, timeout=timeout)
         return strat, BenchLM, {}, []
-    if name == "qsdp_w8g8_nfprop":
-        strat = load_symbol(QSDP)(weight_bits=8, grad_bits=8, nonfinite="propagate", timeout=timeout)
+    if name in ("qsdp_w8g8_nfprop", "qsdp_w4g4_nfprop"):
+        bits = 8 if name.startswith("qsdp_w8") else 4
+        strat = load_symbol(QSDP)(weight_bits=bits, grad_bits=bits, nonfinite="propagate", timeout=timeout)
         return strat, BenchLM, {}, []
+    if name == "onebit_adam_inline":
+        return ddp(), BenchLM, {}, [load_symbol(ONEBIT)(freeze_step=warmup, overlap=False)]
+    if name.startswith("onebit_adam_b"):
+        mb = float(name.removeprefix("onebit_adam_b"))
+        return ddp(), BenchLM, {}, [load_symbol(ONEBIT)(freeze_step=warmup, bucket_mb=mb)]
+    if name == "onebit_adam_nfprop":
+        return ddp(), BenchLM, {}, [load_symbol(ONEBIT)(freeze_step=warmup, nonfinite="propagate")]
     if name == "qddp_nuqsgd4_nfprop":
         strat = load_symbol(QDDP)(
             codec="nuqsgd", bits=4, nonfinite="propagate", process_group_backend="gloo", timeout=timeout

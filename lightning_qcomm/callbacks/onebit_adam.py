@@ -92,6 +92,8 @@ class OneBitAdamCallback(pl.Callback):
         bucket_mb: size of one flat fused momentum bucket in MiB of fp32 (> 0; default 32).
         nonfinite: a step with a NaN/Inf gradient on any rank: "skip" (default; on every rank, logged and
             counted), "raise" (FloatingPointError) or "propagate".
+        overlap: start each momentum bucket's 1-bit average during backward (default True). With
+            ``accumulate_grad_batches`` > 1 or ``gradient_clip_val`` it runs after backward (logged once).
         hierarchical: 1-bit momentum only across nodes, exact inside a node (see the module doc).
         node_size: ranks per node for ``hierarchical`` (None: Lightning's devices per node).
 
@@ -108,6 +110,7 @@ class OneBitAdamCallback(pl.Callback):
         auto_freeze_patience: int | None = None,
         bucket_mb: float | None = None,
         nonfinite: str | None = None,
+        overlap: bool | None = None,
         hierarchical: bool = False,
         node_size: int | None = None,
     ) -> None:
@@ -125,6 +128,7 @@ class OneBitAdamCallback(pl.Callback):
             auto_freeze_patience=auto_freeze_patience,
             bucket_mb=bucket_mb,
             nonfinite=nonfinite,
+            overlap=overlap,
         )
         self.settings = {k: v for k, v in given.items() if v is not None}
         try:
@@ -186,6 +190,7 @@ class OneBitAdamCallback(pl.Callback):
         else:
             opt = self._replace(trainer, opt)
         self.optimizer = opt
+        self._inline_if_needed(trainer, opt)
         model = strategy.model
         if isinstance(model, DistributedDataParallel):
             groups = self._node_groups if self._topology is not None else None
@@ -204,6 +209,20 @@ class OneBitAdamCallback(pl.Callback):
         else:
             self._ddp = None
             self.hook_state = None
+
+    def _inline_if_needed(self, trainer: pl.Trainer, opt: OneBitAdam) -> None:
+        """The overlapped sync takes each gradient as backward leaves it, once per step: with accumulation (several
+        backward passes) or clipping (after backward) the momentum is averaged after backward instead."""
+        if trainer.accumulate_grad_batches > 1:
+            opt.disable_overlap(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches}: several backward passes per step"
+            )
+        elif trainer.gradient_clip_val:
+            opt.disable_overlap(f"gradient_clip_val={trainer.gradient_clip_val}: gradients are clipped after backward")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.optimizer is not None:
+            self.optimizer.close_overlap()  # no gradient hooks left on the module after fit
 
     def _check_agrees(self, opt: OneBitAdam) -> None:
         clash = {k: (v, getattr(opt.config, k)) for k, v in self.settings.items() if getattr(opt.config, k) != v}

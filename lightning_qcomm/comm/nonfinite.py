@@ -70,6 +70,15 @@ def nonfinite_params(params: list[torch.nn.Parameter]) -> list[int]:
     return [live[i] for i in flags.nonzero().reshape(-1).tolist()]
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite (min and max per tensor, one host sync for all)."""
+    live = [t for t in tensors if t.numel()]
+    if not live:
+        return True
+    ends = [torch.aminmax(t) for t in live]
+    return bool(torch.stack([torch.stack([e.min, e.max]) for e in ends]).isfinite().all())
+
+
 def _local(g: torch.Tensor) -> torch.Tensor:
     """This rank's part of a gradient: a sharded DTensor's local shard (a reduction over the DTensor itself
     would be a collective per parameter). Read as the DTensor's local tensor, not through ``to_local()``,
@@ -99,10 +108,14 @@ class NonFiniteGuard:
             return True
         bad = nonfinite_params(params)
         finite = not bad if self.agree is None else self.agree(not bad)
-        if finite:
-            return True
         shapes = [tuple(params[i].shape) for i in bad[:4]]
-        where = f"local parameters of shapes {shapes}" if bad else "another rank's gradients"
+        return self.verdict(finite, step, f"local parameters of shapes {shapes}" if bad else "another rank's gradients")
+
+    def verdict(self, finite: bool, step: int, where: str) -> bool:
+        """Apply the policy to a decision already the same on every rank (``where``: what was non-finite, for the
+        message): True to apply the step; False after a skip (counted, logged); raises under ``"raise"``."""
+        if finite or self.policy == "propagate":
+            return True
         if self.policy == "raise":
             raise FloatingPointError(
                 f"{self.owner}: non-finite gradient at optimizer step {step} ({where}); nonfinite='raise' "
@@ -154,4 +167,4 @@ class NonFiniteGuard:
         self.skipped = int(state.get("skipped", 0))
 
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "check_policy", "nonfinite_params"]
+__all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "all_finite", "check_policy", "nonfinite_params"]

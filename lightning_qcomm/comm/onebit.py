@@ -145,22 +145,41 @@ class OneBitMomentumSync:
                 flat = torch.cat(parts).to(torch.float32)
             else:
                 flat = parts[0].to(torch.float32, copy=read_only[members[0]])
-            reduce = onebit_all_reduce
-            if isinstance(self.process_group, NodeGroups):
-                reduce = hierarchical_onebit_all_reduce
-            reduce(
-                flat,
-                self.worker_error[b],
-                self.server_error[b],
-                self.process_group,
-                tag=self.tag,
-                check=not self._checked[b],
-                piece_numel=self.piece_numel,
-            )
-            self._checked[b] = True
-            for i, piece in zip(members, torch.split(flat, [self.numels[i] for i in members])):
-                if not read_only[i] and piece.data_ptr() != tensors[i].data_ptr():
-                    tensors[i].copy_(piece.view_as(tensors[i]))
+            self.reduce_bucket_(b, flat)
+            self.scatter_bucket_(b, flat, tensors, read_only)
+
+    def reduce_bucket_(
+        self, b: int, flat: torch.Tensor, process_group: dist.ProcessGroup | NodeGroups | None = None
+    ) -> torch.Tensor:
+        """Bucket ``b``'s error-compensated 1-bit average of ``flat`` (its members concatenated, fp32), in place.
+
+        ``process_group``: the group to run it on (None: ``self.process_group``); a group over the same ranks, such
+        as ``comm_worker.dedicated_group``'s for a background thread. Buckets are independent: their order of
+        calls does not change any value, but it must be the same on every rank.
+        """
+        self._ensure_errors(flat.device)
+        group = self.process_group if process_group is None else process_group
+        reduce = hierarchical_onebit_all_reduce if isinstance(group, NodeGroups) else onebit_all_reduce
+        reduce(
+            flat,
+            self.worker_error[b],
+            self.server_error[b],
+            group,
+            tag=self.tag,
+            check=not self._checked[b],
+            piece_numel=self.piece_numel,
+        )
+        self._checked[b] = True
+        return flat
+
+    def scatter_bucket_(
+        self, b: int, flat: torch.Tensor, tensors: list[torch.Tensor], read_only: list[bool] | None = None
+    ) -> None:
+        """Copy bucket ``b``'s averaged ``flat`` back into its member tensors (not into read-only ones)."""
+        members = self.buckets[b]
+        for i, piece in zip(members, torch.split(flat, [self.numels[i] for i in members])):
+            if (read_only is None or not read_only[i]) and piece.data_ptr() != tensors[i].data_ptr():
+                tensors[i].copy_(piece.view_as(tensors[i]))
 
     # ------------------------------------------------------------------ per-rank state
     def rank_state_dict(self) -> dict:

@@ -32,20 +32,27 @@ are not updated after the freeze (warned once). A parameter with ``requires_grad
 torch's AdamW skips it: its m, v̂, step and value stay as they are (its m still enters the 1-bit
 average, read-only, so the bucket layout does not change; the flag must be the same on every rank).
 
+**Overlap** (``overlap=True``, the default; ``comm.onebit_overlap``): from the second compression step on, each
+bucket's new m is formed out of place and its 1-bit average started from the parameters' gradient hooks while
+backward still runs (a background thread, a process group of its own); the step waits for every bucket and applies
+the update, bit-identical to the inline sync. The non-finite verdict is read from the averaged momentum (the same on
+every rank, non-finite wherever any rank's was): no agreement all-reduce. A skipped step leaves m, v̂, p and the step
+count untouched, but the error buffers, already used on the wire, hold that step's finite residuals. One backward
+per step (a second gradient before the step raises); on CUDA, one rank, or ``overlap=False``: inline, logged once.
+
 **Auto-freeze** (``auto_freeze_threshold`` = τ): every ``auto_freeze_interval`` = k steps it measures
 r = ‖v̂_t - v̂_{t-k}‖₂ / ‖v̂_t‖₂ over all parameters (max over ranks: ``comm.onebit.max_over_ranks``,
 one 8-byte all-reduce, ledger tag "control"); after ``auto_freeze_patience`` consecutive checks with
 r < τ the variance freezes. ``freeze_step`` stays an upper bound on the warm-up. Costs one extra copy of v
 during warm-up.
 
-**Precision**: for fp16/bf16 parameters (``precision="16-true"`` / ``"bf16-true"``) m and v are held in fp32
-(torch's AdamW holds them in the parameter's dtype). The variance is frozen once and used for the rest of
-training: from fp16 statistics it would be coarse or zero (g²(1-β2) of a 1e-3 gradient is below fp16's
-smallest subnormal, and the step becomes η m / ε). For fp32 parameters the warm-up is torch's AdamW bit
-for bit; for fp16/bf16 parameters it is AdamW with fp32 moments.
+**Precision**: for fp16/bf16 parameters (``"16-true"`` / ``"bf16-true"``) m and v are held in fp32 (torch's AdamW
+holds them in the parameter's dtype): a variance frozen from fp16 statistics would be coarse or zero (g²(1-β2) of a
+1e-3 gradient is below fp16's smallest subnormal). For fp32 parameters the warm-up is torch's AdamW bit for bit.
 
-**Memory**: m and v as AdamW (fp32 for fp16/bf16 parameters); in the compression phase also this rank's error buffers (d fp32 worker +
-ceil(d_b/N) fp32 server elements per bucket of d_b) and one flat fp32 bucket while it is synced.
+**Memory**: m and v as AdamW (fp32 for fp16/bf16 parameters); after the freeze also this rank's error buffers
+(d fp32 worker + ceil(d_b/N) fp32 server elements per bucket of d_b) and one flat fp32 bucket while it is synced
+(with overlap every bucket's, d fp32 in all, from its launch to the step).
 
 **Non-finite gradients** stay non-finite: NaN/Inf reach m and, through the 1-bit all-reduce, every rank's
 m and p (the error buffers keep their last finite values), as torch's AdamW would make them.
@@ -69,10 +76,12 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_qcomm.comm.nonfinite import NonFiniteGuard
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard, all_finite
 from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks
-from lightning_qcomm.optim.onebit_adam_config import OneBitAdamConfig, check_adam_hparams
-from lightning_qcomm.optim.variance_freeze import freeze_variance, relative_variance_change
+from lightning_qcomm.comm.onebit_overlap import MomentumOverlap
+from lightning_qcomm.optim.adam_math import adamw_update_, frozen_update_, momentum_candidates, momentum_grad
+from lightning_qcomm.optim.onebit_adam_config import OneBitAdamConfig, check_adam_hparams, check_no_amsgrad
+from lightning_qcomm.optim.variance_freeze import auto_freeze_count, freeze_variance, relative_variance_change
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +101,7 @@ class OneBitAdam(Optimizer):
             ``decoupled_weight_decay`` are honoured).
         lr, betas, eps, weight_decay: as torch.optim.AdamW (weight decay is decoupled by default).
         decoupled_weight_decay: True = AdamW (p <- p(1 - lr·wd)); False = Adam's L2 term (g <- g + wd·p).
-        freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience, bucket_mb:
+        freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience, bucket_mb, nonfinite, overlap:
             see ``OneBitAdamConfig``.
         process_group: the data-parallel group of the momentum all-reduce (None: default group). The
             Lightning callback sets it from the DDP module (``set_process_group``).
@@ -117,26 +126,29 @@ class OneBitAdam(Optimizer):
         auto_freeze_patience: int = 3,
         bucket_mb: float = 32.0,
         nonfinite: str = "skip",
+        overlap: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_adam_hparams(lr, betas, eps, weight_decay)
         if not isinstance(decoupled_weight_decay, bool):
             raise ValueError(f"OneBitAdam(decoupled_weight_decay={decoupled_weight_decay!r}): allowed True or False")
         self.config = OneBitAdamConfig(
-            freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience, bucket_mb, nonfinite
+            freeze_step,
+            auto_freeze_threshold,
+            auto_freeze_interval,
+            auto_freeze_patience,
+            bucket_mb,
+            nonfinite,
+            overlap,
         )
         self.nonfinite = NonFiniteGuard(nonfinite, "OneBitAdam", agree=self._all_ranks_finite)
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay
         )
         super().__init__(params, defaults)
+        check_no_amsgrad(self.param_groups, "OneBitAdam")
         for i, group in enumerate(self.param_groups):
             check_adam_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]")
-            if group.get("amsgrad") or group.get("maximize"):
-                raise ValueError(
-                    f"OneBitAdam: param_groups[{i}] has amsgrad={group.get('amsgrad')!r}, "
-                    f"maximize={group.get('maximize')!r}; allowed: both False (amsgrad/maximize are not supported)"
-                )
             for p in group["params"]:
                 if torch.is_complex(p):
                     raise ValueError("OneBitAdam: complex parameters are not supported; allowed: real floating tensors")
@@ -146,6 +158,8 @@ class OneBitAdam(Optimizer):
         self.auto_below = 0  # consecutive auto-freeze checks with r < threshold
         self.last_variance_change: float | None = None  # r of the last auto-freeze check
         self._sync: OneBitMomentumSync | None = None
+        self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
+        self._overlap = MomentumOverlap(self.config.overlap)
         self._layout: list[torch.Tensor] | None = None
         self._pending_rank_state: dict | None = None
         self._warned_stateless = False
@@ -155,6 +169,14 @@ class OneBitAdam(Optimizer):
     def frozen(self) -> bool:
         """True once the variance is frozen (compression phase)."""
         return self.frozen_at is not None
+
+    def disable_overlap(self, reason: str) -> None:
+        """Average the momentum after backward from now on (``overlap`` off; ``reason`` is logged once)."""
+        self._overlap.disable(reason)
+
+    def close_overlap(self) -> None:
+        """Remove the gradient hooks of the overlapped sync (made again at the next compressed step, if it applies)."""
+        self._overlap.close()
 
     def set_process_group(self, process_group: dist.ProcessGroup | None) -> None:
         """Group of the momentum all-reduce; call before the first compression step."""
@@ -174,10 +196,12 @@ class OneBitAdam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not self.nonfinite.should_step(params, self.num_steps):
+        overlapped = self.frozen and self._overlap.launcher is not None  # its verdict comes from the average
+        if not overlapped and not self.nonfinite.should_step(params, self.num_steps):
             return loss  # skipped on every rank: nothing moves, the step is not counted
         if self.frozen:
-            self._compressed_step()
+            if not self._compressed_step():
+                return loss
         else:
             self._warmup_step()
         self.num_steps += 1
@@ -187,43 +211,25 @@ class OneBitAdam(Optimizer):
 
     def _warmup_step(self) -> None:
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("OneBitAdam: sparse gradients are not supported; allowed: dense gradients")
-                grad = p.grad
                 state = self.state[p]
                 if len(state) == 0:
                     dtype = _moment_dtype(p)
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=dtype)
-                exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-                grad = grad.to(exp_avg.dtype)
-                # the same operations, in the same order, as torch.optim.adam._single_tensor_adam
-                step_t += 1
-                if wd != 0:
-                    if group["decoupled_weight_decay"]:
-                        p.mul_(1 - lr * wd)
-                    else:
-                        grad = grad.add(p.to(grad.dtype), alpha=wd)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step = step_t.item()
-                bias_correction1 = 1 - beta1**step
-                bias_correction2 = 1 - beta2**step
-                step_size = lr / bias_correction1
-                denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-                p.addcdiv_(exp_avg, denom, value=-step_size)
+                adamw_update_(p, p.grad, state, group)
 
     def _build_layout(self) -> None:
         params = [p for g in self.param_groups for p in g["params"] if "exp_avg" in self.state.get(p, {})]
         if not params:
             raise RuntimeError("OneBitAdam: no parameter received a gradient during warm-up; nothing to optimize")
         self._layout = params
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._sync = OneBitMomentumSync(
             [p.numel() for p in params], self.config.bucket_numel, process_group=self.process_group
         )
@@ -231,13 +237,48 @@ class OneBitAdam(Optimizer):
             pending, self._pending_rank_state = self._pending_rank_state, None
             self._load_rank_state(pending)
 
-    def _compressed_step(self) -> None:
+    def _compressed_step(self) -> bool:
+        """The compression-phase step; False when the overlapped step's verdict skipped it."""
         if self._sync is None:
             self._build_layout()
+        elif self._overlap.launcher is not None:
+            return self._overlapped_step()
         assert self._layout is not None and self._sync is not None
-        in_layout = set(self._layout)
+        for p in self._layout:
+            if p.requires_grad:  # not trained now (same flag on every rank): m, v̂, step, p untouched
+                m = self.state[p]["exp_avg"]
+                m.lerp_(momentum_grad(p, m, self._group_of[p]), 1 - self._group_of[p]["betas"][0])
+        # momenta in layout order (param_groups order), the order the sync was built with
+        momenta = [self.state[p]["exp_avg"] for p in self._layout]
+        self._sync.sync_(momenta, read_only=[not p.requires_grad for p in self._layout])
+        self._apply_frozen_updates()
+        # from the next step on, where overlap applies (collective the first time: every rank is at this step)
+        self._overlap.start(self._sync, self._layout, self._momentum_candidates, self.process_group)
+        return True
+
+    def _overlapped_step(self) -> bool:
+        assert self._layout is not None and self._sync is not None
+        averaged = self._overlap.launcher.finish()
+        if self.nonfinite.policy != "propagate":
+            # the average is the same on every rank and non-finite wherever any rank's momentum was (the codec
+            # never decodes a non-finite unit as finite): the ranks agree without a collective
+            finite = all_finite(averaged)
+            if not self.nonfinite.verdict(finite, self.num_steps, "the averaged 1-bit momentum"):
+                return False
+        momenta = [self.state[p]["exp_avg"] for p in self._layout]
+        read_only = [not p.requires_grad for p in self._layout]
+        for b, flat in enumerate(averaged):
+            self._sync.scatter_bucket_(b, flat, momenta, read_only)
+        self._apply_frozen_updates()
+        return True
+
+    def _momentum_candidates(self, members: list[int]) -> torch.Tensor:
+        assert self._layout is not None
+        return momentum_candidates([self._layout[i] for i in members], self.state, self._group_of)
+
+    def _apply_frozen_updates(self) -> None:
+        in_layout = set(self._layout or ())
         for group in self.param_groups:
-            beta1 = group["betas"][0]
             for p in group["params"]:
                 if p not in in_layout:
                     if p.grad is not None and not self._warned_stateless:
@@ -248,32 +289,8 @@ class OneBitAdam(Optimizer):
                             tuple(p.shape),
                         )
                     continue
-                if not p.requires_grad:  # not trained now (same flag on every rank): m, v̂, step, p untouched
-                    continue
-                m = self.state[p]["exp_avg"]
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                if p.grad is not None and p.grad.is_sparse:
-                    raise ValueError("OneBitAdam: sparse gradients are not supported; allowed: dense gradients")
-                grad = grad.to(m.dtype)
-                if group["weight_decay"] != 0 and not group["decoupled_weight_decay"]:
-                    grad = grad.add(p.to(m.dtype), alpha=group["weight_decay"])
-                m.lerp_(grad, 1 - beta1)
-        # momenta in layout order (param_groups order), the order the sync was built with
-        momenta = [self.state[p]["exp_avg"] for p in self._layout]
-        self._sync.sync_(momenta, read_only=[not p.requires_grad for p in self._layout])
-        for group in self.param_groups:
-            beta1 = group["betas"][0]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            for p in group["params"]:
-                if p not in in_layout or not p.requires_grad:
-                    continue
-                state = self.state[p]
-                state["step"] += 1
-                if wd != 0 and group["decoupled_weight_decay"]:
-                    p.mul_(1 - lr * wd)
-                # recomputed each step (two cheap passes) rather than cached: a cache would cost another d floats
-                denom = state["exp_avg_sq"].sqrt().add_(eps)
-                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** state["step"].item()))
+                if p.requires_grad:
+                    frozen_update_(p, self.state[p], group)
 
     def _all_ranks_finite(self, finite: bool) -> bool:
         """After the freeze each rank checks its own local gradient, so the ranks agree before m moves; during
@@ -286,16 +303,11 @@ class OneBitAdam(Optimizer):
     def _maybe_freeze(self) -> None:
         cfg = self.config
         if cfg.auto_freeze_threshold is not None and self.num_steps % cfg.auto_freeze_interval == 0:
-            r = self._variance_change()
-            self.last_variance_change = r
-            self.auto_below = self.auto_below + 1 if r < cfg.auto_freeze_threshold else 0
-            if self.auto_below >= cfg.auto_freeze_patience:
+            self.last_variance_change = self._variance_change()
+            self.auto_below, stable = auto_freeze_count(cfg, self.auto_below, self.last_variance_change)
+            if stable:
                 log.info(
-                    "OneBitAdam: variance change %.3g < %.3g for %d checks; freezing at step %d",
-                    r,
-                    cfg.auto_freeze_threshold,
-                    self.auto_below,
-                    self.num_steps,
+                    "OneBitAdam: variance stable for %d checks; freezing at step %d", self.auto_below, self.num_steps
                 )
                 self.freeze()
                 return
@@ -340,12 +352,7 @@ class OneBitAdam(Optimizer):
         A state without ``"onebit"`` (plain Adam/AdamW) resumes at the largest per-parameter step count and
         freezes at once if that is already >= ``freeze_step``.
         """
-        for i, g in enumerate(state_dict.get("param_groups", [])):
-            if g.get("amsgrad") or g.get("maximize"):
-                raise ValueError(
-                    f"OneBitAdam.load_state_dict: param_groups[{i}] has amsgrad={g.get('amsgrad')!r}, "
-                    f"maximize={g.get('maximize')!r}; allowed: both False"
-                )
+        check_no_amsgrad(state_dict.get("param_groups", []), "OneBitAdam.load_state_dict")
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
         saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
@@ -359,6 +366,7 @@ class OneBitAdam(Optimizer):
                     self.state[p][key] = value.to(device=p.device, dtype=_moment_dtype(p))
         for group in self.param_groups:  # Adam/AdamW groups lack our key; keep their semantics
             group.setdefault("decoupled_weight_decay", False)
+        self._overlap.close()  # its launcher belongs to the old layout
         self._sync, self._layout = None, None
         if extra is not None:
             self.num_steps = int(extra["num_steps"])

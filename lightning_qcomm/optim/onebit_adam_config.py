@@ -39,7 +39,10 @@ class OneBitAdamConfig:
         nonfinite: a step whose gradient holds NaN/Inf on any rank is ``"skip"``-ped on every rank (m, v, the
             error buffers and the step count untouched; logged, counted in ``nonfinite.skipped``; after the freeze
             the ranks agree with one 8-byte all-reduce per step), ``"raise"``-s FloatingPointError, or
-            ``"propagate"``-s.
+            ``"propagate"``-s. With ``overlap`` the verdict is read from the averaged momentum instead (no
+            extra all-reduce; see ``optim.onebit_adam``, "Overlap").
+        overlap: start each momentum bucket's 1-bit average during backward, as soon as its gradients are
+            final (``comm.onebit_overlap``), instead of after it. Needs one backward per optimizer step.
     """
 
     freeze_step: int = 100
@@ -48,6 +51,7 @@ class OneBitAdamConfig:
     auto_freeze_patience: int = 3
     bucket_mb: float = 32.0
     nonfinite: str = "skip"
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -65,6 +69,8 @@ class OneBitAdamConfig:
         if not _is_number(self.bucket_mb) or not self.bucket_mb > 0 or not math.isfinite(self.bucket_mb):
             raise bad("bucket_mb", self.bucket_mb, "a finite float > 0")
         check_policy("OneBitAdam", self.nonfinite)
+        if not isinstance(self.overlap, bool):
+            raise bad("overlap", self.overlap, "True or False")
 
     @property
     def bucket_numel(self) -> int:
@@ -87,4 +93,14 @@ def check_adam_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: 
         raise ValueError(f"{where}(weight_decay={weight_decay!r}): allowed a finite float >= 0")
 
 
-__all__ = ["OneBitAdamConfig", "check_adam_hparams"]
+def check_no_amsgrad(groups: Any, where: str) -> None:
+    """ValueError naming the group unless every param group has amsgrad and maximize off (not supported)."""
+    for i, g in enumerate(groups):
+        if g.get("amsgrad") or g.get("maximize"):
+            raise ValueError(
+                f"{where}: param_groups[{i}] has amsgrad={g.get('amsgrad')!r}, maximize={g.get('maximize')!r}; "
+                "allowed: both False (amsgrad/maximize are not supported)"
+            )
+
+
+__all__ = ["OneBitAdamConfig", "check_adam_hparams", "check_no_amsgrad"]

@@ -4,6 +4,7 @@
 in ``state["exp_avg_sq"]``); ``relative_variance_change`` is the auto-freeze measure
 r = ‖v̂_t - v̂_ref‖₂ / ‖v̂_t‖₂ over all parameters, on this rank (the caller takes the max over ranks), and
 moves the reference on (v̂_ref <- v̂_t). A non-finite or empty variance gives r = 1: it never counts as stable.
+``auto_freeze_count`` counts the consecutive checks with r < τ and says when ``auto_freeze_patience`` is reached.
 
 Example::
 
@@ -54,4 +55,11 @@ def freeze_variance(param_groups: Iterable[dict], state: Mapping) -> None:
         st.pop("exp_avg_sq_ref", None)
 
 
-__all__ = ["freeze_variance", "relative_variance_change"]
+def auto_freeze_count(config: Any, below: int, r: float) -> tuple[int, bool]:
+    """(consecutive checks with r < τ after this one, whether that reaches the patience) for an auto-freeze check
+    with measure ``r``; ``config`` has ``auto_freeze_threshold`` (τ) and ``auto_freeze_patience``."""
+    below = below + 1 if r < config.auto_freeze_threshold else 0
+    return below, below >= config.auto_freeze_patience
+
+
+__all__ = ["auto_freeze_count", "freeze_variance", "relative_variance_change"]
