@@ -8,7 +8,8 @@ Two gloo ranks, one spawn, plain torch DDP + ``onebit_adam_ddp``; each rank trai
   "propagate" makes both ranks' momenta non-finite, "raise" raises on both;
 * two backward passes before a step (accumulation) raise a RuntimeError that names overlap=False;
 * Lightning: ``accumulate_grad_batches=2`` and ``gradient_clip_val`` fall back to the inline sync (logged), and
-  the callback's ``overlap=False`` reaches the optimizer.
+  the callback's ``overlap=False`` reaches the optimizer; Lightning's demo Transformer (dropout, several buckets)
+  ends bit-identical with and without overlap.
 """
 
 from __future__ import annotations
@@ -158,6 +159,41 @@ def _lightning(rank: int, port: int, **kw) -> dict:
             "frozen": opt.frozen, "hooks_left": opt._overlap.launcher is not None}  # fmt: skip
 
 
+class _DemoTransformer(pl.LightningModule):
+    """Lightning's own demo Transformer (not written for this), trained with AdamW on random tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        self.model = Transformer(vocab_size=64, ninp=32, nhead=2, nhid=32, nlayers=2)
+
+    def training_step(self, batch, batch_idx):
+        inputs, target = batch
+        return torch.nn.functional.nll_loss(self.model(inputs, target), target.view(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _demo_params(rank: int, port: int, overlap: bool) -> torch.Tensor:
+    """The demo Transformer's parameters after 6 steps (freeze after 2; buckets of 2048 elements)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
+    os.environ["LOCAL_RANK"] = str(rank)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 64, (48, 17), generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+    pl.seed_everything(0, verbose=False)
+    module = _DemoTransformer()
+    cb = OneBitAdamCallback(freeze_step=2, bucket_mb=2048 * 4 / 2**20, overlap=overlap)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=6, callbacks=[cb], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, data)
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
 def _worker(rank: int, port: int, outdir: str) -> None:
     from datetime import timedelta
 
@@ -180,6 +216,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     res["lightning_accumulate"] = _lightning(rank, lport, accumulate_grad_batches=2)
     res["lightning_clip"] = _lightning(rank, lport, gradient_clip_val=1.0)
     res["lightning_off"] = _lightning(rank, lport, overlap=False)
+    res["demo"] = [_demo_params(rank, lport, overlap) for overlap in (False, True)]
     write_rank_result(outdir, rank, res, "rank{rank}.pkl")
 
 
@@ -239,6 +276,12 @@ def test_lightning_falls_back_to_inline_for_accumulation_and_clipping(results):
         assert r["lightning_off"]["off_reason"] == "overlap=False"
         assert all(n is None for n in r["lightning_off"]["from_hooks"])
         assert r["lightning_accumulate"]["global_step"] == 6 and r["lightning_clip"]["global_step"] == 6
+
+
+def test_lightning_demo_transformer_overlapped_equals_inline(results):
+    for r in results:
+        inline, overlap = r["demo"]
+        assert torch.isfinite(overlap).all() and torch.equal(inline, overlap)
 
 
 def test_overlap_argument_is_checked():
