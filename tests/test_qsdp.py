@@ -371,15 +371,17 @@ def test_gathered_weights_identical_and_consistent(two_ranks):
 
 @pytest.mark.slow
 def test_overlapped_all_gather_is_bit_identical_to_inline(two_ranks):
-    """overlap_comm=True (the default on CPU) gathers weights on the worker thread over its own group and
-    prefetches; losses and the gathered weights equal the inline path's bit for bit."""
+    """overlap_comm=True (the default on CPU) gathers weights and reduce-scatters gradients on the worker thread
+    over its own group and prefetches; losses and the gathered weights equal the inline path's bit for bit."""
     for r in two_ranks:
         ov, inline = r["w8g8"], r["w8g8_inline"]
         gathers_ov = ov["threads"]["all_gather_single"] + ov["threads"]["all_gather_into_tensor"]
         gathers_in = inline["threads"]["all_gather_single"] + inline["threads"]["all_gather_into_tensor"]
         assert "lightning_qcomm-qsdp" in gathers_ov, ov["threads"]
         assert "lightning_qcomm-qsdp" not in gathers_in, inline["threads"]
-        assert ov["threads"]["all_to_all_single"] == ["MainThread"]  # reduce-scatters stay inline
+        # the gradient reduce-scatters too, finished at the end of backward (comm.fsdp_deferred)
+        assert ov["threads"]["all_to_all_single"] == ["lightning_qcomm-qsdp"], ov["threads"]
+        assert inline["threads"]["all_to_all_single"] == ["MainThread"], inline["threads"]
         assert ov["losses"] == inline["losses"]
         assert ov["fwd"] == inline["fwd"] and ov["bwd"] == inline["bwd"]
         assert ov["bytes_total"] == inline["bytes_total"]

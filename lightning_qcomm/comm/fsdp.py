@@ -4,9 +4,11 @@ This file owns the bridge between FSDP2's flat communication buffers and the cod
 lets a module replace its collectives with ``FSDPModule.set_custom_all_gather`` /
 ``set_custom_reduce_scatter``; the objects installed here implement those interfaces
 (``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`` / ``ReduceScatter``: ``allocate`` plus
-``__call__``). They run synchronously and return ``None``, except the all-gather when given a
-``CommWorker``: on CPU it then runs on that thread and returns a ``FutureWork`` (FSDP2 waits on it before
-reading the gathered weights), so a prefetched group's all-gather overlaps compute.
+``__call__``; ``comm.fsdp_install`` installs them). They run synchronously and return ``None``, except with a
+``CommWorker`` on CPU: the all-gather then runs on that thread and returns a ``FutureWork`` (FSDP2 waits on it
+before reading the gathered weights), so a prefetched group's all-gather overlaps compute; and a reduce-scatter
+whose output FSDP2 only takes views of runs there too, its sum written into the output when backward ends
+(``comm.fsdp_deferred``), so it overlaps the rest of backward.
 
 Buffer layout (torch 2.13 ``_fsdp_collectives``): one FSDP param group = one flat buffer per collective.
 Per rank, the buffer is the concatenation, in ``fsdp_params`` order, of each parameter's *padded* dim-0
@@ -49,7 +51,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -58,14 +60,12 @@ from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
 from lightning_qcomm.comm.auto_trial import WidthTrial
 from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork
+from lightning_qcomm.comm.fsdp_deferred import DeferredReduceScatters
 from lightning_qcomm.comm.fsdp_internals import (
     ParamShard,
-    check_fsdp_module_internals,
     check_fsdp_param_internals,
     check_torch_fsdp_api,
     fsdp_param_shards,
-    fsdp_params,
-    install_requires_grad_sync,
     install_requires_grad_syncs,
     sync_unsharded_requires_grad,
 )
@@ -87,7 +87,6 @@ FP32_BYTES = 4  # the baseline the ledger compares against: fp32 elements
 
 __all__ = [
     "ParamShard",
-    "QSDPCommConfig",
     "QSDPCommState",
     "QuantizedAllGather",
     "QuantizedReduceScatter",
@@ -96,7 +95,6 @@ __all__ = [
     "check_fsdp_param_internals",
     "check_torch_fsdp_api",
     "fsdp_param_shards",
-    "install_qsdp_comms",
     "install_requires_grad_syncs",
     "is_quantized_param",
     "sync_unsharded_requires_grad",
@@ -119,6 +117,7 @@ class QSDPCommState:
     seed: int = 0
     step: int = 0
     trial: WidthTrial | None = None
+    deferred: DeferredReduceScatters = field(default_factory=DeferredReduceScatters)
 
 
 # --------------------------------------------------------------------------- FSDP2 comms
@@ -242,9 +241,18 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
     between steps (``toggle_optimizer``); without it the flags read at installation are used.
     """
 
-    def __init__(self, *args, live_requires_grad: Callable[[], list[bool]] | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        live_requires_grad: Callable[[], list[bool]] | None = None,
+        worker: CommWorker | None = None,
+        worker_group: dist.ProcessGroup | None = None,
+        deferrable: Callable[[torch.Tensor], bool] | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._live_requires_grad = live_requires_grad
+        self.worker, self.worker_group, self._deferrable = worker, worker_group, deferrable
         self._call_step = -1
         self._calls = 0
 
@@ -290,14 +298,33 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         self._calls += 1
         rc = self._row_codec(s_numel, input_tensor.dtype, self._layout(s_numel), codec)
         seed = derive_seed(self.state.seed, SEED_GRADS, self.state.step, self.group_id, rank, self._calls)
+        if self.worker is not None and not divide and self._deferrable is not None and self._deferrable(input_tensor):
+            # the rest of backward runs meanwhile; the sum is written into the output at its end (comm.fsdp_deferred)
+            total = torch.empty(s_numel, dtype=torch.float32, device=input_tensor.device)
+            job = functools.partial(self._sum_rows, total, input_tensor, rc, seed, self.worker_group)
+            self.state.deferred.add(self.worker.submit(job), output_tensor, total, float(world))
+            return None
+        direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
+        total = (
+            output_tensor.view(-1) if direct else torch.empty(s_numel, dtype=torch.float32, device=input_tensor.device)
+        )
+        self._sum_rows(total, input_tensor, rc, seed, group)
+        if divide:
+            total.div_(world)
+        if not direct:
+            output_tensor.copy_(total.view(output_tensor.shape))
+        return None
+
+    def _sum_rows(self, total: torch.Tensor, input_tensor: torch.Tensor, rc: RowCodec, seed: int, group) -> None:
+        """Encode the N rows, all-to-all, decode and add the received rows in rank order into ``total`` (fp32)."""
+        world, rank = group.size(), group.rank()
+        s_numel = total.numel()
         rows, device = input_tensor.view(world, s_numel), input_tensor.device
         layout = PieceLayout.for_rows(world, rc.row_nbytes(input_tensor.dtype), device)
         send = rc.encode(rows, seed, layout.empty(device), layout)
         recv = layout.empty(device)
         all_to_all_pieces(recv, send, layout, group=group)
         del send  # freed before the decode, which reads the received rows only
-        direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
-        total = output_tensor.view(-1) if direct else torch.empty(s_numel, dtype=torch.float32, device=device)
         row = torch.empty(s_numel, dtype=torch.float32, device=device) if world > 1 else total
         scratch = torch.empty(layout.row_bytes, dtype=torch.uint8, device=device) if layout.pieced else None
         for j in range(world):  # rank order, the same order on every rank
@@ -309,91 +336,9 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
                 rc.decode(wire, dst.view(1, s_numel), wire_dtype=input_tensor.dtype)
             if j > 0:
                 total += row
-        if divide:
-            total.div_(world)
-        if not direct:
-            output_tensor.copy_(total.view(output_tensor.shape))
         _record("reduce_scatter", recv.numel(), world * s_numel, world, recv.numel(), "grads" + self.scope)
-        return None
 
 
 def _record(op: str, collective_bytes: int, logical_numel: int, world: int, payload_bytes: int, tag: str) -> None:
     """One ledger entry; the baseline is fp32 for the ``logical_numel`` elements of the whole buffer."""
     get_ledger().record(op, collective_bytes, logical_numel * FP32_BYTES, world, payload_bytes=payload_bytes, tag=tag)
-
-
-# --------------------------------------------------------------------------- installation and master projection
-@dataclass(frozen=True)
-class QSDPCommConfig:
-    """What to install: codecs (None = unquantized; a mapping: one per width, see the module docstring), the
-    small-tensor threshold, and the ledger tags' scope suffix (``""``: the group spans the world; ``"@intra"``: it
-    is one node's, as under HSDP)."""
-
-    weight_codec: Codec | None | Mapping[int, Codec | None]
-    grad_codec: Codec | None | Mapping[int, Codec | None]
-    min_quant_numel: int = 1024
-    scope: str = ""
-
-
-def _live_requires_grad(module: torch.nn.Module) -> Callable[[], list[bool]]:
-    def flags() -> list[bool]:
-        return [fp.sharded_param.requires_grad for fp in fsdp_params(module)]
-
-    return flags
-
-
-def install_qsdp_comms(
-    root: torch.nn.Module,
-    config: QSDPCommConfig,
-    state: QSDPCommState,
-    worker: CommWorker | None = None,
-    worker_group: dist.ProcessGroup | None = None,
-) -> list[torch.nn.Module]:
-    """Install quantized comms on every ``FSDPModule`` under ``root`` (``root`` included) that owns params.
-
-    Group ids follow ``root.modules()`` order, identical on every rank. Returns the modules, in group-id order.
-    ``worker`` / ``worker_group``: run CPU weight all-gathers on that thread and group (see
-    ``QuantizedAllGather``); reduce-scatters stay inline (FSDP2 reads their output right after the call).
-    Installing again (a later Trainer stage, another strategy) replaces the comms and the hooks.
-    Refuses (RuntimeError naming torch's version) a torch whose FSDP2 lacks an internal these comms read.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    check_torch_fsdp_api()
-    root_group = root if isinstance(root, FSDPModule) and fsdp_params(root) else None
-    installed = []
-    for module in root.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        check_fsdp_module_internals(module)
-        params = fsdp_param_shards(module)
-        if not params:
-            continue
-        gid = len(installed)
-        module.set_custom_all_gather(
-            QuantizedAllGather(
-                config.weight_codec,
-                state,
-                gid,
-                params,
-                config.min_quant_numel,
-                config.scope,
-                worker=worker,
-                worker_group=worker_group,
-            )
-        )
-        module.set_custom_reduce_scatter(
-            QuantizedReduceScatter(
-                config.grad_codec,
-                state,
-                gid,
-                params,
-                config.min_quant_numel,
-                config.scope,
-                live_requires_grad=_live_requires_grad(module),
-            )
-        )
-        module.set_force_sum_reduction_for_comms(True)
-        install_requires_grad_sync(module, root_group)
-        installed.append(module)
-    return installed

@@ -73,7 +73,7 @@ def install_inter_node_average(
     modules: list[torch.nn.Module], codec: Codec | None, mesh, state: QSDPCommState, min_quant_numel: int
 ) -> list[InterNodeGradAverage]:
     """Set an ``InterNodeGradAverage`` as the all-reduce hook of every FSDP group in ``modules`` (group-id
-    order, as ``comm.fsdp.install_qsdp_comms`` or ``fsdp_groups`` return them)."""
+    order, as ``comm.fsdp_install.install_qsdp_comms`` or ``fsdp_groups`` return them)."""
     inter = mesh.get_group("inter")
     local = mesh.get_local_rank("intra")
     hooks = []

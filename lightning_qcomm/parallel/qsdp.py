@@ -46,14 +46,13 @@ from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config
 from lightning_qcomm.comm.fsdp import (
-    QSDPCommConfig,
     QSDPCommState,
     check_torch_fsdp_api,
     fsdp_param_shards,
-    install_qsdp_comms,
     install_requires_grad_syncs,
     is_quantized_param,
 )
+from lightning_qcomm.comm.fsdp_install import QSDPCommConfig, install_qsdp_comms
 from lightning_qcomm.comm.fsdp_master import project_master_weights
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import max_over_ranks, max_over_ranks_each

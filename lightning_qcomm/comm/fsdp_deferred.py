@@ -1,0 +1,89 @@
+"""QSDP gradient reduce-scatters finished at the end of backward instead of inline (comm layer; docs/design.md,
+"QSDP", "Overlap").
+
+FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_reduce``) calls the custom reduce-scatter synchronously and, right
+after it, (1) divides the output by N in place (``set_force_sum_reduction_for_comms``: SUM, then a post-divide),
+(2) casts the output to the parameters' dtype when the gradients were reduced in another one (a
+``MixedPrecisionPolicy``), (3) makes the sharded gradients *views* of the output, or adds the output into
+gradients that already exist (accumulation), (4) runs the sharded parameters' post-accumulate-grad hooks, (5) under
+HSDP all-reduces the output. Nothing else reads the gradient values before backward ends. So when (2)-(5) only
+take views (no cast, no gradient yet, no hook, no all-reduce, no custom divide factor, fp32/bf16 gradients) the
+reduce-scatter may return at once: its encode, all-to-all and fp32 sum run on the comm worker into a private buffer
+while the rest of backward computes, and ``DeferredReduceScatters.flush`` (an autograd callback queued at the first
+deferred call, so after FSDP2's own final callback) waits for them in call order, copies each sum into its output
+and divides by N as FSDP2 did, after FSDP2's division of the not-yet-written output, which the copy overwrites.
+The values are those of the inline call (same seed, same rank-order fp32 sum, the same division), and backward
+returns only once every gradient is final. Memory: the gradient buffers of the calls in flight stay alive until
+their job has read them, plus one fp32 shard each.
+
+``deferrable(module)`` says, at each call, whether the conditions hold for that FSDP module's param group (they are
+read from FSDP2's internals, ``comm.fsdp_internals``); otherwise the call runs inline. Only on torch 2.13, the
+version whose ``foreach_reduce`` this relies on.
+
+Example::
+
+    deferred = DeferredReduceScatters()
+    deferred.add(worker.submit(job), output_tensor, total, post_divide=world)   # inside the custom reduce-scatter
+    # ... backward continues; at its end ``flush`` writes ``output_tensor``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_qcomm.comm.fsdp_internals import TESTED_TORCH
+
+_DEFERRABLE_DTYPES = (torch.float32, torch.bfloat16)  # FSDP2 divides these by N after the call, nothing before it
+
+
+class DeferredReduceScatters:
+    """Reduce-scatters in flight in this backward, flushed (in call order) by an autograd final callback."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.futures.Future, torch.Tensor, torch.Tensor, float | None]] = []
+
+    def add(self, future: torch.futures.Future, output: torch.Tensor, total: torch.Tensor, post_divide: float | None):
+        """``future`` completes once ``total`` (fp32, the output's elements) holds the sum; then the output gets
+        ``total`` and is divided by ``post_divide`` (None: not divided)."""
+        if not self._pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        self._pending.append((future, output, total, post_divide))
+
+    def flush(self) -> None:
+        """Wait for every deferred reduce-scatter and write its output (the autograd callback; idempotent)."""
+        pending, self._pending = self._pending, []
+        for future, output, total, post_divide in pending:
+            future.wait()
+            output.copy_(total.view(output.shape))
+            if post_divide is not None and post_divide != 1:
+                output.div_(post_divide)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def deferrable(module: torch.nn.Module) -> Callable[[torch.Tensor], bool]:
+    """For an FSDP module: ``ok(input_tensor)``, whether its reduce-scatter of this call may be deferred (module doc)."""
+    supported = torch.__version__.startswith(TESTED_TORCH)
+    group = module._get_fsdp_state()._fsdp_param_group
+
+    def ok(input_tensor: torch.Tensor) -> bool:
+        if not supported or input_tensor.device.type != "cpu" or input_tensor.dtype not in _DEFERRABLE_DTYPES:
+            return False
+        if getattr(group, "gradient_divide_factor", None) is not None or getattr(group, "_all_reduce_hook", None):
+            return False
+        if getattr(group, "_orig_dtype", None) not in (None, input_tensor.dtype):  # FSDP2 casts the output at once
+            return False
+        if type(getattr(group, "mesh_info", None)).__name__ not in ("FSDPMeshInfo",):  # HSDP's all-reduce reads it
+            return False
+        return all(
+            fp.sharded_param.grad is None and not getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
+            for fp in group.fsdp_params
+        )
+
+    return ok
+
+
+__all__ = ["DeferredReduceScatters", "deferrable"]
