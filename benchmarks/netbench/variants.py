@@ -51,6 +51,14 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("qsdp_32", "lq", "QSDPStrategy(bits=32) (ablation: unquantized through our comms)", QSDP, False),
     Variant("qsdp_w8g8_inline", "lq", "QSDPStrategy(weight_bits=8, grad_bits=8, overlap_comm=False)", QSDP, False),
     Variant("qsdp_w4g4_inline", "lq", "QSDPStrategy(weight_bits=4, grad_bits=4, overlap_comm=False)", QSDP, False),
+    *(
+        Variant(
+            f"qsdp_w{b}g{b}_rs_inline", "lq",
+            f"QSDPStrategy(bits={b}) with its gradient reduce-scatters inline (ablation: all-gathers still overlapped)",
+            QSDP, False,
+        )
+        for b in (8, 4)
+    ),
     Variant("qddp_uniform8", "lq", "QuantDDPStrategy(codec='uniform', bits=8)", QDDP),
     Variant("qddp_fp8_e4m3", "lq", "QuantDDPStrategy(codec='fp8_e4m3', bits=8)", QDDP),
     Variant("qddp_nuqsgd4", "lq", "QuantDDPStrategy(codec='nuqsgd', bits=4)", QDDP),
@@ -280,6 +288,13 @@ def build_variant(
             codec="nuqsgd", bits=4, nonfinite="propagate", process_group_backend="gloo", timeout=timeout
         )
         return strat, BenchLM, {}, []
+    if name in ("qsdp_w8g8_rs_inline", "qsdp_w4g4_rs_inline"):
+        # the ablation: weight all-gathers overlapped, gradient reduce-scatters inline (nothing deferred)
+        import lightning_qcomm.comm.fsdp_install as fsdp_install
+
+        fsdp_install.deferrable = lambda module: lambda input_tensor: False
+        bits = 8 if name.startswith("qsdp_w8") else 4
+        return load_symbol(QSDP)(weight_bits=bits, grad_bits=bits, timeout=timeout), BenchLM, {}, []
     if name in ("qsdp_w8g8", "qsdp_w4g4", "qsdp_w8g8_inline", "qsdp_w4g4_inline", "qsdp_32"):
         bits = {"qsdp_w8": 8, "qsdp_w4": 4, "qsdp_32": 32}[name[:7]]
         overlap = not name.endswith("_inline")  # the ablation: weight all-gathers inline, no prefetch
