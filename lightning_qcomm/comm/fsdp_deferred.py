@@ -9,7 +9,7 @@ gradients that already exist (accumulation), (4) runs the sharded parameters' po
 HSDP all-reduces the output. Nothing else reads the gradient values before backward ends. So when (2)-(5) only
 take views (no cast, no gradient yet, no hook, no all-reduce, no custom divide factor, fp32/bf16 gradients) the
 reduce-scatter may return at once: its encode, all-to-all and fp32 sum run on the comm worker into a private buffer
-while the rest of backward computes, and ``DeferredReduceScatters.flush`` (an autograd callback queued at the first
+while the rest of backward computes, and ``DeferredReduceScatters.flush`` (an autograd callback queued by each
 deferred call, so after FSDP2's own final callback) waits for them in call order, copies each sum into its output
 and divides by N as FSDP2 did, after FSDP2's division of the not-yet-written output, which the copy overwrites.
 The values are those of the inline call (same seed, same rank-order fp32 sum, the same division), and backward
@@ -47,8 +47,9 @@ class DeferredReduceScatters:
     def add(self, future: torch.futures.Future, output: torch.Tensor, total: torch.Tensor, post_divide: float | None):
         """``future`` completes once ``total`` (fp32, the output's elements) holds the sum; then the output gets
         ``total`` and is divided by ``post_divide`` (None: not divided)."""
-        if not self._pending:
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        # one callback per call, not per backward: a backward that raised never ran its callbacks, and its calls
+        # left here must not keep this backward from queueing one (extra callbacks find nothing left to do)
+        torch.autograd.Variable._execution_engine.queue_callback(self.flush)
         self._pending.append((future, output, total, post_divide))
 
     def flush(self) -> None:

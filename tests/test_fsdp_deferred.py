@@ -1,0 +1,60 @@
+"""DeferredReduceScatters on its own: the flush callback (comm.fsdp_deferred), without FSDP."""
+
+import pytest
+import torch
+
+from lightning_qcomm.comm.fsdp_deferred import DeferredReduceScatters
+
+
+def _done() -> torch.futures.Future:
+    future = torch.futures.Future()
+    future.set_result(None)
+    return future
+
+
+class _Defer(torch.autograd.Function):
+    """Identity whose backward defers writing ``out`` (= ``total`` / 2) to the end of backward."""
+
+    @staticmethod
+    def forward(ctx, x, deferred, out, total):
+        ctx.deferred, ctx.out, ctx.total = deferred, out, total
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.deferred.add(_done(), ctx.out, ctx.total, post_divide=2.0)
+        return grad, None, None, None
+
+
+class _Raise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed")
+
+
+def test_flush_runs_at_the_end_of_backward_and_divides():
+    deferred = DeferredReduceScatters()
+    out, total = torch.zeros(3), torch.tensor([2.0, 4.0, 6.0])
+    x = torch.ones(3, requires_grad=True)
+    _Defer.apply(x, deferred, out, total).sum().backward()
+    assert torch.equal(out, torch.tensor([1.0, 2.0, 3.0]))
+    assert len(deferred) == 0
+
+
+def test_a_backward_that_raised_does_not_stop_the_next_one_from_flushing():
+    deferred = DeferredReduceScatters()
+    stale_out, stale_total = torch.zeros(2), torch.tensor([8.0, 8.0])
+    x = torch.ones(2, requires_grad=True)
+    # the deferred call's backward runs first, then the raising one: autograd runs no final callback
+    with pytest.raises(RuntimeError, match="backward failed"):
+        _Defer.apply(_Raise.apply(x), deferred, stale_out, stale_total).sum().backward()
+    assert len(deferred) == 1 and torch.equal(stale_out, torch.zeros(2))
+
+    out, total = torch.zeros(2), torch.tensor([2.0, 6.0])
+    _Defer.apply(x, deferred, out, total).sum().backward()
+    assert torch.equal(out, torch.tensor([1.0, 3.0]))
+    assert len(deferred) == 0
