@@ -213,6 +213,14 @@ def _plain_local_sgd(rank: int, out: dict) -> None:
     _train(model, opt, batches, after_step=lambda s: syncs.append(s) if local_sgd.last_sync_step == s else None)
     out["constant"] = {"params": _flat(model), "syncs": syncs, "identical": _identical_across_ranks(_flat(model))}
     out["init"] = _flat(_mlp())
+    # the same with each average applied a round later (overlap=True): the reference for Fabric's below
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    config = LocalSGDConfig(sync="constant", period=3, overlap=True)
+    local_sgd = LocalSGD(model, opt, config, total_steps=LOCAL_STEPS)
+    _train(model, opt, batches)
+    local_sgd.close()
+    out["constant_overlap"] = {"params": _flat(model), "identical": _identical_across_ranks(_flat(model))}
 
     # post_local: switch_step 3 (DDP-style gradient averages), then period 2, against torch's post-local SGD
     switch, period, steps = 3, 2, 9
@@ -407,8 +415,8 @@ def _fabric_local_sgd(rank: int, outdir: str, out: dict) -> None:
 
     from lightning_qcomm import LocalSGDFabricStrategy
 
-    def run(steps=LOCAL_STEPS, save_at=None, load=None):
-        strategy = LocalSGDFabricStrategy(sync="constant", period=3, total_steps=steps)
+    def run(steps=LOCAL_STEPS, save_at=None, load=None, overlap=False):
+        strategy = LocalSGDFabricStrategy(sync="constant", period=3, total_steps=steps, overlap=overlap)
         fabric = _fabric(strategy)
         net = _mlp()
         model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
@@ -432,6 +440,9 @@ def _fabric_local_sgd(rank: int, outdir: str, out: dict) -> None:
     out["local_sgd_saved"] = run(save_at=7)
     out["local_sgd_resumed"] = run(save_at=7, load=os.path.join(outdir, "local_sgd.ckpt"))
     out["registered"] = type(_fabric("local_sgd_qsr").strategy).__name__
+    out["overlap"] = run(overlap=True)
+    out["overlap_saved"] = run(save_at=7, overlap=True)  # the save applies the average in flight, then averages
+    out["overlap_resumed"] = run(save_at=7, load=os.path.join(outdir, "local_sgd.ckpt"), overlap=True)
 
 
 def _fabric_onebit(rank: int, out: dict) -> None:
@@ -612,6 +623,12 @@ def test_fabric_local_sgd_matches_torch_and_resumes_mid_round(runs):
         assert f["local_sgd_saved"]["syncs"] == [3, 6, 9, 12] and f["local_sgd_resumed"]["syncs"] == [9, 12]
         saved, resumed = f["local_sgd_saved"]["params"], f["local_sgd_resumed"]["params"]
         torch.testing.assert_close(resumed, saved, rtol=0, atol=1e-6)
+        # overlap=True: Fabric drives the same object as plain torch; the last sync (step 12) is exact
+        assert p["constant_overlap"]["identical"] and f["overlap"]["syncs"] == [3, 6, 9, 12]
+        assert torch.equal(f["overlap"]["params"], p["constant_overlap"]["params"])
+        assert not torch.equal(f["overlap"]["params"], f["local_sgd"]["params"])  # the averages came a round late
+        torch.testing.assert_close(f["overlap_resumed"]["params"], f["overlap_saved"]["params"], rtol=0, atol=1e-6)
+    assert torch.equal(runs[0]["fabric"]["overlap_saved"]["params"], runs[1]["fabric"]["overlap_saved"]["params"])
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Every strategy and callback in every precision and every Trainer flow (2 CPU ranks, gloo).
 
 The matrix a new user walks through in the first hour: {32-true, bf16-mixed, bf16-true, 16-true, 16-mixed}
-x {plain DDP (the reference), QuantDDP with error feedback, Local SGD, DDP + OneBitAdamCallback, DDP +
+x {plain DDP (the reference), QuantDDP with error feedback, Local SGD (inline and overlapped), DDP + OneBitAdamCallback, DDP +
 ActivationQuantization}, and the flows fit -> validate -> test -> predict on one Trainer, resume, a
 two-optimizer manual-optimization GAN (Lightning's ``toggle_optimizer`` pattern) and
 ``load_from_checkpoint``. Each cell trains with finite losses within a band of plain DDP at the same
@@ -32,7 +32,7 @@ from torch import nn
 
 STEPS = 48
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true", "16-mixed")
-STRATEGIES = ("ddp", "quant_ddp_ef", "local_sgd", "onebit_adam", "activation_quant")
+STRATEGIES = ("ddp", "quant_ddp_ef", "local_sgd", "local_sgd_overlap", "onebit_adam", "activation_quant")
 FLOW_STEPS = 8
 
 
@@ -155,6 +155,8 @@ def _strategy(name: str, manual: bool = False):
         return QuantDDPStrategy(codec="uniform", bits=8, error_feedback=True, min_quant_numel=0, **ddp_kw), []
     if name == "local_sgd":
         return LocalSGDStrategy(sync="constant", period=2), []
+    if name == "local_sgd_overlap":  # each average applied a round later (parallel/local_sgd_overlap.py)
+        return LocalSGDStrategy(sync="constant", period=2, overlap=True), []
     if name == "onebit_adam":
         return DDPStrategy(**ddp_kw), [OneBitAdamCallback(freeze_step=4)]
     if name == "activation_quant":

@@ -67,6 +67,10 @@ VARIANTS: tuple[Variant, ...] = (
         "localsgd_qsr", "lq", "LocalSGDStrategy(sync='qsr', h_base=4, alpha=2*peak lr, warmup_steps=lr warm-up)", LSGD
     ),
     Variant("localsgd_h4", "lq", "LocalSGDStrategy(sync='constant', period=4)", LSGD),
+    Variant(
+        "localsgd_qsr_overlap", "lq", "localsgd_qsr with overlap=True: each average applied a round later", LSGD, False
+    ),
+    Variant("localsgd_h4_overlap", "lq", "LocalSGDStrategy(sync='constant', period=4, overlap=True)", LSGD, False),
     Variant("onebit_adam", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps)", ONEBIT),
     Variant(
         "qddp_none", "lq", "QuantDDPStrategy(codec='none') (ablation: the hook's fp32 path against DDP's own)", QDDP,
@@ -307,9 +311,16 @@ def build_variant(
             codec=codec, bits=bits, hierarchical=hier, process_group_backend="gloo", timeout=timeout
         )
         return strat, BenchLM, {}, []
-    if name == "localsgd_qsr":
+    if name in ("localsgd_qsr", "localsgd_qsr_overlap"):
         # alpha = 2 * peak lr: H = h_base = 4 while lr >= peak/2, then floor((alpha/lr)^2) as the cosine decays
-        strat = load_symbol(LSGD)(sync="qsr", h_base=4, alpha=2.0 * lr, warmup_steps=lr_warmup, timeout=timeout)
+        strat = load_symbol(LSGD)(
+            sync="qsr",
+            h_base=4,
+            alpha=2.0 * lr,
+            warmup_steps=lr_warmup,
+            overlap=name.endswith("_overlap"),
+            timeout=timeout,
+        )
         return strat, BenchLM, {}, []
     if name in ("localsgd_qsr_inter", "diloco_qsr"):
         outer = {"outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9} if name == "diloco_qsr" else {}
@@ -317,8 +328,8 @@ def build_variant(
             sync="qsr", h_base=4, alpha=2.0 * lr, warmup_steps=lr_warmup, scope="inter_node", timeout=timeout, **outer
         )
         return strat, BenchLM, {}, []
-    if name == "localsgd_h4":
-        strat = load_symbol(LSGD)(sync="constant", period=4, timeout=timeout)
+    if name in ("localsgd_h4", "localsgd_h4_overlap"):
+        strat = load_symbol(LSGD)(sync="constant", period=4, overlap=name.endswith("_overlap"), timeout=timeout)
         return strat, BenchLM, {}, []
     if name in ("onebit_adam", "onebit_adam_hier"):
         hier = name.endswith("_hier")

@@ -136,29 +136,55 @@ class TensorAverager:
         else:
             quantized_all_reduce(flat, self.codec, group=self.group, op="avg", seed=seed, tag=self.tag, check=check)
 
+    def snapshot(self) -> list[torch.Tensor]:
+        """A flat copy of each bucket's current values (in the tensors' dtype), in bucket order."""
+        return [self._flatten(b) for b in self._buckets]
+
+    def write(self, flats: Sequence[torch.Tensor]) -> None:
+        """Copy one flat tensor per bucket (``snapshot``'s layout) into the tensors."""
+        for b, flat in zip(self._buckets, flats, strict=True):
+            self._unflatten(b, flat)
+
+    def _reduce_bucket(self, k: int, flat: torch.Tensor, round_idx: int, check: bool) -> torch.Tensor:
+        b = self._buckets[k]
+        seed = derive_seed(self.seed, round_idx, k)
+        if self.codec is None:
+            self._all_reduce(flat, seed, check)
+            return flat
+        if self.delta:
+            assert b.anchor is not None
+            diff = flat.to(torch.float32) - b.anchor
+            self._all_reduce(diff, seed, check)
+            b.anchor.add_(diff)
+            return b.anchor
+        vals = flat.to(torch.float32)
+        self._all_reduce(vals, seed, check)
+        return vals
+
+    @torch.no_grad()
+    def reduce_flats(
+        self, flats: Sequence[torch.Tensor], round_idx: int = 0, check: bool | None = None
+    ) -> list[torch.Tensor]:
+        """The average over the group of ``snapshot``-shaped flats, without touching the tensors: with no codec
+        ``flats`` are all-reduced in place and returned; with a codec fp32 results are returned (in delta mode the
+        anchors themselves, which move to the average). Collective; may run on a ``CommWorker`` thread while the
+        tensors train on (nothing else may use the anchors meanwhile)."""
+        check = not self._checked if check is None else check
+        if len(flats) != len(self._buckets):
+            raise ValueError(f"reduce_flats: {len(flats)} flats for {len(self._buckets)} buckets")
+        out = [self._reduce_bucket(k, flat, round_idx, check) for k, flat in enumerate(flats)]
+        self._checked = True
+        return out
+
     @torch.no_grad()
     def average(self, round_idx: int = 0, check: bool | None = None) -> None:
         """Average every tensor over the group, in place; identical results on all ranks.
 
         ``check``: run ``quantized_all_reduce``'s cross-rank layout check (one small all-gather per
-        bucket); None = on this averager's first call only, since its layout is fixed.
+        bucket); None = on this averager's first call only, since its layout is fixed. One bucket's flat copy
+        at a time.
         """
-        if check is None:
-            check = not self._checked
+        check = not self._checked if check is None else check
         for k, b in enumerate(self._buckets):
-            seed = derive_seed(self.seed, round_idx, k)
-            flat = self._flatten(b)
-            if self.codec is None:
-                self._all_reduce(flat, seed, check)
-            elif self.delta:
-                assert b.anchor is not None
-                diff = flat.to(torch.float32) - b.anchor
-                self._all_reduce(diff, seed, check)
-                b.anchor.add_(diff)
-                flat = b.anchor
-            else:
-                vals = flat.to(torch.float32)
-                self._all_reduce(vals, seed, check)
-                flat = vals
-            self._unflatten(b, flat)
+            self._unflatten(b, self._reduce_bucket(k, self._flatten(b), round_idx, check))
         self._checked = True

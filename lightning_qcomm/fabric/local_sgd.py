@@ -39,8 +39,10 @@ from typing_extensions import override
 from lightning_qcomm._checks import check_int
 from lightning_qcomm.comm.topology import NodeGroups, node_groups
 from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, config_from
-from lightning_qcomm.parallel.local_sgd import LocalSGD, broadcast_module_states, config_fingerprint, this_rank_entries
-from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, inter_node_topology
+from lightning_qcomm.parallel.local_sgd import LocalSGD, broadcast_module_states
+from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, config_fingerprint, inter_node_topology
+from lightning_qcomm.parallel.local_sgd_overlap import AveragingLane
+from lightning_qcomm.parallel.rank_files import this_rank_entries
 from lightning_qcomm.strategies.presets import LOCAL_SGD_PRESETS
 
 
@@ -81,6 +83,7 @@ class LocalSGDFabricStrategy(QCommFabricStrategy, DDPStrategy):
         self._optimizers: list[Optimizer] = []
         self._node_groups: NodeGroups | None = None  # scope="inter_node": made once (collective), at setup_module
         self._run_config = self.config  # the global form when there is no node level
+        self._lane: AveragingLane | None = None  # overlap=True: its worker and groups, made once at setup_module
 
     @override
     def config_fingerprint(self) -> dict[str, Any]:
@@ -98,6 +101,8 @@ class LocalSGDFabricStrategy(QCommFabricStrategy, DDPStrategy):
                 self._run_config = dataclasses.replace(self.config, scope="global", node_size=None)
             else:
                 self._node_groups = node_groups(topo, timeout=self._timeout, device_type=self.root_device.type)
+        if self.config.overlap and self._lane is None:
+            self._lane = AveragingLane(None, self._node_groups)
         self._make_local_sgd()
         return module
 
@@ -118,6 +123,7 @@ class LocalSGDFabricStrategy(QCommFabricStrategy, DDPStrategy):
                 broadcast=False,
                 owner=type(self).__name__,
                 node_groups=self._node_groups,
+                lane=self._lane,
             )
 
     @override
@@ -160,6 +166,14 @@ class LocalSGDFabricStrategy(QCommFabricStrategy, DDPStrategy):
             this_rank_entries([], world, self.world_size, self.global_rank)  # logs: every rank keeps rank 0's
         if self.local_sgd is not None:
             self.local_sgd.load_state_dict(entry)  # after the weights: they become the common anchor
+
+    @override
+    def teardown(self) -> None:
+        # an average still in flight (no sync() after the last step, or an error) is left to its daemon thread
+        in_flight = self.local_sgd is not None and self.local_sgd.overlap is not None and self.local_sgd.overlap.pending
+        if self._lane is not None and not in_flight:
+            self._lane.close()
+        super().teardown()
 
 
 __all__ = ["LocalSGDFabricStrategy"]

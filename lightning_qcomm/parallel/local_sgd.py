@@ -24,6 +24,8 @@ gradients are averaged over the node, fp32, every step, so they stay identical) 
 averaged every H steps over the world hierarchically (``comm.hierarchical``: each buffer crosses the slow links
 once). ``outer_optimizer="nesterov"`` turns each scheduled average into DiLoCo's outer step
 (``parallel.outer_optim``); forced averages (``sync()``) stay plain averages and leave the outer state alone.
+``overlap=True`` runs each scheduled parameter average in the background during the next round and applies it at
+that round's end (``parallel.local_sgd_overlap``); buffers and optimizer state are still averaged inline.
 
 ``LocalSGDStrategy`` (Trainer) and ``LocalSGDFabricStrategy`` (Fabric) drive the same object.
 
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -56,9 +57,10 @@ from lightning_qcomm.comm.averaging import TensorAverager
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.topology import NodeGroups, node_groups
 from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, inter_node_topology
+from lightning_qcomm.parallel.local_sgd_overlap import AveragingLane, OverlappedAverage
 from lightning_qcomm.parallel.outer_optim import build_outer_optimizer
 from lightning_qcomm.parallel.step_hooks import attach_step_hooks
-from lightning_qcomm.parallel.sync_rules import QSRRule, SyncSchedule
+from lightning_qcomm.parallel.sync_rules import QSRRule, SyncSchedule, check_optimizers_have_lr
 
 log = logging.getLogger(__name__)
 
@@ -72,22 +74,6 @@ def broadcast_module_states(module: nn.Module, group: dist.ProcessGroup | None =
     group = dist.distributed_c10d._get_default_group() if group is None else group
     ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))  # what DDP would not broadcast either
     _sync_module_states(module, group, 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=ignore)
-
-
-def check_optimizers_have_lr(optimizers: Sequence[Optimizer], sync: str) -> None:
-    """A rule that reads the lr needs a numeric ``lr`` in every param group (ValueError naming the group)."""
-    if not optimizers:
-        raise ValueError(f"sync={sync!r} reads the learning rate of the optimizer, but there is no optimizer")
-    for i, opt in enumerate(optimizers):
-        for j, group in enumerate(opt.param_groups):
-            lr = group.get("lr")
-            try:
-                float(lr)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"sync={sync!r} sets H from the learning rate, but optimizer {i} ({type(opt).__name__}) "
-                    f"param_groups[{j}] has lr={lr!r}; it needs a numeric 'lr' (or use sync='constant')"
-                ) from None
 
 
 class LocalSGD:
@@ -108,6 +94,7 @@ class LocalSGD:
         node_groups: ``scope="inter_node"``'s groups (a strategy makes them once); default: made here (collective)
             from ``config.node_size`` / ``devices_per_node`` / ``LOCAL_WORLD_SIZE``.
         devices_per_node: the launcher's ranks per node, for ``scope="inter_node"`` without ``node_size``.
+        lane: ``overlap=True``'s worker and groups (a strategy makes them once); default: made here (collective).
 
     Example::
 
@@ -132,6 +119,7 @@ class LocalSGD:
         owner: str = "LocalSGD",
         node_groups: NodeGroups | None = None,
         devices_per_node: int | None = None,
+        lane: AveragingLane | None = None,
     ) -> None:
         config = LocalSGDConfig() if config is None else config
         if not isinstance(config, LocalSGDConfig):
@@ -149,8 +137,13 @@ class LocalSGD:
         self.node_groups = (
             self._resolve_node_groups(node_groups, devices_per_node) if config.scope != "global" else None
         )
+        self._own_lane = config.overlap and lane is None
+        self.lane = (AveragingLane(self.group, self.node_groups) if lane is None else lane) if config.overlap else None
         params = [p for p in model.parameters() if p.requires_grad]
-        self.param_averager = self._averager(params, "param_average", config.build_codec(), seed=config.seed)
+        self.param_averager = self._averager(
+            params, "param_average", config.build_codec(), seed=config.seed, lane=self.lane
+        )
+        self.overlap = None if self.lane is None else OverlappedAverage(self.param_averager, self.lane.worker)
         buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.buffer_averager = self._averager(buffers, "buffers") if config.average_buffers and buffers else None
         self.outer = build_outer_optimizer(config.outer_optimizer, params, config.outer_lr, config.outer_momentum)
@@ -176,17 +169,23 @@ class LocalSGD:
         return None if topo is None else node_groups(topo)
 
     def _averager(
-        self, tensors: list[torch.Tensor], tag: str, codec: Any = None, seed: int = 0, intra: bool = False
+        self,
+        tensors: list[torch.Tensor],
+        tag: str,
+        codec: Any = None,
+        seed: int = 0,
+        intra: bool = False,
+        lane: AveragingLane | None = None,
     ) -> TensorAverager:
-        """Over the world (hierarchically across nodes, or over ``process_group``), or over the node (``intra``)."""
+        """Over the world (hierarchically across nodes, or over ``process_group``), or over the node (``intra``);
+        over ``lane``'s groups when given."""
         numel, delta = self.config.bucket_numel, self.config.quantize_delta
-        if self.node_groups is None:
-            return TensorAverager(tensors, codec, group=self.group, bucket_numel=numel, seed=seed, tag=tag, delta=delta)
+        group, groups = (self.group, self.node_groups) if lane is None else (lane.group, lane.node_groups)
+        if groups is None:
+            return TensorAverager(tensors, codec, group=group, bucket_numel=numel, seed=seed, tag=tag, delta=delta)
         if intra:
-            return TensorAverager(tensors, None, group=self.node_groups.intra, bucket_numel=numel, tag=f"{tag}@intra")
-        return TensorAverager(
-            tensors, codec, node_groups=self.node_groups, bucket_numel=numel, seed=seed, tag=tag, delta=delta
-        )
+            return TensorAverager(tensors, None, group=groups.intra, bucket_numel=numel, tag=f"{tag}@intra")
+        return TensorAverager(tensors, codec, node_groups=groups, bucket_numel=numel, seed=seed, tag=tag, delta=delta)
 
     @property
     def topology(self) -> tuple[int, int] | None:
@@ -264,11 +263,25 @@ class LocalSGD:
             self.param_averager.reset_anchor()
             if self.outer is not None:
                 self.outer.restart()  # no pseudo-gradient: the common parameters are the global ones
-        else:
+        elif not self._overlapped_round():
             self._average(params=True)
             if self.outer is not None:
                 self.outer.step()  # DiLoCo: the parameters become the new global ones
                 self.param_averager.reset_anchor()
+        return True
+
+    def _overlapped_round(self) -> bool:
+        """``overlap=True``: apply the previous round's average, start this round's in the background and average
+        buffers (and optimizer state) inline. False when this sync must be exact: no overlap, or the last one."""
+        if self.overlap is None:
+            return False
+        self.overlap.finish(self.outer)
+        total = self.schedule.total_steps
+        if total is not None and self.schedule.step >= total:
+            return False
+        self.overlap.launch(self.num_averages)
+        self._average(params=False, states=True)
+        self.dirty = True  # the replicas differ by the round in flight
         return True
 
     def _before_hook(self, optimizer: Optimizer) -> None:
@@ -288,13 +301,14 @@ class LocalSGD:
                             out.append(v)
         return out
 
-    def _average(self, params: bool = True) -> None:
-        """Average parameters (``params``), floating buffers and optionally optimizer state over ranks."""
+    def _average(self, params: bool = True, states: bool | None = None) -> None:
+        """Average parameters (``params``), floating buffers and optionally optimizer state (``states``, default
+        with the parameters) over ranks."""
         if params:
             self.param_averager.average(self.num_averages)
         if self.buffer_averager is not None:
             self.buffer_averager.average(self.num_averages)
-        if params and self.config.average_optimizer_state:
+        if (params if states is None else states) and self.config.average_optimizer_state:
             states = self._optimizer_state_tensors()  # rebuilt every time: load_state_dict replaces the tensors
             if states:
                 averager = self._averager(states, "param_average")
@@ -309,7 +323,10 @@ class LocalSGD:
 
     def sync(self) -> bool:
         """Average the replicas now if they moved since the last average (outside the schedule, which it does
-        not change; counted in ``num_forced_syncs``). Collective. Returns whether it averaged."""
+        not change; counted in ``num_forced_syncs``); with ``overlap=True`` the average in flight is applied first.
+        Collective. Returns whether it averaged."""
+        if self.overlap is not None:
+            self.overlap.finish(self.outer)
         if not self.dirty:
             return False
         self._average(params=True)
@@ -330,7 +347,9 @@ class LocalSGD:
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule and counters, and DiLoCo's outer state (all the same on every rank); optimizer states are
-        the optimizers' own."""
+        the optimizers' own. With ``overlap=True`` call ``sync()`` first (RuntimeError while an average is in flight)."""
+        if self.overlap is not None and self.overlap.pending:
+            raise RuntimeError(f"{self.owner}.state_dict(): an average is in flight (overlap=True); call sync() first")
         state = {
             "sync": self.config.sync,
             "schedule": self.schedule.state_dict(),
@@ -348,6 +367,8 @@ class LocalSGD:
         self.num_averages = int(state.get("num_averages", 0))
         self.num_forced_syncs = int(state.get("num_forced_syncs", 0))
         self.dirty = False
+        if self.overlap is not None:
+            self.overlap.discard()  # the loaded weights replace what it averaged
         self.param_averager.reset_anchor()
         if self.outer is not None:
             if state.get("outer") is not None:
@@ -361,35 +382,18 @@ class LocalSGD:
                 )
 
     def close(self) -> None:
-        """Remove the optimizer step hooks."""
+        """Remove the optimizer step hooks; with ``overlap=True`` wait for the average in flight (not applied: call
+        ``sync()`` before to keep it) and stop this object's own worker."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def config_fingerprint(config: LocalSGDConfig, node_size: int | None = None) -> dict[str, Any]:
-    """The settings compared across ranks (a period or alpha that differs would make ranks sync on different
-    steps and wait in each other's averages), with ``scope="inter_node"``'s resolved ranks per node."""
-    return {**asdict(config), "resolved_node_size": node_size}
-
-
-def this_rank_entries(per_rank: Sequence[Sequence[Any]], saved_world: Any, world_size: int, rank: int) -> list | None:
-    """From lists holding one entry per rank (optimizer states gathered at save), this rank's entry of each; None
-    (logged: every rank then keeps rank 0's) when the checkpoint was written by another number of ranks."""
-    if saved_world != world_size:
-        log.warning(
-            "checkpoint holds optimizer states of %s ranks, this run has %s: every rank loads rank 0's",
-            saved_world,
-            world_size,
-        )
-        return None
-    return [ranks[rank] for ranks in per_rank]
+        if self.overlap is not None:
+            self.overlap.discard()
+        if self._own_lane and self.lane is not None:
+            self.lane.close()
 
 
 __all__ = [
     "LocalSGD",
     "broadcast_module_states",
-    "check_optimizers_have_lr",
-    "config_fingerprint",
-    "this_rank_entries",
 ]

@@ -12,7 +12,8 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
@@ -58,6 +59,9 @@ class LocalSGDConfig:
             pseudo-gradient Δ = θ_global − mean(θ_local) takes an outer Nesterov SGD step; ``parallel.outer_optim``).
         outer_lr: the outer step's learning rate (> 0; DiLoCo: 0.7).
         outer_momentum: the outer step's Nesterov momentum, in [0, 1) (DiLoCo: 0.9).
+        overlap: a scheduled average runs in the background while the next round trains, and is applied at that
+            round's end (x <- A + progress since the snapshot; one round stale, ``parallel.local_sgd_overlap``);
+            the last scheduled sync and every ``sync()`` stay exact. Uses a thread and process groups of its own.
         nonfinite: a NaN/Inf gradient ``"skip"``-s the step (a local step on that rank only, still counted so
             every rank syncs on the same steps; a data-parallel step on every rank), ``"raise"``-s
             FloatingPointError, or ``"propagate"``-s.
@@ -67,6 +71,7 @@ class LocalSGDConfig:
         cfg = LocalSGDConfig(sync="qsr", h_base=4, codec="uniform", bits=8)
         cfg.build_rule()     # the period rule; ValueError at construction for a bad field
         diloco = LocalSGDConfig(sync="qsr", scope="inter_node", outer_optimizer="nesterov", outer_lr=0.7)
+        LocalSGDConfig(sync="constant", period=8, overlap=True)   # the average hidden behind the next round
     """
 
     sync: str = "qsr"
@@ -91,10 +96,18 @@ class LocalSGDConfig:
     outer_optimizer: str = "average"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         own = type(self).__name__
-        for name in ("average_buffers", "average_optimizer_state", "quantize_delta", "save_rank_optimizer_states"):
+        bools = (
+            "average_buffers",
+            "average_optimizer_state",
+            "quantize_delta",
+            "save_rank_optimizer_states",
+            "overlap",
+        )
+        for name in bools:
             check_bool(own, name, getattr(self, name))
         check_int(own, "period", self.period, minimum=1)
         check_int(own, "switch_step", self.switch_step, minimum=0, optional=True)
@@ -178,4 +191,10 @@ def inter_node_topology(
     )
 
 
-__all__ = ["OUTER_OPTIMIZERS", "SCOPES", "LocalSGDConfig", "inter_node_topology"]
+def config_fingerprint(config: LocalSGDConfig, node_size: int | None = None) -> dict[str, Any]:
+    """The settings compared across ranks (a period or alpha that differs would make ranks sync on different
+    steps and wait in each other's averages), with ``scope="inter_node"``'s resolved ranks per node."""
+    return {**asdict(config), "resolved_node_size": node_size}
+
+
+__all__ = ["OUTER_OPTIMIZERS", "SCOPES", "LocalSGDConfig", "config_fingerprint", "inter_node_topology"]

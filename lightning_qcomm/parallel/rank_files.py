@@ -34,7 +34,7 @@ import glob
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.fabric.utilities.cloud_io import get_filesystem
@@ -187,6 +187,19 @@ def attach(strategy: Any) -> None:
     strategy._qcomm_rank_files_attached = True
 
 
+def this_rank_entries(per_rank: Sequence[Sequence[Any]], saved_world: Any, world_size: int, rank: int) -> list | None:
+    """From lists holding one entry per rank (optimizer states gathered at save), this rank's entry of each; None
+    (logged: every rank then keeps rank 0's) when the checkpoint was written by another number of ranks."""
+    if saved_world != world_size:
+        log.warning(
+            "checkpoint holds optimizer states of %s ranks, this run has %s: every rank loads rank 0's",
+            saved_world,
+            world_size,
+        )
+        return None
+    return [ranks[rank] for ranks in per_rank]
+
+
 __all__ = [
     "MANIFEST_KEY",
     "RANK_STATE_KEY",
@@ -199,4 +212,5 @@ __all__ = [
     "saved_world_size",
     "side_path",
     "stash",
+    "this_rank_entries",
 ]

@@ -23,8 +23,11 @@ step of the new round uses.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from torch.optim import Optimizer
 
 SYNC_RULE_NAMES = ("qsr", "constant", "post_local")
 
@@ -241,3 +244,19 @@ def simulate(rule: SyncRule, total_steps: int, lr_at, start_step: int = 0) -> li
         while not sched.end_step():
             pass
     return rounds
+
+
+def check_optimizers_have_lr(optimizers: Sequence[Optimizer], sync: str) -> None:
+    """A rule that reads the lr needs a numeric ``lr`` in every param group (ValueError naming the group)."""
+    if not optimizers:
+        raise ValueError(f"sync={sync!r} reads the learning rate of the optimizer, but there is no optimizer")
+    for i, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            lr = group.get("lr")
+            try:
+                float(lr)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"sync={sync!r} sets H from the learning rate, but optimizer {i} ({type(opt).__name__}) "
+                    f"param_groups[{j}] has lr={lr!r}; it needs a numeric 'lr' (or use sync='constant')"
+                ) from None

@@ -69,14 +69,11 @@ from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.comm.topology import NodeGroups, Topology, node_groups
 from lightning_qcomm.parallel import rank_files
-from lightning_qcomm.parallel.local_sgd import (
-    LocalSGD,
-    broadcast_module_states,
-    check_optimizers_have_lr,
-    config_fingerprint,
-    this_rank_entries,
-)
-from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, inter_node_topology
+from lightning_qcomm.parallel.local_sgd import LocalSGD, broadcast_module_states
+from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, config_fingerprint, inter_node_topology
+from lightning_qcomm.parallel.local_sgd_overlap import AveragingLane
+from lightning_qcomm.parallel.rank_files import this_rank_entries
+from lightning_qcomm.parallel.sync_rules import check_optimizers_have_lr
 from lightning_qcomm.strategies.presets import LOCAL_SGD_PRESETS, register_presets
 
 log = logging.getLogger(__name__)
@@ -125,6 +122,7 @@ class LocalSGDStrategy(DDPStrategy):
         outer_optimizer: Literal["average", "nesterov"] = "average",
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        overlap: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -154,6 +152,7 @@ class LocalSGDStrategy(DDPStrategy):
         self._topology: Topology | None = None  # scope="inter_node"'s, resolved at setup; None: the global form
         self._run_config = self.config  # what the fit runs with: the global form if there is no node level
         self._node_groups: NodeGroups | None = None  # scope="inter_node": made once (collective), reused by later fits
+        self._lane: AveragingLane | None = None  # overlap=True: its worker and groups, made once like the node groups
 
     # ------------------------------------------------------------------ registry
 
@@ -219,6 +218,8 @@ class LocalSGDStrategy(DDPStrategy):
             self._node_groups = None
         elif self._node_groups is None or self._node_groups.topology != topo:
             self._node_groups = node_groups(topo, timeout=self._timeout, device_type=self.root_device.type)
+        if self.config.overlap and self._lane is None:
+            self._lane = AveragingLane(None, self._node_groups)
 
     def config_fingerprint(self) -> dict[str, Any]:
         """The settings (compared across ranks at setup: a period or alpha that differs would make ranks sync
@@ -252,6 +253,7 @@ class LocalSGDStrategy(DDPStrategy):
             nonfinite=self.nonfinite,
             owner=type(self).__name__,
             node_groups=self._node_groups,
+            lane=self._lane,
         )
         if self._loaded_state is not None:
             self.local_sgd.load_state_dict(self._loaded_state)
@@ -310,6 +312,14 @@ class LocalSGDStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         self._sync_if_dirty()
         super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        # after an error an average may still be in flight: its daemon thread is left to end (or time out) alone
+        in_flight = self.local_sgd is not None and self.local_sgd.overlap is not None and self.local_sgd.overlap.pending
+        if self._lane is not None and not in_flight:
+            self._lane.close()
+        super().teardown()
 
     # ------------------------------------------------------------------ checkpointing
 
