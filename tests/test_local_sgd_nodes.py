@@ -6,7 +6,8 @@ does) and the plain-torch ``LocalSGD``. Checked: with H=1 and no codec, Local SG
 plain DDP (to fp32 rounding); the ranks of a node are identical after every step, the nodes only every H steps;
 the inter-node group carries parameter averages only at syncs (ledger tags); DiLoCo with outer_lr=1 and
 outer_momentum=0 is plain averaging (derived identity: θ_prev − 1·(θ_prev − mean) = mean), with Nesterov it is
-not; a DiLoCo run resumed from a mid-round checkpoint is bit-exact (outer state restored); one node warns and
+not; a DiLoCo run resumed from a mid-round checkpoint is bit-exact (outer state restored); overlapped DiLoCo keeps
+a node's ranks identical and makes the nodes equal at the last sync; one node warns and
 runs the global form; bad settings are refused naming the argument.
 """
 
@@ -140,6 +141,12 @@ def _two_by_two(outdir: str) -> dict:
         _local(outer_optimizer="nesterov"), momentum=0.9, ckpt_path=os.path.join(ckpt_dir, DILOCO_CKPT)
     )
     res["diloco_resumed"] = _params(resumed)
+
+    # DiLoCo with each inter-node average applied a round later (overlap=True, on a second set of node groups)
+    probe = _Agreement()
+    _, over, ledger, _ = _fit(_local(outer_optimizer="nesterov", overlap=True), callbacks=[probe], momentum=0.9)
+    res["diloco_overlap"] = {"steps": probe.steps, "calls": _calls(ledger), "loss": _full_loss(over)}
+    res["diloco_overlap"]["final"] = _every_rank(over)
 
     # node_size=4: one node of 4 ranks -> warned, the global form (flat tags)
     _, _, ledger, caught = _fit(_local(node_size=4), max_steps=PERIOD)
@@ -309,6 +316,21 @@ def test_inter_group_carries_parameter_averages_only_at_syncs(runs):
         assert h1["all_reduce:param_average@inter"] == STEPS and h1["all_reduce:grads@intra"] == STEPS
         # the DiLoCo run also averages once at the checkpoint (a forced sync): STEPS // PERIOD + 1
         assert r["diloco"]["calls"]["all_reduce:param_average@inter"] == STEPS // PERIOD + 1
+
+
+def test_diloco_overlapped_across_nodes(runs):
+    """overlap=True across nodes: the per-step intra-node gradient means keep a node's ranks identical while an
+    average is in flight; the nodes differ by their own progress after every sync but the last, which is exact."""
+    r = runs[0]["diloco_overlap"]
+    assert [s for s, *_ in r["steps"]] == list(range(1, STEPS + 1))
+    for step, node0, node1, across in r["steps"]:
+        assert node0 and node1, step
+        assert across == (step == STEPS), (step, across)
+    assert all(torch.equal(t, r["final"][0]) for t in r["final"])
+    for rank in runs:  # 3 averages in the background (steps 3, 6, 9), the last inline (step 12)
+        assert rank["diloco_overlap"]["calls"]["all_reduce:param_average@inter"] == STEPS // PERIOD
+        assert rank["diloco_overlap"]["calls"]["all_reduce:grads@intra"] == STEPS
+    assert r["loss"] < runs[0]["diloco"]["init_loss"]
 
 
 def test_quantized_inter_node_average_close_to_fp32(runs):
