@@ -140,9 +140,41 @@ def dedicated_group(
     return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
 
 
+_SHARED: dict[tuple, tuple[CommWorker, dist.ProcessGroup | None]] = {}
+
+
+def _is_live(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is still registered with torch.distributed (not destroyed since it was made)."""
+    return group is None or group in dist.distributed_c10d._world.pg_map
+
+
+def shared_background(
+    name: str, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
+) -> tuple[CommWorker, dist.ProcessGroup | None]:
+    """This process's one ``CommWorker`` and dedicated group for ``name`` over ``group``'s ranks (default: the
+    world), made on first use (collective: ``dedicated_group``) and handed to every later caller with the same name,
+    ranks, backend and timeout, so objects made again and again (an optimizer per fit, a ``LocalSGD`` per run) do not
+    each add a process group for the life of the process. Sharing is safe: one thread runs every holder's jobs in
+    submission order, which is the same on every rank. A group destroyed since (``destroy_process_group``) is
+    replaced.
+
+    Example::
+
+        worker, group = shared_background("lightning_qcomm-onebit")       # the same pair on the next call
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return CommWorker(name), None
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    key = (name, ranks, dist.get_backend(group), timeout)
+    shared = _SHARED.get(key)
+    if shared is None or not _is_live(shared[1]):
+        shared = _SHARED[key] = (CommWorker(name), dedicated_group(group, timeout=timeout))
+    return shared
+
+
 class BackgroundComm:
-    """A ``CommWorker`` and the process group dedicated to it, made on first use and then reused, so a strategy
-    that sets up again (a later Trainer stage, a second ``fit``) does not create another group each time.
+    """A ``CommWorker`` and the process group dedicated to it (``shared_background``), taken on first use and then
+    reused, so a strategy that sets up again (a later Trainer stage, a second ``fit``) creates no other group.
 
     Example::
 
@@ -160,8 +192,7 @@ class BackgroundComm:
     def acquire(self, group: dist.ProcessGroup | None = None) -> tuple[CommWorker, dist.ProcessGroup | None]:
         """The worker and its group over ``group``'s ranks. Collective on the first call (``dedicated_group``)."""
         if self.worker is None:
-            self.group = dedicated_group(group, timeout=self.timeout)
-            self.worker = CommWorker(self.name)
+            self.worker, self.group = shared_background(self.name, group, self.timeout)
         return self.worker, self.group
 
     def close(self) -> None:
@@ -169,4 +200,4 @@ class BackgroundComm:
             self.worker.close()
 
 
-__all__ = ["BackgroundComm", "CommWorker", "FutureWork", "dedicated_group", "group_timeout"]
+__all__ = ["BackgroundComm", "CommWorker", "FutureWork", "dedicated_group", "group_timeout", "shared_background"]

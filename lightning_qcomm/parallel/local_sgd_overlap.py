@@ -37,14 +37,17 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.comm.averaging import TensorAverager
-from lightning_qcomm.comm.comm_worker import CommWorker, dedicated_group
+from lightning_qcomm.comm.comm_worker import CommWorker, shared_background
 from lightning_qcomm.comm.topology import NodeGroups, node_groups
 from lightning_qcomm.parallel.outer_optim import NesterovOuterOptimizer
+
+_NODE_LANES: dict = {}  # topology -> (worker, node groups): one second set per process, as shared_background
 
 
 class AveragingLane:
     """A ``CommWorker`` and process groups nothing else uses: a copy of ``group`` (default the world), or with
-    ``groups`` (``scope="inter_node"``) a second set of node groups over the same topology. Collective to make.
+    ``groups`` (``scope="inter_node"``) a second set of node groups over the same topology. Collective the first
+    time; later lanes over the same ranks reuse the worker and groups (``comm_worker.shared_background``).
 
     Example::
 
@@ -54,9 +57,18 @@ class AveragingLane:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, groups: NodeGroups | None = None) -> None:
-        self.node_groups = None if groups is None else node_groups(groups.topology)
-        self.group = None if groups is not None else dedicated_group(group)
-        self.worker = CommWorker("lightning_qcomm-local-sgd")
+        self.node_groups: NodeGroups | None = None
+        self.group: dist.ProcessGroup | None = None
+        if groups is None:
+            self.worker, self.group = shared_background("lightning_qcomm-local-sgd", group)
+            return
+        shared = _NODE_LANES.get(groups.topology)
+        if shared is None or shared[1].intra not in dist.distributed_c10d._world.pg_map:
+            shared = _NODE_LANES[groups.topology] = (
+                CommWorker("lightning_qcomm-local-sgd"),
+                node_groups(groups.topology),
+            )
+        self.worker, self.node_groups = shared
 
     def close(self) -> None:
         self.worker.close()
