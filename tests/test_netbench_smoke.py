@@ -225,3 +225,26 @@ def test_aggregate_nodes_per_node_bytes_and_bound_ratio():
     assert rows["hier"]["ledger_inter"] == pytest.approx(1.8e6)
     assert rows["hier"]["bound_ratio"] == pytest.approx(0.30 / 0.23)  # the floor is the larger bound here
     assert rows["hier"]["speedup_vs_fp32"] == pytest.approx(2.5 / 0.30)
+
+
+def test_an_ablation_patch_ends_with_its_entry(monkeypatch):
+    """A worker runs a whole schedule in one process: an ablation that patches a module (QSDP's reduce-scatters
+    inline) must leave the next entry, the default it is compared with, unpatched."""
+    import lightning_qcomm.comm.ddp_hooks as ddp_hooks
+    import lightning_qcomm.comm.fsdp_install as fsdp_install
+    from benchmarks.netbench import worker
+    from benchmarks.netbench.variants import build_variant
+
+    originals = fsdp_install.deferrable, ddp_hooks.quantized_all_reduce
+    seen = []
+
+    def train(entry, spec, rank):
+        build_variant(entry["variant"], warmup=1, lr=1e-3, lr_warmup=1, timeout_s=30.0)
+        seen.append((fsdp_install.deferrable, ddp_hooks.quantized_all_reduce))
+        return {}
+
+    monkeypatch.setattr(worker, "_train_entry", train, raising=False)
+    for name in ("qsdp_w8g8_rs_inline", "qddp_nuqsgd4_cap4_p17"):
+        worker.run_entry({"variant": name, "repeat": 0}, {}, 0)
+    assert seen[0][0] is not originals[0] and seen[1][1] is not originals[1]  # each ablation did patch
+    assert (fsdp_install.deferrable, ddp_hooks.quantized_all_reduce) == originals  # ... for its entry only

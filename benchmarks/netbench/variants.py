@@ -9,9 +9,33 @@ all-reduce in fp32).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+# (object, attribute, original value) of every module attribute an ablation replaced in this process
+_ABLATION_PATCHES: list[tuple[Any, str, Any]] = []
+
+
+def ablation_patch(obj: Any, attr: str, value: Any) -> None:
+    """Replace ``obj.attr`` for the current entry only: ``ablation_scope`` restores it. A worker runs a whole
+    schedule in one process, so a patch left in place would turn every later entry into the ablation."""
+    _ABLATION_PATCHES.append((obj, attr, getattr(obj, attr)))
+    setattr(obj, attr, value)
+
+
+@contextlib.contextmanager
+def ablation_scope() -> Iterator[None]:
+    """Undo, on exit, every ``ablation_patch`` made inside (latest first)."""
+    depth = len(_ABLATION_PATCHES)
+    try:
+        yield
+    finally:
+        while len(_ABLATION_PATCHES) > depth:
+            obj, attr, old = _ABLATION_PATCHES.pop()
+            setattr(obj, attr, old)
 
 
 @dataclass(frozen=True)
@@ -105,6 +129,20 @@ VARIANTS: tuple[Variant, ...] = (
             ONEBIT, False,
         )
         for mb in (1, 2, 4, 8)
+    ),
+    *(
+        Variant(
+            f"{name}_cap{mb}", "lq", f"QuantDDPStrategy(codec='{codec}', bits={bits}, bucket_cap_mb={mb}) (ablation: DDP bucket size)",
+            QDDP, False,
+        )
+        for name, codec, bits in (("qddp_uniform8", "uniform", 8), ("qddp_nuqsgd4", "nuqsgd", 4))
+        for mb in (1, 2, 4)
+    ),
+    *(
+        Variant(
+            f"{name}_p17", "lq", f"{name} with pipelined pieces of >= 2^17 elements per rank (ablation)", QDDP, False
+        )
+        for name in ("qddp_uniform8", "qddp_nuqsgd4", "qddp_uniform8_cap4", "qddp_nuqsgd4_cap4", "qddp_nuqsgd4_cap2")
     ),
     Variant(
         "qddp_nuqsgd4_nfprop", "lq",
@@ -296,13 +334,29 @@ def build_variant(
         # the ablation: weight all-gathers overlapped, gradient reduce-scatters inline (nothing deferred)
         import lightning_qcomm.comm.fsdp_install as fsdp_install
 
-        fsdp_install.deferrable = lambda module: lambda input_tensor: False
+        ablation_patch(fsdp_install, "deferrable", lambda module: lambda input_tensor: False)
         bits = 8 if name.startswith("qsdp_w8") else 4
         return load_symbol(QSDP)(weight_bits=bits, grad_bits=bits, timeout=timeout), BenchLM, {}, []
     if name in ("qsdp_w8g8", "qsdp_w4g4", "qsdp_w8g8_inline", "qsdp_w4g4_inline", "qsdp_32"):
         bits = {"qsdp_w8": 8, "qsdp_w4": 4, "qsdp_32": 32}[name[:7]]
         overlap = not name.endswith("_inline")  # the ablation: weight all-gathers inline, no prefetch
         strat = load_symbol(QSDP)(weight_bits=bits, grad_bits=bits, overlap_comm=overlap, timeout=timeout)
+        return strat, BenchLM, {}, []
+    if name.endswith("_p17"):  # the ablation: quantized_all_reduce's pieces >= 2^17 elements per rank
+        import functools
+
+        import lightning_qcomm.comm.ddp_hooks as ddp_hooks
+
+        ablation_patch(
+            ddp_hooks, "quantized_all_reduce", functools.partial(ddp_hooks.quantized_all_reduce, piece_numel=1 << 17)
+        )
+        name = name.removesuffix("_p17")
+    if "_cap" in name and name.split("_cap")[0] in QDDP_CODECS:
+        base, mb = name.split("_cap")
+        codec, bits = QDDP_CODECS[base]
+        strat = load_symbol(QDDP)(
+            codec=codec, bits=bits, bucket_cap_mb=float(mb), process_group_backend="gloo", timeout=timeout
+        )
         return strat, BenchLM, {}, []
     if name in QDDP_CODECS or name.removesuffix("_hier") in QDDP_CODECS:
         codec, bits = QDDP_CODECS[name.removesuffix("_hier")]

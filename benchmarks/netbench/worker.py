@@ -144,6 +144,13 @@ def _make_step_timer(warmup: int, steps: int, iface: str, ledgers: dict[str, Any
 
 def run_entry(entry: dict, spec: dict, rank: int) -> dict:
     """Train variant ``entry["variant"]`` for ``spec["steps"]`` steps with a fresh Trainer; return the figures."""
+    from benchmarks.netbench.variants import ablation_scope
+
+    with ablation_scope():  # an ablation's patch must not outlive its entry (the process runs the whole schedule)
+        return _train_entry(entry, spec, rank)
+
+
+def _train_entry(entry: dict, spec: dict, rank: int) -> dict:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.environments import LightningEnvironment
 
