@@ -55,6 +55,14 @@ METHODS: tuple[Method, ...] = (
     ),
     Method("localsgd_h4", "LocalSGDStrategy(sync='constant', period=4)", "ddp_fp32", None, False),
     Method(
+        "localsgd_qsr_overlap", "LocalSGDStrategy(sync='qsr', ..., overlap=True): the average overlapped with the next round",
+        "ddp_fp32", 0.0, True, in_default=False,
+    ),
+    Method(
+        "localsgd_h4_overlap", "LocalSGDStrategy(sync='constant', period=4, overlap=True)", "ddp_fp32", None, False,
+        in_default=False,
+    ),
+    Method(
         "post_local_sgd", "torch post-local SGD: DDP until the switch step, then PeriodicModelAverager(4)",
         "ddp_fp32", None, False,
     ),
