@@ -95,6 +95,7 @@ VARIANTS: tuple[Variant, ...] = (
         "localsgd_qsr_overlap", "lq", "localsgd_qsr with overlap=True: each average applied a round later", LSGD, False
     ),
     Variant("localsgd_h4_overlap", "lq", "LocalSGDStrategy(sync='constant', period=4, overlap=True)", LSGD, False),
+    Variant("localsgd_h8", "lq", "LocalSGDStrategy(sync='constant', period=8) (ablation: twice H=4's period)", LSGD, False),
     Variant("onebit_adam", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps)", ONEBIT),
     Variant(
         "qddp_none", "lq", "QuantDDPStrategy(codec='none') (ablation: the hook's fp32 path against DDP's own)", QDDP,
@@ -382,8 +383,9 @@ def build_variant(
             sync="qsr", h_base=4, alpha=2.0 * lr, warmup_steps=lr_warmup, scope="inter_node", timeout=timeout, **outer
         )
         return strat, BenchLM, {}, []
-    if name in ("localsgd_h4", "localsgd_h4_overlap"):
-        strat = load_symbol(LSGD)(sync="constant", period=4, overlap=name.endswith("_overlap"), timeout=timeout)
+    if name in ("localsgd_h4", "localsgd_h4_overlap", "localsgd_h8"):
+        period = 8 if name == "localsgd_h8" else 4
+        strat = load_symbol(LSGD)(sync="constant", period=period, overlap=name.endswith("_overlap"), timeout=timeout)
         return strat, BenchLM, {}, []
     if name in ("onebit_adam", "onebit_adam_hier"):
         hier = name.endswith("_hier")
