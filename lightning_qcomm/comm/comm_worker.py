@@ -143,7 +143,7 @@ def dedicated_group(
 _SHARED: dict[tuple, tuple[CommWorker, dist.ProcessGroup | None]] = {}
 
 
-def _is_live(group: dist.ProcessGroup | None) -> bool:
+def group_is_live(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` is still registered with torch.distributed (not destroyed since it was made)."""
     return group is None or group in dist.distributed_c10d._world.pg_map
 
@@ -167,7 +167,7 @@ def shared_background(
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
     key = (name, ranks, dist.get_backend(group), timeout)
     shared = _SHARED.get(key)
-    if shared is None or not _is_live(shared[1]):
+    if shared is None or not group_is_live(shared[1]):
         shared = _SHARED[key] = (CommWorker(name), dedicated_group(group, timeout=timeout))
     return shared
 
@@ -200,4 +200,12 @@ class BackgroundComm:
             self.worker.close()
 
 
-__all__ = ["BackgroundComm", "CommWorker", "FutureWork", "dedicated_group", "group_timeout", "shared_background"]
+__all__ = [
+    "BackgroundComm",
+    "CommWorker",
+    "FutureWork",
+    "dedicated_group",
+    "group_is_live",
+    "group_timeout",
+    "shared_background",
+]

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.comm.averaging import TensorAverager
-from lightning_qcomm.comm.comm_worker import CommWorker, shared_background
+from lightning_qcomm.comm.comm_worker import CommWorker, group_is_live, shared_background
 from lightning_qcomm.comm.topology import NodeGroups, node_groups
 from lightning_qcomm.parallel.outer_optim import NesterovOuterOptimizer
 
@@ -63,7 +63,7 @@ class AveragingLane:
             self.worker, self.group = shared_background("lightning_qcomm-local-sgd", group)
             return
         shared = _NODE_LANES.get(groups.topology)
-        if shared is None or shared[1].intra not in dist.distributed_c10d._world.pg_map:
+        if shared is None or not group_is_live(shared[1].intra):
             shared = _NODE_LANES[groups.topology] = (
                 CommWorker("lightning_qcomm-local-sgd"),
                 node_groups(groups.topology),
