@@ -67,6 +67,14 @@ METHODS: tuple[Method, ...] = (
         in_default=False,
     ),
     Method(
+        "localsgd_h12", "LocalSGDStrategy(sync='constant', period=12): inline, the overlapped H=4's mean drift",
+        "ddp_fp32", None, False, in_default=False,
+    ),
+    Method(
+        "localsgd_h2_overlap", "LocalSGDStrategy(sync='constant', period=2, overlap=True)", "ddp_fp32", None, False,
+        in_default=False,
+    ),
+    Method(
         "post_local_sgd", "torch post-local SGD: DDP until the switch step, then PeriodicModelAverager(4)",
         "ddp_fp32", None, False,
     ),

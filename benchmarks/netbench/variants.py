@@ -96,6 +96,13 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant("localsgd_h4_overlap", "lq", "LocalSGDStrategy(sync='constant', period=4, overlap=True)", LSGD, False),
     Variant("localsgd_h8", "lq", "LocalSGDStrategy(sync='constant', period=8) (ablation: twice H=4's period)", LSGD, False),
+    Variant(
+        "localsgd_h12", "lq", "LocalSGDStrategy(sync='constant', period=12) (ablation: the overlapped H=4's mean drift)",
+        LSGD, False,
+    ),
+    Variant(
+        "localsgd_h2_overlap", "lq", "LocalSGDStrategy(sync='constant', period=2, overlap=True) (ablation)", LSGD, False
+    ),
     Variant("onebit_adam", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps)", ONEBIT),
     Variant(
         "qddp_none", "lq", "QuantDDPStrategy(codec='none') (ablation: the hook's fp32 path against DDP's own)", QDDP,
@@ -383,8 +390,8 @@ def build_variant(
             sync="qsr", h_base=4, alpha=2.0 * lr, warmup_steps=lr_warmup, scope="inter_node", timeout=timeout, **outer
         )
         return strat, BenchLM, {}, []
-    if name in ("localsgd_h4", "localsgd_h4_overlap", "localsgd_h8"):
-        period = 8 if name == "localsgd_h8" else 4
+    if name in ("localsgd_h4", "localsgd_h4_overlap", "localsgd_h8", "localsgd_h12", "localsgd_h2_overlap"):
+        period = int(name.removeprefix("localsgd_h").removesuffix("_overlap"))
         strat = load_symbol(LSGD)(sync="constant", period=period, overlap=name.endswith("_overlap"), timeout=timeout)
         return strat, BenchLM, {}, []
     if name in ("onebit_adam", "onebit_adam_hier"):
