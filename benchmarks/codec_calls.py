@@ -9,6 +9,7 @@ minimum over interleaved rounds (the least disturbed), in microseconds. It impor
 the current directory, so it times any checkout::
 
     OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/codec_calls.py              # this checkout
+    OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/codec_calls.py --quant-ddp  # QuantDDP's 4-bit row calls
     cd ../other-checkout && OMP_NUM_THREADS=1 taskset -c 0 python /path/to/benchmarks/codec_calls.py
 """
 
@@ -50,17 +51,48 @@ def calls(bits: int, n: int) -> dict:
     return {f"uniform-{bits} n={n} {k}": f for k, f in fns.items()}
 
 
+def quant_ddp_calls(name: str, bits: int, n: int = 103424) -> dict:
+    """The calls one piece of ``quantized_all_reduce`` makes per row for an L2-norm codec (n: the chunk of the
+    benchmark model's pieces over 2 ranks), and the parts of one row's encode: the C pass alone, and the
+    scales and params built in torch ops before it (``cpu_fused._plain_scales_params``)."""
+    from lightning_qcomm.codecs import cpu_fused
+    from lightning_qcomm.comm.chunked import _decode_rows, _encode_rows
+
+    codec = get_codec(name, bits=bits)
+    x = torch.randn(2, n) * 1e-3
+    row = x[0].contiguous()
+    wire = _encode_rows(codec, x, [1, 2])
+    out = torch.empty(n, dtype=torch.uint8)
+    _, params = cpu_fused._plain_scales_params(codec, row, cpu_fused.FLT_MAX)
+    params = params.contiguous()
+    spec = cpu_fused._c_spec_args(codec)
+    fns = {
+        "encode_rows(2 rows)": lambda: _encode_rows(codec, x, [1, 2]),
+        "decode_rows(2 rows)": lambda: _decode_rows(codec, wire, 2, n),
+        "one row: C encode pass alone": lambda: torch.ops.qcomm.c_encode_codes.default(
+            row, params, 1, 2, *spec, out, 0
+        ),
+        "one row: scales + params (torch ops)": lambda: cpu_fused._plain_scales_params(codec, row, cpu_fused.FLT_MAX),
+    }
+    return {f"{name}-{bits} n={n} {k}": f for k, f in fns.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=25, help="interleaved rounds (the minimum is reported)")
     p.add_argument("--calls", type=int, default=100, help="calls per round")
+    p.add_argument("--quant-ddp", action="store_true", help="instead: QuantDDP's 4-bit row calls (nuqsgd, qsgd)")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     fns = {}
-    for bits in (4, 8):
-        for n in (16384, 65536, 262144):
-            fns.update(calls(bits, n))
+    if args.quant_ddp:
+        for name in ("nuqsgd", "qsgd"):
+            fns.update(quant_ddp_calls(name, 4))
+    else:
+        for bits in (4, 8):
+            for n in (16384, 65536, 262144):
+                fns.update(calls(bits, n))
     best = dict.fromkeys(fns, float("inf"))
     for f in fns.values():
         for _ in range(20):

@@ -50,6 +50,10 @@ METHODS: tuple[Method, ...] = (
     Method("qddp_nuqsgd4", "QuantDDPStrategy(codec='nuqsgd', bits=4)", "ddp_fp32", 2.0, True),
     Method("qddp_qsgd4", "QuantDDPStrategy(codec='qsgd', bits=4)", "ddp_fp32", 2.0, False),
     Method(
+        "qddp_qsgd4_b128", "QuantDDPStrategy(codec='qsgd', bits=4, bucket_size=128)", "ddp_fp32", 2.0, True,
+        in_default=False,
+    ),
+    Method(
         "localsgd_qsr", "LocalSGDStrategy(sync='qsr', h_base=4, alpha=2*peak lr, warmup_steps=lr warm-up)",
         "ddp_fp32", 0.0, True,
     ),

@@ -88,6 +88,10 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("qddp_nuqsgd4", "lq", "QuantDDPStrategy(codec='nuqsgd', bits=4)", QDDP),
     Variant("qddp_qsgd4", "lq", "QuantDDPStrategy(codec='qsgd', bits=4)", QDDP),
     Variant(
+        "qddp_qsgd4_b128", "lq", "QuantDDPStrategy(codec='qsgd', bits=4, bucket_size=128) (ablation: a quarter of the bucket)",
+        QDDP, False,
+    ),
+    Variant(
         "localsgd_qsr", "lq", "LocalSGDStrategy(sync='qsr', h_base=4, alpha=2*peak lr, warmup_steps=lr warm-up)", LSGD
     ),
     Variant("localsgd_h4", "lq", "LocalSGDStrategy(sync='constant', period=4)", LSGD),
@@ -364,6 +368,12 @@ def build_variant(
         codec, bits = QDDP_CODECS[base]
         strat = load_symbol(QDDP)(
             codec=codec, bits=bits, bucket_cap_mb=float(mb), process_group_backend="gloo", timeout=timeout
+        )
+        return strat, BenchLM, {}, []
+    if name.endswith("_b128") and name.removesuffix("_b128") in QDDP_CODECS:
+        codec, bits = QDDP_CODECS[name.removesuffix("_b128")]
+        strat = load_symbol(QDDP)(
+            codec=codec, bits=bits, bucket_size=128, process_group_backend="gloo", timeout=timeout
         )
         return strat, BenchLM, {}, []
     if name in QDDP_CODECS or name.removesuffix("_hier") in QDDP_CODECS:
