@@ -59,6 +59,10 @@ METHODS: tuple[Method, ...] = (
     ),
     Method("localsgd_h4", "LocalSGDStrategy(sync='constant', period=4)", "ddp_fp32", None, False),
     Method(
+        "localsgd_qsr_avgstate", "LocalSGDStrategy(sync='qsr', ..., average_optimizer_state=True)", "ddp_fp32", 0.0,
+        False, in_default=False,
+    ),
+    Method(
         "localsgd_qsr_overlap", "LocalSGDStrategy(sync='qsr', ..., overlap=True): the average overlapped with the next round",
         "ddp_fp32", 0.0, True, in_default=False,
     ),

@@ -96,6 +96,10 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant("localsgd_h4", "lq", "LocalSGDStrategy(sync='constant', period=4)", LSGD),
     Variant(
+        "localsgd_qsr_avgstate", "lq", "localsgd_qsr with average_optimizer_state=True (ablation: AdamW moments averaged too)",
+        LSGD, False,
+    ),
+    Variant(
         "localsgd_qsr_overlap", "lq", "localsgd_qsr with overlap=True: each average applied a round later", LSGD, False
     ),
     Variant("localsgd_h4_overlap", "lq", "LocalSGDStrategy(sync='constant', period=4, overlap=True)", LSGD, False),
@@ -383,7 +387,7 @@ def build_variant(
             codec=codec, bits=bits, hierarchical=hier, process_group_backend="gloo", timeout=timeout
         )
         return strat, BenchLM, {}, []
-    if name in ("localsgd_qsr", "localsgd_qsr_overlap"):
+    if name in ("localsgd_qsr", "localsgd_qsr_overlap", "localsgd_qsr_avgstate"):
         # alpha = 2 * peak lr: H = h_base = 4 while lr >= peak/2, then floor((alpha/lr)^2) as the cosine decays
         strat = load_symbol(LSGD)(
             sync="qsr",
@@ -391,6 +395,7 @@ def build_variant(
             alpha=2.0 * lr,
             warmup_steps=lr_warmup,
             overlap=name.endswith("_overlap"),
+            average_optimizer_state=name.endswith("_avgstate"),
             timeout=timeout,
         )
         return strat, BenchLM, {}, []
