@@ -236,7 +236,8 @@ def test_no_compression_is_the_none_entry():
 
 
 def test_op_args_rebuild_every_registered_codec():
-    """The ops carry a codec as (name, bits, bucket_size, stochastic); that rebuilds it exactly."""
+    """The ops carry a codec as (name, bits, bucket_size, stochastic); that rebuilds it exactly, one bucket
+    (``bucket_size=None`` on the class) included: the registry's default bucket must not replace it."""
     import itertools
 
     from lightning_qcomm.codecs import codec_names, codec_spec, registry
@@ -245,8 +246,23 @@ def test_op_args_rebuild_every_registered_codec():
         spec = codec_spec(name)
         for values in itertools.product(*spec.options.values()):
             for bits in spec.bits:
-                codec = get_codec(name, bits, 100, **dict(zip(spec.options, values)))
-                assert registry.codec_for_op(*codec.op_args()).config() == codec.config()
+                opts = dict(zip(spec.options, values))
+                for codec in (get_codec(name, bits, 100, **opts), spec.cls(bits, None, **spec.fixed, **opts)):
+                    assert registry.codec_for_op(*codec.op_args()).config() == codec.config()
+
+
+@pytest.mark.parametrize("n", [3000, 1 << 15], ids=["reference", "fused"])
+def test_a_one_bucket_codec_encodes_one_scale_row(n):
+    from lightning_qcomm.codecs import UniformCodec
+
+    codec = UniformCodec(bits=8, bucket_size=None)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    packed = codec.encode(x, seed=1)
+    assert codec.num_buckets(n) == 1
+    assert packed.scales.shape[0] == 1
+    lo, hi = float(x.min()), float(x.max())
+    err = (codec.decode(packed) - x).abs().max()
+    assert err <= (hi - lo) / 255 * (1 + 1e-5)  # one grid over the whole range: at most one step off
 
 
 def test_a_registered_codec_shows_up_everywhere():

@@ -192,6 +192,9 @@ def is_registered(codec: object) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def codec_for_op(name: str, bits: int, bucket_size: int | None, stochastic: bool):
-    """The codec the ops' arguments ``(codec, bits, bucket_size, stochastic)`` stand for (``Codec.op_args``)."""
+    """The codec the ops' arguments ``(codec, bits, bucket_size, stochastic)`` stand for (``Codec.op_args``).
+
+    ``bucket_size`` None is the codec's own value (one bucket), not "the default": built by the class, not
+    ``CodecSpec.build``."""
     spec = codec_spec(name)
-    return spec.build(bits, bucket_size, **spec.cls.op_options(stochastic))
+    return spec.cls(bits, bucket_size, **spec.fixed, **spec.cls.op_options(stochastic))
