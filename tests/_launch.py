@@ -3,7 +3,9 @@
 * ``free_port``: a TCP port on 127.0.0.1 nobody listens on (for ``MASTER_PORT`` / ``tcp://`` rendezvous).
 * ``spawn(fn, *args, nprocs=N)``: ``fn(rank, *args)`` in N processes started with "spawn"
   (``torch.multiprocessing``); a rank that raises fails the caller with its traceback, and with
-  ``timeout_s`` ranks still running are killed and ``TimeoutError`` is raised.
+  ``timeout_s`` ranks still running are killed and ``TimeoutError`` is raised. A rank killed by a signal (a C++
+  abort in a collective, a segfault) fails it with that rank's stderr tail and every thread's Python stack at the
+  signal (``faulthandler``), since torch reports only the signal's name.
 * ``write_rank_result`` / ``rank_results``: each rank writes one file (``rank{rank}.json`` by default;
   ``.pt`` and ``.pkl`` names are saved with torch / pickle) and the parent reads them back in rank order.
 * ``set_rank_env`` (a spawned worker's launcher variables) and ``FakeBucket`` (a DDP ``GradBucket`` stand-in).
@@ -39,21 +41,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Logged:
+    """``fn(rank, *args)`` with this rank's stderr in ``logdir/rank{rank}.err`` and ``faulthandler`` on, so a fatal
+    signal leaves every thread's Python stack there after the C++ message that preceded it."""
+
+    def __init__(self, fn: Callable[..., None], logdir: str) -> None:
+        self.fn, self.logdir = fn, logdir
+
+    def __call__(self, rank: int, *args: Any) -> None:
+        import faulthandler
+
+        log = open(Path(self.logdir) / f"rank{rank}.err", "w", buffering=1)  # noqa: SIM115 -- open until exit
+        sys.stderr.flush()
+        os.dup2(log.fileno(), 2)  # C++ (gloo, c10) messages too, which write to fd 2 directly
+        faulthandler.enable(file=log, all_threads=True)
+        self.fn(rank, *args)
+
+
+def _replay_logs(logdir: str, nprocs: int) -> None:
+    """Hand the ranks' stderr on to ours, so the test's captured output keeps it."""
+    for rank in range(nprocs):
+        path = Path(logdir) / f"rank{rank}.err"
+        if path.exists() and path.stat().st_size:
+            sys.stderr.write(path.read_text(errors="replace"))
+
+
+def _signal_report(err: Exception, logdir: str, tail_lines: int = 60) -> RuntimeError:
+    rank = getattr(err, "error_index", None)
+    path = Path(logdir) / f"rank{rank}.err"
+    tail = path.read_text(errors="replace").splitlines()[-tail_lines:] if path.exists() else ["(no log)"]
+    return RuntimeError(f"{err}; rank {rank}'s stderr, last {len(tail)} lines:\n" + "\n".join(tail))
+
+
 def spawn(fn: Callable[..., None], *args: Any, nprocs: int = 2, timeout_s: float | None = None) -> None:
     """Run ``fn(rank, *args)`` for rank 0..nprocs-1 in processes started with "spawn" and wait for all.
 
-    A rank that raises makes this raise (torch's ``ProcessRaisedException``, with the rank's traceback).
-    ``timeout_s``: ranks still running after that long are killed and ``TimeoutError`` is raised."""
+    A rank that raises makes this raise (torch's ``ProcessRaisedException``, with the rank's traceback); one killed
+    by a signal raises ``RuntimeError`` with its stderr tail and its threads' Python stacks. ``timeout_s``: ranks
+    still running after that long are killed and ``TimeoutError`` is raised."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    if timeout_s is None:
-        mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=True)
-        return
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout_s
+    with tempfile.TemporaryDirectory(prefix="qcomm-ranks-") as logdir:
+        try:
+            _join(
+                mp.start_processes(_Logged(fn, logdir), args=args, nprocs=nprocs, start_method="spawn", join=False),
+                nprocs,
+                timeout_s,
+            )
+        except mp.ProcessExitedException as err:
+            raise _signal_report(err, logdir) from err
+        finally:
+            _replay_logs(logdir, nprocs)
+
+
+def _join(ctx: Any, nprocs: int, timeout_s: float | None) -> None:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"{nprocs} spawned ranks did not finish within {timeout_s} s")
     finally:
         for p in ctx.processes:

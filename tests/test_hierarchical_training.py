@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
-import socket
 import tempfile
 import warnings
 
 import pytest
 import torch
+from _launch import free_port, rank_results, spawn, write_rank_result
 
 N_SAMPLES, N_FEAT, N_HID, N_CLS = 1024, 64, 64, 8
 BATCH = 32  # per rank: 1024 / 4 ranks / 32 = 8 optimizer steps per epoch
@@ -80,12 +79,6 @@ def _full_loss(model) -> float:
     ds = _dataset()
     with torch.no_grad():
         return float(torch.nn.functional.cross_entropy(model(ds.tensors[0]), ds.tensors[1]))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -405,22 +398,14 @@ def _worker(rank: int, port: int, outdir: str, world: int, per_node: int, job: s
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     run = {"2x2": _two_by_two, "other": _other_topology}[job]
-    res = run(rank, world, per_node, outdir)
-    with open(os.path.join(outdir, f"{job}-{world}x{per_node}-rank{rank}.pkl"), "wb") as f:
-        pickle.dump(res, f)
+    write_rank_result(
+        outdir, rank, run(rank, world, per_node, outdir), name=f"{job}-{world}x{per_node}-rank{{rank}}.pkl"
+    )
 
 
 def _spawn(outdir: str, world: int, per_node: int, job: str) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(
-        _worker, args=(_free_port(), outdir, world, per_node, job), nprocs=world, start_method="spawn", join=True
-    )
-    out = []
-    for r in range(world):
-        with open(os.path.join(outdir, f"{job}-{world}x{per_node}-rank{r}.pkl"), "rb") as f:
-            out.append(pickle.load(f))
-    return out
+    spawn(_worker, free_port(), outdir, world, per_node, job, nprocs=world)
+    return rank_results(outdir, world, name=f"{job}-{world}x{per_node}-rank{{rank}}.pkl")
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ runs the global form; bad settings are refused naming the argument.
 from __future__ import annotations
 
 import os
-import pickle
 import tempfile
 
 import pytest
 import torch
-from test_hierarchical_training import BATCH, N_SAMPLES, _dataset, _free_port, _full_loss, _module, _params
+from _launch import free_port, rank_results, spawn, write_rank_result
+from test_hierarchical_training import BATCH, N_SAMPLES, _dataset, _full_loss, _module, _params
 from test_hierarchical_training import _fit as _hier_fit
 
 STEPS = 12
@@ -258,22 +258,14 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     )
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
-    res = _two_by_two(outdir)
-    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(res, f)
+    write_rank_result(outdir, rank, _two_by_two(outdir), name="rank{rank}.pkl")
 
 
 @pytest.fixture(scope="module")
 def runs():
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(_free_port(), d), nprocs=4, start_method="spawn", join=True)
-        out = []
-        for r in range(4):
-            with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-                out.append(pickle.load(f))
-        yield out
+        spawn(_worker, free_port(), d, nprocs=4)
+        yield rank_results(d, 4, name="rank{rank}.pkl")
 
 
 def _max_diff(a, b) -> float:

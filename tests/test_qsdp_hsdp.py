@@ -23,8 +23,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _launch import free_port
+from _launch import free_port, spawn
 from torch import nn
 
 from lightning_qcomm.parallel import QSDPConfig, apply_qsdp
@@ -130,7 +129,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hsdp")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn(_worker, free_port(), str(out), nprocs=WORLD)
     res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r in res:
         assert "error" not in r, r["error"]
