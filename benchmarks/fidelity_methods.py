@@ -48,10 +48,10 @@ METHODS: tuple[Method, ...] = (
     Method("qddp_uniform8", "QuantDDPStrategy(codec='uniform', bits=8)", "ddp_fp32", 1.0, True),
     Method("qddp_fp8_e4m3", "QuantDDPStrategy(codec='fp8_e4m3', bits=8)", "ddp_fp32", 1.0, False),
     Method("qddp_nuqsgd4", "QuantDDPStrategy(codec='nuqsgd', bits=4)", "ddp_fp32", 2.0, True),
-    Method("qddp_qsgd4", "QuantDDPStrategy(codec='qsgd', bits=4)", "ddp_fp32", 2.0, False),
+    Method("qddp_qsgd4", "QuantDDPStrategy(codec='qsgd', bits=4) (its default bucket: 128)", "ddp_fp32", 2.0, False),
     Method(
-        "qddp_qsgd4_b128", "QuantDDPStrategy(codec='qsgd', bits=4, bucket_size=128)", "ddp_fp32", 2.0, True,
-        in_default=False,
+        "qddp_qsgd4_b512", "QuantDDPStrategy(codec='qsgd', bits=4, bucket_size=512) (the old default)", "ddp_fp32",
+        2.0, True, in_default=False,
     ),
     Method(
         "localsgd_qsr", "LocalSGDStrategy(sync='qsr', h_base=4, alpha=2*peak lr, warmup_steps=lr warm-up)",

@@ -223,6 +223,30 @@ def test_registry_lists_every_codec_once():
         codec_spec("topk")
 
 
+def test_qsgd_defaults_to_buckets_of_128_at_4_bits_or_fewer():
+    """QSGD's bound min(B/s^2, sqrt(B)/s) with s = 2^(b-1) - 1: at 4 bits B = 512 gives 3.2, B = 128 gives 1.6; from
+    5 bits B = 512 is at <= 1.5. The default bucket follows it, in get_codec and in every config that leaves
+    bucket_size unset; an explicit bucket_size wins; the other codecs keep 512."""
+    from lightning_qcomm import QuantDDPConfig
+    from lightning_qcomm.codecs import QSGDCodec, codec_spec, register_codec
+    from lightning_qcomm.parallel import LocalSGDConfig
+
+    for bits in range(2, 9):
+        expected = 128 if bits <= 4 else 512
+        assert codec_spec("qsgd").default_bucket(bits) == get_codec("qsgd", bits).bucket_size == expected
+        assert QuantDDPConfig(codec="qsgd", bits=bits).build_codec().bucket_size == expected
+        assert LocalSGDConfig(codec="qsgd", bits=bits).build_codec().bucket_size == expected
+        assert bits < 4 or QSGDCodec(bits).variance_bound(expected) <= 1.63  # 2, 3 bits: still above, but halved
+        for other in ("uniform", "qsgdinf", "nuqsgd"):
+            assert get_codec(other, bits).bucket_size == 512
+    assert QSGDCodec(4).variance_bound(512) > 3.2
+    assert get_codec("qsgd", 4, bucket_size=512).bucket_size == 512
+    assert QuantDDPConfig(codec="qsgd", bits=4, bucket_size=1024).build_codec().bucket_size == 1024
+    assert QuantDDPConfig().build_codec().bucket_size == 512  # the default width, 8
+    with pytest.raises(ValueError, match=r"bucket_size_by_bits has widths \[9\] outside bits range\(2, 9\)"):
+        register_codec("qsgd_wide", bits=range(2, 9), bucket_size_by_bits={9: 64})
+
+
 def test_no_compression_is_the_none_entry():
     from lightning_qcomm.codecs import NO_COMPRESSION, codec_spec, resolve_codec
 

@@ -10,6 +10,7 @@ all-reduce in fp32).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -86,9 +87,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("qddp_uniform8", "lq", "QuantDDPStrategy(codec='uniform', bits=8)", QDDP),
     Variant("qddp_fp8_e4m3", "lq", "QuantDDPStrategy(codec='fp8_e4m3', bits=8)", QDDP),
     Variant("qddp_nuqsgd4", "lq", "QuantDDPStrategy(codec='nuqsgd', bits=4)", QDDP),
-    Variant("qddp_qsgd4", "lq", "QuantDDPStrategy(codec='qsgd', bits=4)", QDDP),
+    Variant("qddp_qsgd4", "lq", "QuantDDPStrategy(codec='qsgd', bits=4) (its default bucket: 128)", QDDP),
     Variant(
-        "qddp_qsgd4_b128", "lq", "QuantDDPStrategy(codec='qsgd', bits=4, bucket_size=128) (ablation: a quarter of the bucket)",
+        "qddp_qsgd4_b512", "lq", "QuantDDPStrategy(codec='qsgd', bits=4, bucket_size=512) (ablation: the old default)",
         QDDP, False,
     ),
     Variant(
@@ -374,10 +375,11 @@ def build_variant(
             codec=codec, bits=bits, bucket_cap_mb=float(mb), process_group_backend="gloo", timeout=timeout
         )
         return strat, BenchLM, {}, []
-    if name.endswith("_b128") and name.removesuffix("_b128") in QDDP_CODECS:
-        codec, bits = QDDP_CODECS[name.removesuffix("_b128")]
+    if re.fullmatch(r".+_b\d+", name) and name.rsplit("_b", 1)[0] in QDDP_CODECS:
+        base, bucket = name.rsplit("_b", 1)
+        codec, bits = QDDP_CODECS[base]
         strat = load_symbol(QDDP)(
-            codec=codec, bits=bits, bucket_size=128, process_group_backend="gloo", timeout=timeout
+            codec=codec, bits=bits, bucket_size=int(bucket), process_group_backend="gloo", timeout=timeout
         )
         return strat, BenchLM, {}, []
     if name in QDDP_CODECS or name.removesuffix("_hier") in QDDP_CODECS:

@@ -46,8 +46,8 @@ def get_codec(name: str, bits: int | None = None, bucket_size: int | None = None
         name: one of ``CODEC_NAMES`` (``codec_names()``).
         bits: code width, within ``codec_spec(name).bits`` (uniform 1..8, qsgd/qsgdinf/nuqsgd 2..8, sign1 1,
             fp8_* 8). None picks the codec's default (1 for sign1, else 8).
-        bucket_size: elements per scale block; None picks the codec default (512, or the whole
-            tensor for sign1).
+        bucket_size: elements per scale block; None picks the codec default (``codec_spec(name).default_bucket(bits)``:
+            512; 128 for qsgd at 4 bits or fewer; the whole tensor for sign1).
         opts: the options of ``codec_spec(name).options``: ``stochastic`` (uniform: False rounds to nearest),
             ``rounding`` (fp8: "nearest" | "stochastic").
 

@@ -41,6 +41,7 @@ class CodecSpec:
     ``options`` maps each option to its allowed values, the first being the default; ``fixed`` holds the
     constructor arguments the name implies (fp8's ``fmt``); ``kernels``: the class has the native C and
     Triton kernels (``Codec.kernel_spec``), else every device runs its torch reference.
+    ``bucket_size_by_bits``: widths whose default bucket differs from ``default_bucket_size`` (``default_bucket``).
     """
 
     name: str
@@ -52,6 +53,12 @@ class CodecSpec:
     options: Mapping[str, tuple] = field(default_factory=dict)
     fixed: Mapping[str, Any] = field(default_factory=dict)
     kernels: bool = False
+    bucket_size_by_bits: Mapping[int, int] = field(default_factory=dict)
+
+    def default_bucket(self, bits: int | None = None) -> int | None:
+        """The bucket ``build`` gives a codec of ``bits`` (None: the default width) when none is asked for."""
+        bits = self.default_bits if bits is None else bits
+        return self.bucket_size_by_bits.get(bits, self.default_bucket_size)
 
     def build(self, bits: int | None = None, bucket_size: int | None = None, **opts: Any):
         """The codec, with the defaults for ``bits`` / ``bucket_size`` None; unknown options are a TypeError."""
@@ -66,7 +73,7 @@ class CodecSpec:
                 f"codec {self.name!r} got unexpected option(s) {sorted(extra)}; allowed: {sorted(self.options)}"
             )
         bits = self.default_bits if bits is None else bits
-        bucket = self.default_bucket_size if bucket_size is None else bucket_size
+        bucket = self.default_bucket(bits) if bucket_size is None else bucket_size
         return self.cls(bits, bucket, **self.fixed, **opts)
 
 
@@ -81,6 +88,7 @@ def register_codec(
     bits: range,
     default_bits: int | None = None,
     bucket_size: int | None = 512,
+    bucket_size_by_bits: Mapping[int, int] | None = None,
     options: Mapping[str, Iterable] | None = None,
     family: str = "quantizer",
     kernels: bool = False,
@@ -88,7 +96,9 @@ def register_codec(
 ):
     """Class decorator: register ``cls`` under ``name`` (lower case) and set its bit range from ``bits``.
 
-    ``default_bits`` (default: the largest allowed), ``bucket_size``: ``get_codec``'s defaults; ``options``:
+    ``default_bits`` (default: the largest allowed), ``bucket_size``: ``get_codec``'s defaults, and
+    ``bucket_size_by_bits`` the widths whose default bucket is another (a codec whose error grows with the bucket
+    at few bits); ``options``:
     allowed values per constructor option, the first the default; ``fixed``: constructor arguments implied by
     the name. A class may be registered under several names (fp8's two formats) with one bit range.
 
@@ -103,6 +113,9 @@ def register_codec(
     if not isinstance(bits, range) or len(bits) == 0 or bits.step != 1:
         raise ValueError(f"bits must be a non-empty range of step 1, got {bits!r}")
     opts = {k: tuple(v) for k, v in (options or {}).items()}
+    by_bits = dict(bucket_size_by_bits or {})
+    if set(by_bits) - set(bits):
+        raise ValueError(f"bucket_size_by_bits has widths {sorted(set(by_bits) - set(bits))} outside bits {bits!r}")
 
     def decorate(cls: type) -> type:
         if key in _REGISTRY and _REGISTRY[key].cls is not cls:
@@ -112,7 +125,7 @@ def register_codec(
             raise ValueError(f"{cls.__name__} is registered with bits {own[0]}..{own[1]}, not {bits!r}")
         cls.min_bits, cls.max_bits = bits.start, bits.stop - 1
         default = bits.stop - 1 if default_bits is None else default_bits
-        _REGISTRY[key] = CodecSpec(key, cls, bits, default, bucket_size, family, opts, dict(fixed), kernels)
+        _REGISTRY[key] = CodecSpec(key, cls, bits, default, bucket_size, family, opts, dict(fixed), kernels, by_bits)
         codec_for_op.cache_clear()
         return cls
 

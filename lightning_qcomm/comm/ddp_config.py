@@ -9,7 +9,7 @@ warned about by ``warn_if_not_contractive`` where it is put to use (it typically
 Example::
 
     config = QuantDDPConfig(codec="nuqsgd", bits=4)
-    config.build_codec()        # NUQSGDCodec(bits=4, bucket_size=512)
+    config.build_codec()        # NUQSGDCodec(bits=4, bucket_size=512): the codec's default bucket
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ class QuantDDPConfig:
             (ledger-counted, numerically plain DDP).
         bits: code width; None means 8 (32 for ``"none"``, the only width it has). Allowed: uniform 1..8,
             qsgd/qsgdinf/nuqsgd 2..8, fp8_* 8. Resolved at construction.
-        bucket_size: elements per codec scale block (not DDP's ``bucket_cap_mb``).
+        bucket_size: elements per codec scale block (not DDP's ``bucket_cap_mb``); None: the codec's default for
+            its width (``codec_spec(codec).default_bucket(bits)``: 512, and 128 for qsgd at 4 bits or fewer, whose
+            variance bound grows with the bucket).
         error_feedback: keep a per-rank residual buffer per bucket (checkpointed per rank).
         min_quant_numel: parameters with fewer elements travel uncompressed (biases, norms).
         start_step: optimizer steps of uncompressed warm-up before compression starts.
@@ -71,7 +73,7 @@ class QuantDDPConfig:
 
     codec: str = "qsgd"
     bits: int | None = None
-    bucket_size: int = 512
+    bucket_size: int | None = None
     error_feedback: bool = False
     min_quant_numel: int = 1024
     start_step: int = 0
@@ -103,7 +105,7 @@ class QuantDDPConfig:
         check_int(own, "bits", self.bits, minimum=1, optional=auto)
         if self.codec == "none" and self.bits != UNCOMPRESSED_BITS:
             raise ValueError(f"{own}(codec='none', bits={self.bits}): the uncompressed path is fp32; use bits=32")
-        check_int(own, "bucket_size", self.bucket_size, minimum=1)
+        check_int(own, "bucket_size", self.bucket_size, minimum=1, optional=True)
         check_bool(own, "error_feedback", self.error_feedback)
         check_int(own, "min_quant_numel", self.min_quant_numel, minimum=0)
         check_int(own, "start_step", self.start_step, minimum=0)
@@ -165,10 +167,10 @@ def warn_if_not_contractive(config: QuantDDPConfig, owner: str) -> None:
     rho = relative_compression_error(codec)
     if rho >= 1.0:
         rank_zero_warn(
-            f"{owner}(codec={config.codec!r}, bits={config.bits}, bucket_size={config.bucket_size}, "
+            f"{owner}(codec={config.codec!r}, bits={config.bits}, bucket_size={codec.bucket_size}, "
             f"error_feedback=True): this codec is not contractive (relative error ||Q(x)-x||^2/||x||^2 = "
-            f"{rho:.2f} >= 1 on Gaussian data), and error feedback then typically diverges. Use more bits, "
-            "codec='uniform' or 'qsgdinf', or error_feedback=False."
+            f"{rho:.2f} >= 1 on Gaussian data), and error feedback then typically diverges. Use more bits, a "
+            "smaller bucket_size, codec='uniform' or 'qsgdinf', or error_feedback=False."
         )
 
 

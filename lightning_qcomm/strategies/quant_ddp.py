@@ -105,7 +105,7 @@ class QuantDDPStrategy(DDPStrategy):
         self,
         codec: CodecName = "qsgd",
         bits: int | None = None,
-        bucket_size: int = 512,
+        bucket_size: int | None = None,
         error_feedback: bool = False,
         min_quant_numel: int = 1024,
         start_step: int = 0,
