@@ -104,6 +104,7 @@ VARIANTS: tuple[Variant, ...] = (
         "localsgd_qsr_overlap", "lq", "localsgd_qsr with overlap=True: each average applied a round later", LSGD, False
     ),
     Variant("localsgd_h4_overlap", "lq", "LocalSGDStrategy(sync='constant', period=4, overlap=True)", LSGD, False),
+    Variant("localsgd_h2", "lq", "LocalSGDStrategy(sync='constant', period=2) (ablation: the shortest period)", LSGD, False),
     Variant("localsgd_h8", "lq", "LocalSGDStrategy(sync='constant', period=8) (ablation: twice H=4's period)", LSGD, False),
     Variant(
         "localsgd_h12", "lq", "LocalSGDStrategy(sync='constant', period=12) (ablation: the overlapped H=4's mean drift)",
@@ -407,7 +408,14 @@ def build_variant(
             sync="qsr", h_base=4, alpha=2.0 * lr, warmup_steps=lr_warmup, scope="inter_node", timeout=timeout, **outer
         )
         return strat, BenchLM, {}, []
-    if name in ("localsgd_h4", "localsgd_h4_overlap", "localsgd_h8", "localsgd_h12", "localsgd_h2_overlap"):
+    if name in (
+        "localsgd_h2",
+        "localsgd_h4",
+        "localsgd_h4_overlap",
+        "localsgd_h8",
+        "localsgd_h12",
+        "localsgd_h2_overlap",
+    ):
         period = int(name.removeprefix("localsgd_h").removesuffix("_overlap"))
         strat = load_symbol(LSGD)(sync="constant", period=period, overlap=name.endswith("_overlap"), timeout=timeout)
         return strat, BenchLM, {}, []
