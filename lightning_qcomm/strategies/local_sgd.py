@@ -365,8 +365,9 @@ class LocalSGDStrategy(DDPStrategy):
             self, super().load_checkpoint(checkpoint_path, weights_only=weights_only), checkpoint_path
         )
         state = checkpoint.get(CHECKPOINT_KEY)
-        if state is None:
-            return checkpoint
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if state is None or (trainer is not None and trainer.state.fn != TrainerFn.FITTING):
+            return checkpoint  # validate/test/predict(ckpt_path=...): the schedule is not a later fit's
         if state.get("sync") != self.config.sync:
             log.warning(
                 "checkpoint was written with sync=%r, resuming with sync=%r: the schedule counters are reused",

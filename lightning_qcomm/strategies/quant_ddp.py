@@ -41,6 +41,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -249,8 +250,13 @@ class QuantDDPStrategy(DDPStrategy):
         checkpoint = rank_files.load(
             self, super().load_checkpoint(checkpoint_path, weights_only=weights_only), checkpoint_path
         )
-        self._restore_from_checkpoint(checkpoint)
+        if self._fitting():  # validate/test/predict(ckpt_path=...): no hook to feed, nor a later fit's
+            self._restore_from_checkpoint(checkpoint)
         return checkpoint
+
+    def _fitting(self) -> bool:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
     def _restore_from_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = select_rank_state(
