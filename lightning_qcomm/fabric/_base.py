@@ -51,6 +51,18 @@ def check_fabric_ddp_kwargs(owner: str, kwargs: dict[str, Any]) -> None:
     check_timeout(owner, kwargs.get("timeout"))
 
 
+def check_one_module(owner: str, current: Any, module: Any) -> None:
+    """Refuse a second model on a strategy whose per-step state belongs to one (Fabric's two-``fabric.setup`` GAN
+    pattern): the first model's state would be silently replaced. Setting up the same module again is fine."""
+    if current is not None and current is not module:
+        raise ValueError(
+            f"{owner} runs one model per strategy, and fabric.setup was called for a second one "
+            f"({type(module).__name__} after {type(current).__name__}): the first model's state would be dropped. "
+            "Set the models up as one module (e.g. torch.nn.ModuleDict({'generator': g, 'discriminator': d}), whose "
+            "forward runs them) with fabric.setup_module, and their optimizers with fabric.setup_optimizers."
+        )
+
+
 class QCommFabricStrategy(ParallelStrategy):
     """Put before Fabric's strategy class in the bases (``class X(QCommFabricStrategy, DDPStrategy)``): its
     methods run first and hand on to that class's."""
@@ -121,4 +133,4 @@ class QCommFabricStrategy(ParallelStrategy):
         register_presets(strategy_registry, cls, cls.presets)
 
 
-__all__ = ["QCommFabricStrategy", "check_fabric_ddp_kwargs", "config_from"]
+__all__ = ["QCommFabricStrategy", "check_fabric_ddp_kwargs", "check_one_module", "config_from"]

@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from lightning_qcomm._checks import check_int
 from lightning_qcomm.comm.topology import NodeGroups, node_groups
-from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, config_from
+from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, check_one_module, config_from
 from lightning_qcomm.parallel.local_sgd import LocalSGD, broadcast_module_states
 from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, config_fingerprint, inter_node_topology
 from lightning_qcomm.parallel.local_sgd_overlap import AveragingLane
@@ -93,6 +93,7 @@ class LocalSGDFabricStrategy(QCommFabricStrategy, DDPStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """No DDP wrapper: every rank starts from rank 0's parameters and buffers."""
+        check_one_module(type(self).__name__, self._module, module)  # one LocalSGD averages one model
         broadcast_module_states(module)
         self._module = module
         if self.config.scope == "inter_node" and self._node_groups is None:

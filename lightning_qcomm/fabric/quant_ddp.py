@@ -34,7 +34,7 @@ from lightning_qcomm.comm.ddp_config import QuantDDPConfig, warn_if_not_contract
 from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.topology import NodeGroups, Topology, node_groups
-from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, config_from
+from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, check_one_module, config_from
 from lightning_qcomm.parallel.quant_ddp import (
     checkpoint_entries,
     config_fingerprint,
@@ -73,6 +73,7 @@ class QuantDDPFabricStrategy(QCommFabricStrategy, DDPStrategy):
         super().__init__(**kwargs)
         self.nonfinite = NonFiniteGuard(self.config.nonfinite, owner)  # averaged gradients: the same everywhere
         self.hook_state: QuantDDPHookState | None = None  # set by setup_module
+        self._module: nn.Module | None = None  # the one model set up (check_one_module)
         self._pending_state: dict | None = None
         self._background = BackgroundComm("lightning_qcomm-quant_ddp", timeout=self._timeout)
         self._topology: Topology | None = None
@@ -84,6 +85,8 @@ class QuantDDPFabricStrategy(QCommFabricStrategy, DDPStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
+        check_one_module(type(self).__name__, self._module, module)  # one hook state, stepped by every optimizer
+        self._module = module
         ddp = super().setup_module(module)
         owner = type(self).__name__
         config, self._topology = resolve_hierarchy(self.config, owner, self.world_size, self.num_processes)
