@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from lightning_qcomm.codecs import derive_seed, get_codec
+from lightning_qcomm.codecs import CODEC_NAMES, derive_seed, get_codec
 
 ALPHA = 1e-6  # family-wise false-alarm probability of every statistical assertion
 EPS32 = 2.0**-23  # fp32 machine epsilon
@@ -908,3 +908,15 @@ def test_prescaling_cpu_shortcut_is_exact(cfg, path, monkeypatch):
         assert torch.equal(skipped.codes, forced.codes)
         assert torch.equal(skipped.scales.view(torch.int32), forced.scales.view(torch.int32))
         assert torch.equal(skipped_out.view(torch.int32), forced_out.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_fp64_beyond_fp32_range_counts_as_non_finite(name):
+    """The codecs work in fp32 (codecs/base.py): an fp64 value above fp32's largest rounds to Inf, and its bucket
+    decodes non-finite like a NaN/Inf bucket, never to finite numbers; a bucket without one stays finite."""
+    codec = get_codec(name, bucket_size=4) if name != "sign1" else get_codec(name)
+    x = torch.tensor([1e39, 1.0, -2.0, 0.5, 1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
+    y = codec.roundtrip(x, seed=1)
+    assert y.dtype == torch.float64 and not torch.isfinite(y[:4]).any()
+    if name != "sign1":  # one bucket per tensor: the whole tensor goes
+        assert torch.isfinite(y[4:]).all()

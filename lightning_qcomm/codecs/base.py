@@ -9,7 +9,9 @@ of all elements are bit-packed densely (see ``packing``). The wire size of a ten
 A bucket containing NaN or +-Inf gets a NaN scale, so its whole decode is non-finite: compression
 never turns non-finite gradients into finite numbers. A finite bucket decodes finite (at most the output
 dtype's largest value), also at the ends of fp32's range: buckets whose parameters would overflow or be
-subnormal are pre-scaled by a power of two, flagged in the sign of one scale (``codecs.scaling``).
+subnormal are pre-scaled by a power of two, flagged in the sign of one scale (``codecs.scaling``). The codecs
+work in fp32: an fp64 input is rounded to fp32 first, so an fp64 value beyond fp32's range (|x| > 3.4e38) is
++-Inf there and its bucket decodes non-finite, as a NaN/Inf one does (the non-finite guards then skip the step).
 
 The per-element work (random bits, quantize, pack / unpack, dequantize) has a torch reference here,
 a C kernel (``lightning_qcomm/csrc``, CPU) and a Triton kernel (``lightning_qcomm.kernels``, CUDA); all take
