@@ -67,6 +67,10 @@ METHODS: tuple[Method, ...] = (
         "ddp_fp32", 0.0, True, in_default=False,
     ),
     Method(
+        "localsgd_h1", "LocalSGDStrategy(sync='constant', period=1): parameters averaged after every local AdamW step",
+        "ddp_fp32", None, False, in_default=False,
+    ),
+    Method(
         "localsgd_h2", "LocalSGDStrategy(sync='constant', period=2): inline, the shortest period (QSR's h_base floor)",
         "ddp_fp32", None, False, in_default=False,
     ),

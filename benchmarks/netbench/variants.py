@@ -104,6 +104,7 @@ VARIANTS: tuple[Variant, ...] = (
         "localsgd_qsr_overlap", "lq", "localsgd_qsr with overlap=True: each average applied a round later", LSGD, False
     ),
     Variant("localsgd_h4_overlap", "lq", "LocalSGDStrategy(sync='constant', period=4, overlap=True)", LSGD, False),
+    Variant("localsgd_h1", "lq", "LocalSGDStrategy(sync='constant', period=1) (ablation: average every step)", LSGD, False),
     Variant("localsgd_h2", "lq", "LocalSGDStrategy(sync='constant', period=2) (ablation: the shortest period)", LSGD, False),
     Variant("localsgd_h8", "lq", "LocalSGDStrategy(sync='constant', period=8) (ablation: twice H=4's period)", LSGD, False),
     Variant(
