@@ -410,6 +410,7 @@ def build_variant(
         )
         return strat, BenchLM, {}, []
     if name in (
+        "localsgd_h1",
         "localsgd_h2",
         "localsgd_h4",
         "localsgd_h4_overlap",
