@@ -10,7 +10,7 @@ A bucket containing NaN or +-Inf gets a NaN scale, so its whole decode is non-fi
 never turns non-finite gradients into finite numbers. A finite bucket decodes finite (at most the output
 dtype's largest value), also at the ends of fp32's range: buckets whose parameters would overflow or be
 subnormal are pre-scaled by a power of two, flagged in the sign of one scale (``codecs.scaling``). The codecs
-work in fp32: an fp64 input is rounded to fp32 first, so an fp64 value beyond fp32's range (|x| > 3.4e38) is
+work in fp32: an fp64 input is rounded to fp32 first, so an fp64 value beyond fp32's range (``abs(x) > 3.4e38``) is
 +-Inf there and its bucket decodes non-finite, as a NaN/Inf one does (the non-finite guards then skip the step).
 
 The per-element work (random bits, quantize, pack / unpack, dequantize) has a torch reference here,
