@@ -10,6 +10,7 @@ reports per rank; the assertions:
 - 8-bit across nodes: loss within 1% of the fp32 run's after the same steps; 4-bit within 3% (issue 16's bands);
 - the bytes sent across nodes (the ledger's ``grads@inter`` wire estimate): at 8 bits (1 + 8/256)/4 of the fp32
   run's, the codes plus one scale pair per bucket;
+- ``overlap_comm`` (the default): the averages across nodes overlap the rest of backward, bit-identical to inline;
 - bad input: a 1-D mesh with hsdp=True, and intra_node_bits without hsdp, are refused naming the argument.
 """
 
@@ -27,9 +28,17 @@ from _launch import free_port, spawn
 from torch import nn
 
 from lightning_qcomm.parallel import QSDPConfig, apply_qsdp
+from lightning_qcomm.parallel.hsdp import fsdp_groups
 
 WORLD, NODE, STEPS = 4, 2, 6
 TIMEOUT_S = 60
+# the averages across nodes inline (overlap_comm=False) against the default, deferred to the end of backward: fp32
+# across nodes with FSDP2's own AVG inside (no post-divide), 8 bits, and 8 bits inside too (SUM, then FSDP2 divides)
+INLINE_TWINS = {
+    "hsdp32": QSDPConfig(grad_bits=32, hsdp=True, overlap_comm=False),
+    "hsdp8": QSDPConfig(grad_bits=8, hsdp=True, bucket_size=256, overlap_comm=False),
+    "hsdp8_intra8": QSDPConfig(bits=8, hsdp=True, intra_node_bits=8, overlap_comm=False),
+}
 
 
 class Block(nn.Module):
@@ -87,8 +96,13 @@ def _train(mesh, config: QSDPConfig) -> dict:
     local = {n: p.to_local().reshape(-1).tolist() for n, p in model.named_parameters()}
     inter = sum(t.wire_bytes for (op, tag), t in ledger.cumulative.items() if tag.endswith("@inter"))
     calls = {f"{op}:{tag}": t.calls for (op, tag), t in ledger.cumulative.items()}
+    deferred = sum(getattr(_all_reduce_hook(m), "deferred_calls", 0) for m in fsdp_groups(model))
     handle.close()
-    return {"losses": losses, "full": full, "local": local, "inter_bytes": inter, "calls": calls}
+    return {"losses": losses, "full": full, "local": local, "inter_bytes": inter, "calls": calls, "deferred": deferred}
+
+
+def _all_reduce_hook(module):
+    return module._get_fsdp_state()._fsdp_param_group._all_reduce_hook
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -108,6 +122,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         result["hsdp8"] = _train(groups.mesh, QSDPConfig(grad_bits=8, hsdp=True, bucket_size=256))
         result["hsdp4"] = _train(groups.mesh, QSDPConfig(grad_bits=4, hsdp=True, bucket_size=256))
         result["hsdp8_intra8"] = _train(groups.mesh, QSDPConfig(bits=8, hsdp=True, intra_node_bits=8))
+        for case, config in list(INLINE_TWINS.items()):
+            result[f"{case}_inline"] = _train(groups.mesh, config)
         errors = {}
         for name, make in {
             "flat_mesh": lambda: apply_qsdp(Net(), flat, QSDPConfig(hsdp=True), check_ranks=False),
@@ -190,6 +206,18 @@ def test_ledger_scopes_follow_the_links(runs):
         assert calls["all_gather:weights@intra"] == data["flat32"]["all_gather:weights"]
         assert calls["reduce_scatter:grads@intra"] == data["flat32"]["reduce_scatter:grads"]
         assert calls["all_reduce:grads@inter"] == calls["reduce_scatter:grads@intra"]
+
+
+@pytest.mark.parametrize("case", list(INLINE_TWINS))
+def test_overlapped_inter_node_average_is_bit_identical_to_inline(runs, case):
+    """overlap_comm (the default) runs every average across nodes on the background worker, finished at the end of
+    backward; the parameters and losses equal the inline run's bit for bit, on every rank."""
+    for r in runs:
+        overlapped, inline = r[case], r[f"{case}_inline"]
+        assert overlapped["deferred"] == overlapped["calls"]["all_reduce:grads@inter"] > 0
+        assert inline["deferred"] == 0
+        assert overlapped["losses"] == inline["losses"]
+        assert overlapped["local"] == inline["local"]
 
 
 def test_bad_input_is_refused(runs):

@@ -175,6 +175,11 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant("qsdp_w8g8_hsdp", "lq", "QSDPStrategy(weight_bits=8, grad_bits=8, hsdp=True)", QSDP, multi_rank_only=True),
     Variant(
+        "qsdp_w8g8_hsdp_inline", "lq",
+        "QSDPStrategy(weight_bits=8, grad_bits=8, hsdp=True, overlap_comm=False) (ablation: averages across nodes inline)",
+        QSDP, False, multi_rank_only=True,
+    ),
+    Variant(
         "qsdp_w8g8_hsdp_intra8", "lq", "QSDPStrategy(bits=8, hsdp=True, intra_node_bits=8) (ablation: quantized inside a node)",
         QSDP, False, multi_rank_only=True,
     ),
@@ -323,9 +328,10 @@ def build_variant(
     if name == "fsdp2_hsdp":
         strat = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)
         return strat, BenchLMFSDP2, {"hsdp_shape": (nodes, ranks_per_node)}, []
-    if name in ("qsdp_w8g8_hsdp", "qsdp_w8g8_hsdp_intra8"):
-        intra = {"intra_node_bits": 8} if name.endswith("_intra8") else {}
-        strat = load_symbol(QSDP)(weight_bits=8, grad_bits=8, hsdp=True, timeout=timeout, **intra)
+    if name in ("qsdp_w8g8_hsdp", "qsdp_w8g8_hsdp_intra8", "qsdp_w8g8_hsdp_inline"):
+        extra = {"intra_node_bits": 8} if name.endswith("_intra8") else {}
+        extra.update({"overlap_comm": False} if name.endswith("_inline") else {})
+        strat = load_symbol(QSDP)(weight_bits=8, grad_bits=8, hsdp=True, timeout=timeout, **extra)
         return strat, BenchLM, {}, []
     if name == "qddp_auto":
         strat = load_symbol(QDDP)(codec="auto", min_bits=4, process_group_backend="gloo", timeout=timeout)

@@ -172,6 +172,27 @@ def shared_background(
     return shared
 
 
+def shared_node_background(name: str, topology: Any, timeout: timedelta | None = None) -> tuple[CommWorker, Any]:
+    """This process's one ``CommWorker`` for ``name`` and a second set of ``topology``'s node groups
+    (``comm.topology.node_groups``: every rank creates every node's groups, so all ranks must call it, in the same
+    order) that nothing else uses, made on first use and shared as ``shared_background`` shares its pair. A per-rank
+    subgroup (one node's ranks, or one rank per node) cannot be copied with ``dedicated_group``: each rank would
+    create only its own.
+
+    Example::
+
+        worker, lanes = shared_node_background("lightning_qcomm-qsdp", Topology(world_size=4, node_size=2))
+        worker.submit(lambda: dist.all_reduce(t, group=lanes.inter))
+    """
+    from lightning_qcomm.comm.topology import node_groups
+
+    key = (name, "nodes", topology, timeout)
+    shared = _SHARED.get(key)
+    if shared is None or not (group_is_live(shared[1].intra) and group_is_live(shared[1].inter)):
+        shared = _SHARED[key] = (CommWorker(name), node_groups(topology, timeout=timeout))
+    return shared
+
+
 class BackgroundComm:
     """A ``CommWorker`` and the process group dedicated to it (``shared_background``), taken on first use and then
     reused, so a strategy that sets up again (a later Trainer stage, a second ``fit``) creates no other group.
@@ -195,6 +216,13 @@ class BackgroundComm:
             self.worker, self.group = shared_background(self.name, group, self.timeout)
         return self.worker, self.group
 
+    def acquire_nodes(self, topology: Any) -> tuple[CommWorker, Any]:
+        """The worker and a second set of ``topology``'s node groups (``shared_node_background``). Collective on the
+        first call, on every rank of the world."""
+        worker, lanes = shared_node_background(self.name, topology, self.timeout)
+        self.worker = worker
+        return worker, lanes
+
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
@@ -208,4 +236,5 @@ __all__ = [
     "group_is_live",
     "group_timeout",
     "shared_background",
+    "shared_node_background",
 ]

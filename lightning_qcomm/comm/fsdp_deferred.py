@@ -16,6 +16,10 @@ The values are those of the inline call (same seed, same rank-order fp32 sum, th
 returns only once every gradient is final. Memory: the gradient buffers of the calls in flight stay alive until
 their job has read them, plus one fp32 shard each.
 
+The same holds for the all-reduce hook FSDP2 calls on that output (QSDP over HSDP, ``parallel.hsdp``): it may
+snapshot the output, average the copy on the worker and return; the flush then writes the average and replays
+the post-divide (2) that FSDP2 applied to the unwritten output after the hook.
+
 ``deferrable(module)`` says, at each call, whether the conditions hold for that FSDP module's param group (they are
 read from FSDP2's internals, ``comm.fsdp_internals``); otherwise the call runs inline. Only on torch 2.13, the
 version whose ``foreach_reduce`` this relies on.
@@ -65,15 +69,21 @@ class DeferredReduceScatters:
         return len(self._pending)
 
 
-def deferrable(module: torch.nn.Module) -> Callable[[torch.Tensor], bool]:
-    """For an FSDP module: ``ok(input_tensor)``, whether its reduce-scatter of this call may be deferred (module doc)."""
+def deferrable(module: torch.nn.Module, *, in_all_reduce_hook: bool = False) -> Callable[[torch.Tensor], bool]:
+    """For an FSDP module: ``ok(input_tensor)``, whether its reduce-scatter of this call may be deferred (module doc).
+
+    ``in_all_reduce_hook``: asked by the module's own all-reduce hook (``parallel.hsdp``) about its
+    ``reduce_output``: the hook is then the reader of the output, not a reason to run inline, and FSDP2's
+    post-divide after it is replayed at the flush (``fsdp_internals.post_divide_factor``)."""
     supported = torch.__version__.startswith(TESTED_TORCH)
     group = module._get_fsdp_state()._fsdp_param_group
 
     def ok(input_tensor: torch.Tensor) -> bool:
         if not supported or input_tensor.device.type != "cpu" or input_tensor.dtype not in _DEFERRABLE_DTYPES:
             return False
-        if getattr(group, "gradient_divide_factor", None) is not None or getattr(group, "_all_reduce_hook", None):
+        if getattr(group, "gradient_divide_factor", None) is not None:
+            return False
+        if getattr(group, "_all_reduce_hook", None) is not None and not in_all_reduce_hook:
             return False
         if getattr(group, "_orig_dtype", None) not in (None, input_tensor.dtype):  # FSDP2 casts the output at once
             return False

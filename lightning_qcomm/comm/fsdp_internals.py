@@ -154,6 +154,24 @@ def param_dtypes(module: torch.nn.Module) -> tuple[torch.dtype, torch.dtype]:
     return gather, getattr(policy, "reduce_dtype", None) or gather
 
 
+def post_divide_factor(module: torch.nn.Module, reduce_dtype: torch.dtype) -> float | None:
+    """The factor FSDP2 divides ``module``'s reduce-scattered gradient by after its all-reduce hook (None: not
+    divided), as its ``foreach_reduce`` computes it for a 1-D (``FSDPMeshInfo``) param group on CPU: torch's own
+    ``_get_gradient_divide_factors`` over the group's reduce-scatter group, divide factor and forced-SUM flag."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    group = module._get_fsdp_state()._fsdp_param_group
+    factors = _get_gradient_divide_factors(
+        group._reduce_scatter_process_group,
+        None,
+        reduce_dtype,
+        "cpu",
+        group.gradient_divide_factor,
+        group.force_sum_reduction_for_comms,
+    )
+    return factors[1]
+
+
 def shard_rank(module: torch.nn.Module) -> int:
     """This rank's index in the mesh ``module``'s FSDP param group shards over."""
     return module._get_fsdp_state()._fsdp_param_groups[0].mesh_info.shard_mesh_rank

@@ -22,7 +22,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.comm import quantized_all_reduce
+from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.fsdp import QSDPCommState
 
 SEED_INTER = 4  # beside comm.fsdp's SEED_WEIGHTS / SEED_GRADS / SEED_MASTER
@@ -41,22 +43,57 @@ class InterNodeGradAverage:
 
     ``codec`` None averages in fp32 (one ``dist.all_reduce``), as FSDP2's own HSDP does; the ledger records
     either under ``grads@inter``.
+
+    With a ``worker`` (and ``worker_group``: the same ranks as ``inter``, used by nothing else) the average of a
+    call that only FSDP2's views read afterwards (``comm.fsdp_deferred.deferrable``) runs on the worker while the
+    rest of backward computes: the hook snapshots ``reduce_output`` into an fp32 buffer and returns, and the
+    deferred flush at the end of backward writes the average into it and replays FSDP2's post-divide. Same
+    seed, same ranks in the same order: bit-identical to the inline call. ``deferred_calls`` counts them.
     """
 
     def __init__(
-        self, codec: Codec | None, inter: dist.ProcessGroup, state: QSDPCommState, group_id: int, min_quant_numel: int
+        self,
+        codec: Codec | None,
+        inter: dist.ProcessGroup,
+        state: QSDPCommState,
+        group_id: int,
+        min_quant_numel: int,
+        worker: CommWorker | None = None,
+        worker_group: dist.ProcessGroup | None = None,
+        deferrable: Callable[[torch.Tensor], bool] | None = None,
+        post_divide: Callable[[torch.dtype], float | None] | None = None,
     ) -> None:
         self.codec, self.inter, self.state, self.group_id = codec, inter, state, group_id
         self.min_quant_numel = min_quant_numel
         self.local_rank = 0  # set by install_inter_node_average: the rank inside the node (the shard index)
+        self.worker, self.worker_group = worker, worker_group
+        self._deferrable, self._post_divide = deferrable, post_divide
+        self.deferred_calls = 0
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if dist.get_world_size(self.inter) == 1:
             return
         codec = None if reduce_output.numel() < self.min_quant_numel else self.codec
         seed = derive_seed(self.state.seed, SEED_INTER, self.state.step, self.group_id, self.local_rank)
-        quantized_all_reduce(
-            reduce_output, codec, group=self.inter, op="avg", seed=seed, tag="grads@inter", check=False
+        average = functools.partial(quantized_all_reduce, op="avg", seed=seed, tag="grads@inter", check=False)
+        if self._defer(reduce_output):
+            total = reduce_output.clone()  # FSDP2 post-divides reduce_output in place right after this call
+            job = functools.partial(average, total, codec, group=self.worker_group)
+            self.state.deferred.add(
+                self.worker.submit(job), reduce_output, total, self._post_divide(reduce_output.dtype)
+            )
+            self.deferred_calls += 1
+            return
+        average(reduce_output, codec, group=self.inter)
+
+    def _defer(self, reduce_output: torch.Tensor) -> bool:
+        # fp32 only: the copy back is then exact, as the inline call's in-place result is
+        return (
+            self.worker is not None
+            and self._deferrable is not None
+            and reduce_output.dtype == torch.float32
+            and reduce_output.is_contiguous()
+            and self._deferrable(reduce_output)
         )
 
 
@@ -70,15 +107,38 @@ def check_hsdp_mesh(mesh, owner: str) -> None:
 
 
 def install_inter_node_average(
-    modules: list[torch.nn.Module], codec: Codec | None, mesh, state: QSDPCommState, min_quant_numel: int
+    modules: list[torch.nn.Module],
+    codec: Codec | None,
+    mesh,
+    state: QSDPCommState,
+    min_quant_numel: int,
+    worker: CommWorker | None = None,
+    worker_group: dist.ProcessGroup | None = None,
 ) -> list[InterNodeGradAverage]:
     """Set an ``InterNodeGradAverage`` as the all-reduce hook of every FSDP group in ``modules`` (group-id
-    order, as ``comm.fsdp_install.install_qsdp_comms`` or ``fsdp_groups`` return them)."""
+    order, as ``comm.fsdp_install.install_qsdp_comms`` or ``fsdp_groups`` return them); with ``worker`` and
+    ``worker_group`` (a copy of the mesh's ``inter`` group) the averages overlap the rest of backward."""
+    from lightning_qcomm.comm.fsdp_deferred import deferrable
+    from lightning_qcomm.comm.fsdp_internals import post_divide_factor
+
     inter = mesh.get_group("inter")
     local = mesh.get_local_rank("intra")
+    if worker_group is not None and dist.get_process_group_ranks(worker_group) != dist.get_process_group_ranks(inter):
+        raise ValueError(
+            f"install_inter_node_average: worker_group spans ranks {dist.get_process_group_ranks(worker_group)}, "
+            f"the mesh's inter group {dist.get_process_group_ranks(inter)}"
+        )
     hooks = []
     for gid, module in enumerate(modules):
-        hook = InterNodeGradAverage(codec, inter, state, gid, min_quant_numel)
+        overlap = {}
+        if worker is not None and worker_group is not None:
+            overlap = {
+                "worker": worker,
+                "worker_group": worker_group,
+                "deferrable": deferrable(module, in_all_reduce_hook=True),
+                "post_divide": functools.partial(post_divide_factor, module),
+            }
+        hook = InterNodeGradAverage(codec, inter, state, gid, min_quant_numel, **overlap)
         hook.local_rank = local
         module.set_all_reduce_hook(hook)
         hooks.append(hook)

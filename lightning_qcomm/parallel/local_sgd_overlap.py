@@ -37,11 +37,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.comm.averaging import TensorAverager
-from lightning_qcomm.comm.comm_worker import CommWorker, group_is_live, shared_background
-from lightning_qcomm.comm.topology import NodeGroups, node_groups
+from lightning_qcomm.comm.comm_worker import CommWorker, shared_background, shared_node_background
+from lightning_qcomm.comm.topology import NodeGroups
 from lightning_qcomm.parallel.outer_optim import NesterovOuterOptimizer
-
-_NODE_LANES: dict = {}  # topology -> (worker, node groups): one second set per process, as shared_background
 
 
 class AveragingLane:
@@ -62,13 +60,7 @@ class AveragingLane:
         if groups is None:
             self.worker, self.group = shared_background("lightning_qcomm-local-sgd", group)
             return
-        shared = _NODE_LANES.get(groups.topology)
-        if shared is None or not group_is_live(shared[1].intra):
-            shared = _NODE_LANES[groups.topology] = (
-                CommWorker("lightning_qcomm-local-sgd"),
-                node_groups(groups.topology),
-            )
-        self.worker, self.node_groups = shared
+        self.worker, self.node_groups = shared_node_background("lightning_qcomm-local-sgd", groups.topology)
 
     def close(self) -> None:
         self.worker.close()

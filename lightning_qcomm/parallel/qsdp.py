@@ -267,7 +267,7 @@ def apply_qsdp(
         codecs = (config.build_weight_codec(), config.build_grad_codec())
     worker = worker_group = None
     if config.hsdp and codecs == (None, None):
-        background = None  # inside a node FSDP2's own collectives; nothing of ours to install there
+        # inside a node FSDP2's own collectives; nothing of ours to install there
         modules = fsdp_groups(module)
         install_requires_grad_syncs(module)  # but toggle_optimizer's flags must still reach autograd
     else:
@@ -277,16 +277,36 @@ def apply_qsdp(
         if config.overlap_comm and shard_mesh.device_type == "cpu" and not config.hsdp:
             background = BackgroundComm("lightning_qcomm-qsdp") if background is None else background
             worker, worker_group = background.acquire(shard_mesh.get_group())
-        else:
+        elif not config.hsdp:
             background = None
         # under HSDP the group is the node's: the ledger tags its traffic "@intra" (docs/design.md, "Byte accounting")
         comm_config = QSDPCommConfig(codecs[0], codecs[1], config.min_quant_numel, "@intra" if config.hsdp else "")
         modules = install_qsdp_comms(module, comm_config, comm_state, worker=worker, worker_group=worker_group)
     if config.hsdp:
-        install_inter_node_average(modules, config.build_grad_codec(), mesh, comm_state, config.min_quant_numel)
+        background, inter_worker, inter_group = _inter_node_lane(config, mesh, background, owner)
+        install_inter_node_average(
+            modules, config.build_grad_codec(), mesh, comm_state, config.min_quant_numel, inter_worker, inter_group
+        )
     if worker is not None:
         chain_forward_prefetch(modules)
     return QSDPHandle(modules, mesh, config, comm_state, background, owner)
+
+
+def _inter_node_lane(config: QSDPConfig, mesh: Any, background: BackgroundComm | None, owner: str):
+    """(background, worker, group) of the averages across nodes under HSDP: with ``overlap_comm`` on CPU a worker
+    and a copy of the mesh's ``inter`` group (``BackgroundComm.acquire_nodes``; collective), else inline."""
+    import torch.distributed as dist
+
+    from lightning_qcomm.comm.topology import Topology
+
+    if not config.overlap_comm or mesh.device_type != "cpu":
+        return background, None, None
+    background = BackgroundComm("lightning_qcomm-qsdp") if background is None else background
+    worker, lanes = background.acquire_nodes(Topology(mesh.size(0) * mesh.size(1), mesh.size(1)))
+    if dist.get_process_group_ranks(lanes.inter) != dist.get_process_group_ranks(mesh.get_group("inter")):
+        log.info("%s: the mesh's nodes are not consecutive ranks; the averages across nodes run inline", owner)
+        return background, None, None
+    return background, worker, lanes.inter
 
 
 def new_trial(config: QSDPConfig, world_size: int, start: int, owner: str) -> WidthTrial:

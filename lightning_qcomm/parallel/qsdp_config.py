@@ -104,7 +104,8 @@ class QSDPConfig:
         min_wrap_numel: size policy when neither ``layer_classes`` nor a ``ModuleList`` gives groups.
         reshard_after_forward: FSDP2's option for the groups QSDP creates; None is FSDP2's default.
         overlap_comm: on CPU (gloo), weight all-gathers run on a background thread over a process group of
-            their own and each group prefetches the next one's weights in forward; bit-identical to inline.
+            their own and each group prefetches the next one's weights in forward, and gradient reduce-scatters
+            (with ``hsdp``: the averages across nodes) finish at the end of backward; bit-identical to inline.
         nonfinite: a step with a NaN/Inf gradient on any rank is ``"skip"``-ped on every rank (the ranks agree
             with one 8-byte all-reduce), ``"raise"``-s FloatingPointError, or ``"propagate"``-s.
         hsdp: shard inside a node and replicate across nodes (``parallel.hsdp``; needs the 2-D mesh of
