@@ -60,7 +60,7 @@ def test_the_fixed_direction_keeps_its_codec_at_every_width():
             ValueError,
             r"grad_codec='lz4'\) cannot be used.*allowed: uniform",
         ),
-        ({"grad_bits": "auto", "hsdp": True}, ValueError, r"hsdp=True, grad_bits='auto'\) is not supported"),
+        ({"weight_bits": "auto", "hsdp": True}, ValueError, r"hsdp=True, weight_bits='auto'\) is not supported"),
         ({"bits": "auto", "quantize_master": True}, ValueError, r"quantize_master=True, weight_bits='auto'"),
     ],
 )

@@ -11,6 +11,7 @@ reports per rank; the assertions:
 - the bytes sent across nodes (the ledger's ``grads@inter`` wire estimate): at 8 bits (1 + 8/256)/4 of the fp32
   run's, the codes plus one scale pair per bucket;
 - ``overlap_comm`` (the default): the averages across nodes overlap the rest of backward, bit-identical to inline;
+- ``grad_bits="auto"``: the trial's steps send each candidate width across nodes, then the one all ranks chose;
 - bad input: a 1-D mesh with hsdp=True, and intra_node_bits without hsdp, are refused naming the argument.
 """
 
@@ -31,6 +32,9 @@ from lightning_qcomm.parallel import QSDPConfig, apply_qsdp
 from lightning_qcomm.parallel.hsdp import fsdp_groups
 
 WORLD, NODE, STEPS = 4, 2, 6
+# grad_bits="auto": the trial runs 32, 8, 4 bits for 1 untimed + 3 timed steps each (comm.auto_trial), then the choice
+AUTO_TRIAL = ((32, "hsdp32"), (8, "hsdp8"), (4, "hsdp4"))
+AUTO_STEPS = 4 * len(AUTO_TRIAL) + 2
 TIMEOUT_S = 60
 # the averages across nodes inline (overlap_comm=False) against the default, deferred to the end of backward: fp32
 # across nodes with FSDP2's own AVG inside (no post-divide), 8 bits, and 8 bits inside too (SUM, then FSDP2 divides)
@@ -71,7 +75,7 @@ def _batch(step: int, rank: int):
     return t, torch.roll(t, 1, dims=1)  # learnable: predict the previous token
 
 
-def _train(mesh, config: QSDPConfig) -> dict:
+def _train(mesh, config: QSDPConfig, steps: int = STEPS) -> dict:
     from lightning_qcomm.comm.ledger import ensure_ledger
 
     torch.manual_seed(0)
@@ -81,14 +85,15 @@ def _train(mesh, config: QSDPConfig) -> dict:
     handle.attach(opt)
     ledger = ensure_ledger()
     ledger.reset()
-    losses = []
+    losses, step_inter = [], []
     rank = dist.get_rank()
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = _batch(step, rank)
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad()
+        step_inter.append(sum(t.wire_bytes for (op, tag), t in ledger.next_step().items() if tag.endswith("@inter")))
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(t.item() / WORLD)
@@ -97,8 +102,18 @@ def _train(mesh, config: QSDPConfig) -> dict:
     inter = sum(t.wire_bytes for (op, tag), t in ledger.cumulative.items() if tag.endswith("@inter"))
     calls = {f"{op}:{tag}": t.calls for (op, tag), t in ledger.cumulative.items()}
     deferred = sum(getattr(_all_reduce_hook(m), "deferred_calls", 0) for m in fsdp_groups(model))
+    trial = None if handle.trial is None else {"chosen": handle.trial.chosen, "figures": handle.trial.figures}
     handle.close()
-    return {"losses": losses, "full": full, "local": local, "inter_bytes": inter, "calls": calls, "deferred": deferred}
+    return {
+        "losses": losses,
+        "full": full,
+        "local": local,
+        "inter_bytes": inter,
+        "step_inter": step_inter,
+        "calls": calls,
+        "deferred": deferred,
+        "trial": trial,
+    }
 
 
 def _all_reduce_hook(module):
@@ -122,12 +137,15 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         result["hsdp8"] = _train(groups.mesh, QSDPConfig(grad_bits=8, hsdp=True, bucket_size=256))
         result["hsdp4"] = _train(groups.mesh, QSDPConfig(grad_bits=4, hsdp=True, bucket_size=256))
         result["hsdp8_intra8"] = _train(groups.mesh, QSDPConfig(bits=8, hsdp=True, intra_node_bits=8))
+        auto = QSDPConfig(grad_bits="auto", min_bits=4, hsdp=True, bucket_size=256)
+        result["hsdp_auto"] = _train(groups.mesh, auto, steps=AUTO_STEPS)
         for case, config in list(INLINE_TWINS.items()):
             result[f"{case}_inline"] = _train(groups.mesh, config)
         errors = {}
         for name, make in {
             "flat_mesh": lambda: apply_qsdp(Net(), flat, QSDPConfig(hsdp=True), check_ranks=False),
             "intra_without_hsdp": lambda: QSDPConfig(intra_node_bits=8),
+            "auto_weights_hsdp": lambda: QSDPConfig(weight_bits="auto", hsdp=True),
         }.items():
             try:
                 make()
@@ -220,7 +238,25 @@ def test_overlapped_inter_node_average_is_bit_identical_to_inline(runs, case):
         assert overlapped["local"] == inline["local"]
 
 
+def test_auto_width_across_nodes_runs_the_trial_and_one_choice(runs):
+    """grad_bits="auto" under HSDP: each trial step's average across nodes sends what the fixed width sends (the
+    ledger's inter bytes per step equal the fixed-width run's), the ranks agree on the figures and the choice, and
+    after the trial every step sends the chosen width; the replicas stay identical."""
+    chosen = runs[0]["hsdp_auto"]["trial"]["chosen"]
+    assert chosen in {b for b, _ in AUTO_TRIAL}
+    for r in runs:
+        auto = r["hsdp_auto"]
+        assert auto["trial"] == runs[0]["hsdp_auto"]["trial"]
+        fixed = {b: r[case]["step_inter"][-1] for b, case in AUTO_TRIAL}
+        assert len(set(fixed.values())) == len(fixed)  # three different widths on the wire
+        expected = [fixed[b] for b, _ in AUTO_TRIAL for _ in range(4)] + [fixed[chosen]] * (AUTO_STEPS - 12)
+        assert auto["step_inter"] == pytest.approx(expected, rel=1e-9)
+    for local in range(NODE):
+        assert runs[local]["hsdp_auto"]["local"] == runs[local + NODE]["hsdp_auto"]["local"]
+
+
 def test_bad_input_is_refused(runs):
     errors = runs[0]["errors"]
     assert errors["flat_mesh"] and "hsdp=True" in errors["flat_mesh"] and "inter" in errors["flat_mesh"]
     assert errors["intra_without_hsdp"] and "intra_node_bits" in errors["intra_without_hsdp"]
+    assert errors["auto_weights_hsdp"] and "weight_bits='auto'" in errors["auto_weights_hsdp"]

@@ -9,7 +9,8 @@ optimizer state and continues; ``node_size=1`` (no second level) warns and train
 optimization, two optimizers, ``toggle_optimizer``) trains and resumes, replicas identical. Then the 2 x 2
 checkpoint resumes on another topology: the same 4 processes relaunched as 4 nodes x 1 (``NODE_RANK`` = rank), and
 a spawn of 2 ranks as 1 node x 2: weights and optimizer state resharded exactly, the RNG step kept, one warning
-naming both topologies (docs/design.md, "Another topology on resume").
+naming both topologies (docs/design.md, "Another topology on resume"). ``grad_bits="auto"`` chooses one width
+across nodes on every rank and keeps it through a resume.
 """
 
 from __future__ import annotations
@@ -182,6 +183,27 @@ def _gan_run(out: str, module_cls, batches: int, resume: bool) -> dict:
     return res
 
 
+def _auto_run(out: str) -> dict:
+    """``grad_bits="auto"`` under HSDP in the Trainer: the 12-step trial (32, 8, 4 bits), two steps at the choice,
+    saved, and resumed for two more (the choice and when it was made come back from the checkpoint)."""
+    from lightning_qcomm import QSDPStrategy
+
+    def strategy():
+        return QSDPStrategy(hsdp=True, grad_bits="auto", min_bits=4, bucket_size=256)
+
+    trainer = _trainer(strategy(), 14, out)
+    trainer.fit(LitNet())
+    trial = trainer.strategy.comm_state.trial
+    res = {"chosen": trial.chosen, "decided_at": trial.decided_at, "grad_bits": trainer.strategy.grad_bits}
+    ckpt = os.path.join(out, "auto.ckpt")
+    trainer.save_checkpoint(ckpt)
+    trainer = _trainer(strategy(), 16, out)
+    trainer.fit(LitNet(), ckpt_path=ckpt)
+    trial = trainer.strategy.comm_state.trial
+    res.update(resumed_chosen=trial.chosen, resumed_decided_at=trial.decided_at, resumed_step=trainer.global_step)
+    return res
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     import warnings
 
@@ -213,6 +235,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             flat = LitNet()
             _trainer(QSDPStrategy(hsdp=True, node_size=1, grad_bits=8), 2, out).fit(flat)
         result["flat_warnings"] = [str(w.message) for w in caught if "no second level" in str(w.message)]
+        result["auto"] = _auto_run(out)
         result["fabric"] = _fabric_run()
         result["gan"] = _gan_run(out, GAN, 4, resume=True)
         result["root_gan"] = _gan_run(out, RootGAN, 4, resume=False)
@@ -321,6 +344,15 @@ def test_gan_resumes_on_the_same_topology(runs):
 def test_one_rank_per_node_warns_and_trains_flat(runs):
     assert len(runs[0]["flat_warnings"]) == 1
     assert all(not r["flat_warnings"] for r in runs[1:])  # rank_zero_warn
+
+
+def test_auto_width_across_nodes_in_the_trainer_is_chosen_once_and_resumed(runs):
+    auto = runs[0]["auto"]
+    assert auto["chosen"] in (32, 8, 4) and auto["grad_bits"] == auto["chosen"]
+    assert auto["decided_at"] == 12  # after 3 candidates x (1 untimed + 3 timed) steps
+    for r in runs:
+        assert r["auto"] == auto  # one choice on every rank
+    assert (auto["resumed_chosen"], auto["resumed_decided_at"], auto["resumed_step"]) == (auto["chosen"], 12, 16)
 
 
 def test_fabric_hsdp_replicas_identical(runs):

@@ -175,6 +175,10 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant("qsdp_w8g8_hsdp", "lq", "QSDPStrategy(weight_bits=8, grad_bits=8, hsdp=True)", QSDP, multi_rank_only=True),
     Variant(
+        "qsdp_hsdp_auto", "lq", "QSDPStrategy(hsdp=True, grad_bits='auto', min_bits=4) (the trial's 12 steps: --warmup >= 12)",
+        QSDP, False, multi_rank_only=True,
+    ),
+    Variant(
         "qsdp_w8g8_hsdp_inline", "lq",
         "QSDPStrategy(weight_bits=8, grad_bits=8, hsdp=True, overlap_comm=False) (ablation: averages across nodes inline)",
         QSDP, False, multi_rank_only=True,
@@ -335,6 +339,9 @@ def build_variant(
         return strat, BenchLM, {}, []
     if name == "qddp_auto":
         strat = load_symbol(QDDP)(codec="auto", min_bits=4, process_group_backend="gloo", timeout=timeout)
+        return strat, BenchLM, {}, []
+    if name == "qsdp_hsdp_auto":
+        strat = load_symbol(QSDP)(hsdp=True, grad_bits="auto", min_bits=4, timeout=timeout)
         return strat, BenchLM, {}, []
     if name == "qsdp_auto":
         strat = load_symbol(QSDP)(weight_bits="auto", grad_bits="auto", min_bits=4, timeout=timeout)

@@ -42,7 +42,8 @@ class InterNodeGradAverage:
     """FSDP2 all-reduce hook of one FSDP group: its reduce-scattered gradient shard, averaged across nodes.
 
     ``codec`` None averages in fp32 (one ``dist.all_reduce``), as FSDP2's own HSDP does; the ledger records
-    either under ``grads@inter``.
+    either under ``grads@inter``. A mapping ``{width: codec}`` (``grad_bits="auto"``) takes, at each call, the codec
+    of the width ``state.trial`` gives the current step.
 
     With a ``worker`` (and ``worker_group``: the same ranks as ``inter``, used by nothing else) the average of a
     call that only FSDP2's views read afterwards (``comm.fsdp_deferred.deferrable``) runs on the worker while the
@@ -53,7 +54,7 @@ class InterNodeGradAverage:
 
     def __init__(
         self,
-        codec: Codec | None,
+        codec: Codec | None | Mapping[int, Codec | None],
         inter: dist.ProcessGroup,
         state: QSDPCommState,
         group_id: int,
@@ -73,7 +74,7 @@ class InterNodeGradAverage:
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if dist.get_world_size(self.inter) == 1:
             return
-        codec = None if reduce_output.numel() < self.min_quant_numel else self.codec
+        codec = None if reduce_output.numel() < self.min_quant_numel else self._codec_now()
         seed = derive_seed(self.state.seed, SEED_INTER, self.state.step, self.group_id, self.local_rank)
         average = functools.partial(quantized_all_reduce, op="avg", seed=seed, tag="grads@inter", check=False)
         if self._defer(reduce_output):
@@ -85,6 +86,11 @@ class InterNodeGradAverage:
             self.deferred_calls += 1
             return
         average(reduce_output, codec, group=self.inter)
+
+    def _codec_now(self) -> Codec | None:
+        if isinstance(self.codec, Mapping):
+            return self.codec[self.state.trial.width(self.state.step)]
+        return self.codec
 
     def _defer(self, reduce_output: torch.Tensor) -> bool:
         # fp32 only: the copy back is then exact, as the inline call's in-place result is
@@ -108,7 +114,7 @@ def check_hsdp_mesh(mesh, owner: str) -> None:
 
 def install_inter_node_average(
     modules: list[torch.nn.Module],
-    codec: Codec | None,
+    codec: Codec | None | Mapping[int, Codec | None],
     mesh,
     state: QSDPCommState,
     min_quant_numel: int,

@@ -162,7 +162,8 @@ class QSDPHandle:
         return next((p.device for m in self.modules for p in m.parameters()), None)
 
     def _agree(self, seconds: list[float]) -> list[float]:
-        return max_over_ranks_each(seconds, self.mesh.get_group(), device=self._device())
+        group = None if self.config.hsdp else self.mesh.get_group()  # HSDP: the whole world
+        return max_over_ranks_each(seconds, group, device=self._device())
 
     def _all_ranks_finite(self, finite: bool) -> bool:
         group = None if self.config.hsdp else self.mesh.get_group()  # HSDP: the whole world
@@ -284,8 +285,16 @@ def apply_qsdp(
         modules = install_qsdp_comms(module, comm_config, comm_state, worker=worker, worker_group=worker_group)
     if config.hsdp:
         background, inter_worker, inter_group = _inter_node_lane(config, mesh, background, owner)
+        # "auto": one codec per candidate width, the trial's width of each step picks one (agreed over the world)
+        inter_codec = auto_codecs(config, comm_state, mesh.size(0), owner)[1] if config.auto_grads else None
         install_inter_node_average(
-            modules, config.build_grad_codec(), mesh, comm_state, config.min_quant_numel, inter_worker, inter_group
+            modules,
+            config.build_grad_codec() if inter_codec is None else inter_codec,
+            mesh,
+            comm_state,
+            config.min_quant_numel,
+            inter_worker,
+            inter_group,
         )
     if worker is not None:
         chain_forward_prefetch(modules)

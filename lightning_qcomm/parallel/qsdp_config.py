@@ -109,12 +109,13 @@ class QSDPConfig:
         nonfinite: a step with a NaN/Inf gradient on any rank is ``"skip"``-ped on every rank (the ranks agree
             with one 8-byte all-reduce), ``"raise"``-s FloatingPointError, or ``"propagate"``-s.
         hsdp: shard inside a node and replicate across nodes (``parallel.hsdp``; needs the 2-D mesh of
-            ``comm.topology.node_groups``): ``grad_bits`` / ``grad_codec`` then set the all-reduce across nodes.
+            ``comm.topology.node_groups``): ``grad_bits`` / ``grad_codec`` then set the all-reduce across nodes
+            (``"auto"``: its width chosen by the trial, as flat QSDP's).
         intra_node_bits: with ``hsdp``, the width of the all-gathers and reduce-scatters inside a node (None:
             unquantized, FSDP2's own; ``weight_codec`` / ``grad_codec`` name their codecs).
         min_bits: with a width of ``"auto"``, the narrowest it may choose (2, 4 or 8): the accuracy rule. The
             candidates are 32 (no compression) and 8 down to ``min_bits``; the direction's codec (``weight_codec``
-            / ``grad_codec``) must have all of them. Not with ``hsdp`` or, for the weights, ``quantize_master``.
+            / ``grad_codec``) must have all of them. Not for the weights with ``hsdp`` or ``quantize_master``.
 
     Example::
 
@@ -164,9 +165,11 @@ class QSDPConfig:
         check_int(own, "intra_node_bits", self.intra_node_bits, optional=True)
         if self.intra_node_bits is not None and not self.hsdp:
             raise ValueError(f"{own}(intra_node_bits={self.intra_node_bits}) needs hsdp=True")
-        if self.hsdp and AUTO in (self.bits, self.weight_bits, self.grad_bits):
-            autos = ", ".join(f"{n}='auto'" for n in ("bits", "weight_bits", "grad_bits") if getattr(self, n) == AUTO)
-            raise ValueError(f"{own}(hsdp=True, {autos}) is not supported; allowed with hsdp: an int width or None")
+        if self.hsdp and self.weight_bits == AUTO:
+            raise ValueError(
+                f"{own}(hsdp=True, weight_bits='auto') is not supported: under hsdp the weights travel only inside a "
+                "node, at intra_node_bits; allowed: grad_bits='auto' (or bits='auto') for the average across nodes"
+            )
         if self.hsdp and self.intra_node_bits is None:
             # weights are gathered inside the node by FSDP2 itself: an explicit weight setting does nothing
             for name, given in (
