@@ -100,26 +100,33 @@ def _trainer(strategy, steps: int, root: str, per_node: int = NODE, world: int =
     )
 
 
-def _fabric_run() -> dict:
-    """The same HSDP under Lightning Fabric (``QSDPFabricStrategy(hsdp=True)``): 3 steps, this rank's shards."""
+def _fabric_run(steps: int = 3, **kwargs) -> dict:
+    """The same HSDP under Lightning Fabric (``QSDPFabricStrategy(hsdp=True, **kwargs)``): this rank's shards after
+    ``steps`` steps."""
     from lightning.fabric import Fabric
 
     from lightning_qcomm import QSDPFabricStrategy
 
-    fabric = Fabric(accelerator="cpu", devices=NODE, num_nodes=WORLD // NODE, strategy=QSDPFabricStrategy(hsdp=True))
+    strategy = QSDPFabricStrategy(hsdp=True, **kwargs)
+    fabric = Fabric(accelerator="cpu", devices=NODE, num_nodes=WORLD // NODE, strategy=strategy)
     fabric.launch()  # processes made outside (the launcher's variables): joins them
     fabric.seed_everything(1)
     model = fabric.setup_module(Net())
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
     losses = []
-    for step in range(3):
+    for step in range(steps):
         t = torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(10 * step + fabric.global_rank))
         loss = torch.nn.functional.cross_entropy(model(t).flatten(0, 1), torch.roll(t, 1, dims=1).flatten())
         fabric.backward(loss)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    return {"losses": losses, "local": {n: p.to_local().reshape(-1)[:8].tolist() for n, p in model.named_parameters()}}
+    trial = strategy.comm_state.trial
+    return {
+        "losses": losses,
+        "local": {n: p.to_local().reshape(-1)[:8].tolist() for n, p in model.named_parameters()},
+        "chosen": None if trial is None else trial.chosen,
+    }
 
 
 def _hsdp():
@@ -237,6 +244,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         result["flat_warnings"] = [str(w.message) for w in caught if "no second level" in str(w.message)]
         result["auto"] = _auto_run(out)
         result["fabric"] = _fabric_run()
+        result["fabric_auto"] = _fabric_run(13, grad_bits="auto", min_bits=4, bucket_size=256)
         result["gan"] = _gan_run(out, GAN, 4, resume=True)
         result["root_gan"] = _gan_run(out, RootGAN, 4, resume=False)
         # the same processes relaunched as 4 nodes x 1 (what a launcher sets: NODE_RANK = rank, LOCAL_RANK = 0)
@@ -353,6 +361,15 @@ def test_auto_width_across_nodes_in_the_trainer_is_chosen_once_and_resumed(runs)
     for r in runs:
         assert r["auto"] == auto  # one choice on every rank
     assert (auto["resumed_chosen"], auto["resumed_decided_at"], auto["resumed_step"]) == (auto["chosen"], 12, 16)
+
+
+def test_fabric_auto_width_across_nodes_is_one_choice(runs):
+    chosen = runs[0]["fabric_auto"]["chosen"]
+    assert chosen in (32, 8, 4)
+    for r in runs:
+        assert r["fabric_auto"]["chosen"] == chosen
+    for local in range(NODE):
+        assert runs[local]["fabric_auto"]["local"] == runs[local + NODE]["fabric_auto"]["local"]
 
 
 def test_fabric_hsdp_replicas_identical(runs):
