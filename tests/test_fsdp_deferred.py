@@ -58,3 +58,40 @@ def test_a_backward_that_raised_does_not_stop_the_next_one_from_flushing():
     _Defer.apply(x, deferred, out, total).sum().backward()
     assert torch.equal(out, torch.tensor([1.0, 3.0]))
     assert len(deferred) == 0
+
+
+def test_settle_stale_writes_the_calls_of_a_backward_that_raised_and_only_those():
+    deferred = DeferredReduceScatters()
+    stale_out, stale_total = torch.zeros(2), torch.tensor([8.0, 4.0])
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        _Defer.apply(_Raise.apply(x), deferred, stale_out, stale_total).sum().backward()
+    seen = {}
+
+    class _SettleInside(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # runs after this backward deferred its own call (the _Defer below it)
+            deferred.settle_stale()
+            seen.update(stale=stale_out.clone(), current=out.clone(), left=len(deferred))
+            return grad
+
+    out, total = torch.zeros(2), torch.tensor([2.0, 6.0])
+    _Defer.apply(_SettleInside.apply(x), deferred, out, total).sum().backward()
+    assert torch.equal(seen["stale"], torch.tensor([4.0, 2.0]))  # the failed backward's call: written
+    assert torch.equal(seen["current"], torch.zeros(2)) and seen["left"] == 1  # this backward's: still deferred
+    assert torch.equal(out, torch.tensor([1.0, 3.0])) and len(deferred) == 0  # ... until its flush
+
+
+def test_settle_stale_outside_backward_writes_everything_left():
+    deferred = DeferredReduceScatters()
+    out, total = torch.zeros(2), torch.tensor([8.0, 4.0])
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        _Defer.apply(_Raise.apply(x), deferred, out, total).sum().backward()
+    assert torch.equal(out, torch.zeros(2))
+    deferred.settle_stale()
+    assert torch.equal(out, torch.tensor([4.0, 2.0])) and len(deferred) == 0

@@ -17,6 +17,7 @@ reports per rank; the assertions:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -42,6 +43,13 @@ INLINE_TWINS = {
     "hsdp32": QSDPConfig(grad_bits=32, hsdp=True, overlap_comm=False),
     "hsdp8": QSDPConfig(grad_bits=8, hsdp=True, bucket_size=256, overlap_comm=False),
     "hsdp8_intra8": QSDPConfig(bits=8, hsdp=True, intra_node_bits=8, overlap_comm=False),
+}
+# a backward that raises after the later groups were reduced, its gradients kept and accumulated into by the next
+# one (no zero_grad): the deferred calls it left must end as the inline ones did (flat: reduce-scatters deferred)
+# recovery: FSDP2's reset_iter_state on each root, or QSDPHandle.reset_iter_state
+ABORTED_TWINS = {
+    "flat8_aborted": (False, "fsdp2", QSDPConfig(bits=8, bucket_size=256)),
+    "hsdp8_aborted": (True, "handle", QSDPConfig(grad_bits=8, hsdp=True, bucket_size=256)),
 }
 
 
@@ -75,7 +83,28 @@ def _batch(step: int, rank: int):
     return t, torch.roll(t, 1, dims=1)  # learnable: predict the previous token
 
 
-def _train(mesh, config: QSDPConfig, steps: int = STEPS) -> dict:
+def _aborted_backward(model: nn.Module, handle, x, y) -> None:
+    """A backward that raises once blocks[0] is reached (blocks[1:] and the head already reduced), caught, and
+    the recovery: FSDP2's own (``reset_iter_state`` on each root) without a handle, else the handle's; the
+    gradients already reduced are kept."""
+
+    def boom(grad):
+        raise RuntimeError("aborted backward")
+
+    hook = model.blocks[0].register_forward_hook(lambda module, args, out: out.register_hook(boom) and None)
+    out = model(x)
+    hook.remove()
+    with pytest.raises(RuntimeError, match="aborted backward"):
+        nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()).backward()
+    if handle is not None:
+        handle.reset_iter_state()
+        return
+    for m in fsdp_groups(model):  # no FSDP module holds the others here: each group is a root of its own
+        if m._get_fsdp_state()._is_root:
+            m.reset_iter_state()
+
+
+def _train(mesh, config: QSDPConfig, steps: int = STEPS, abort_at: int | None = None, recover: str = "") -> dict:
     from lightning_qcomm.comm.ledger import ensure_ledger
 
     torch.manual_seed(0)
@@ -89,6 +118,8 @@ def _train(mesh, config: QSDPConfig, steps: int = STEPS) -> dict:
     rank = dist.get_rank()
     for step in range(steps):
         x, y = _batch(step, rank)
+        if step == abort_at:
+            _aborted_backward(model, handle if recover == "handle" else None, x, y)
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
@@ -141,6 +172,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         result["hsdp_auto"] = _train(groups.mesh, auto, steps=AUTO_STEPS)
         for case, config in list(INLINE_TWINS.items()):
             result[f"{case}_inline"] = _train(groups.mesh, config)
+        for case, (hsdp, recover, config) in ABORTED_TWINS.items():
+            mesh = groups.mesh if hsdp else flat
+            for overlap in (True, False):
+                run = _train(mesh, dataclasses.replace(config, overlap_comm=overlap), abort_at=1, recover=recover)
+                result[case if overlap else f"{case}_inline"] = run
         errors = {}
         for name, make in {
             "flat_mesh": lambda: apply_qsdp(Net(), flat, QSDPConfig(hsdp=True), check_ranks=False),
@@ -236,6 +272,21 @@ def test_overlapped_inter_node_average_is_bit_identical_to_inline(runs, case):
         assert inline["deferred"] == 0
         assert overlapped["losses"] == inline["losses"]
         assert overlapped["local"] == inline["local"]
+
+
+@pytest.mark.parametrize("case", list(ABORTED_TWINS))
+def test_calls_left_by_a_backward_that_raised_end_as_inline(runs, case):
+    """A backward that raises runs no end-of-backward flush: the calls it deferred are written at the next
+    collective or by the handle's recovery (comm.fsdp_deferred.settle_stale), so the gradients the next backward
+    accumulates into, and every later step, equal the inline run's bit for bit (before, they held the unwritten
+    outputs)."""
+    for r in runs:
+        assert r[case]["deferred"] > 0 or not ABORTED_TWINS[case][0]
+        assert r[case]["losses"] == r[f"{case}_inline"]["losses"]
+        assert r[case]["local"] == r[f"{case}_inline"]["local"]
+    if ABORTED_TWINS[case][0]:
+        for local in range(NODE):
+            assert runs[local][case]["local"] == runs[local + NODE][case]["local"]
 
 
 def test_auto_width_across_nodes_runs_the_trial_and_one_choice(runs):

@@ -196,6 +196,7 @@ class QuantizedAllGather(_QSDPComm, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> FutureWork | None:
+        self.state.deferred.settle_stale()  # a backward that raised left its deferred calls unwritten
         codec = self.codec  # read when the call is made: a queued job must not see a later step's width
         if codec is None:  # unquantized: FSDP2's own collective, no encode / decode copies
             world, nbytes = group.size(), input_tensor.numel() * input_tensor.element_size()
@@ -272,6 +273,7 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
         async_op: bool = False,
     ) -> None:
+        self.state.deferred.settle_stale()  # a backward that raised left its deferred calls unwritten
         if op == dist.ReduceOp.SUM:
             divide = False
         elif op == dist.ReduceOp.AVG:

@@ -43,23 +43,42 @@ _DEFERRABLE_DTYPES = (torch.float32, torch.bfloat16)  # FSDP2 divides these by N
 
 
 class DeferredReduceScatters:
-    """Reduce-scatters in flight in this backward, flushed (in call order) by an autograd final callback."""
+    """Reduce-scatters in flight in this backward, flushed (in call order) by an autograd final callback.
+
+    A backward that raises runs no final callback: its calls stay pending. ``settle_stale`` writes them (as the
+    flush would have) at the next QSDP collective, optimizer step or ``close``, so gradients that outlive the
+    failed backward (kept and accumulated into, or stepped on) hold the inline call's values, not the unwritten
+    output. Calls are told apart by autograd's graph-task id (-1 outside backward)."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[torch.futures.Future, torch.Tensor, torch.Tensor, float | None]] = []
+        self._pending: list[tuple[int, torch.futures.Future, torch.Tensor, torch.Tensor, float | None]] = []
 
     def add(self, future: torch.futures.Future, output: torch.Tensor, total: torch.Tensor, post_divide: float | None):
         """``future`` completes once ``total`` (fp32, the output's elements) holds the sum; then the output gets
         ``total`` and is divided by ``post_divide`` (None: not divided)."""
-        # one callback per call, not per backward: a backward that raised never ran its callbacks, and its calls
-        # left here must not keep this backward from queueing one (extra callbacks find nothing left to do)
+        self.settle_stale()
+        # one callback per call, not per backward: extra callbacks of this backward find nothing left to do
         torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        self._pending.append((future, output, total, post_divide))
+        self._pending.append((torch._C._current_graph_task_id(), future, output, total, post_divide))
 
     def flush(self) -> None:
         """Wait for every deferred reduce-scatter and write its output (the autograd callback; idempotent)."""
         pending, self._pending = self._pending, []
-        for future, output, total, post_divide in pending:
+        self._write(pending)
+
+    def settle_stale(self) -> None:
+        """Write the calls left by a backward other than the running one (one that raised); a no-op otherwise."""
+        if not self._pending:
+            return
+        task = torch._C._current_graph_task_id()
+        stale = [entry for entry in self._pending if entry[0] != task]
+        if stale:
+            self._pending = [entry for entry in self._pending if entry[0] == task]
+            self._write(stale)
+
+    @staticmethod
+    def _write(pending) -> None:
+        for _task, future, output, total, post_divide in pending:
             future.wait()
             output.copy_(total.view(output.shape))
             if post_divide is not None and post_divide != 1:

@@ -172,6 +172,18 @@ def post_divide_factor(module: torch.nn.Module, reduce_dtype: torch.dtype) -> fl
     return factors[1]
 
 
+def fsdp_roots(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The root FSDP modules of ``modules`` (once a forward has set them): each of the groups when no FSDP module
+    holds the others, else the one they share (the module its state was built for)."""
+    roots: dict[int, torch.nn.Module] = {}
+    for module in modules:
+        state = module._get_fsdp_state()
+        for candidate in [state, *state._state_ctx.all_states]:
+            if candidate._is_root:
+                roots[id(candidate)] = candidate._modules[0]
+    return list(roots.values())
+
+
 def shard_rank(module: torch.nn.Module) -> int:
     """This rank's index in the mesh ``module``'s FSDP param group shards over."""
     return module._get_fsdp_state()._fsdp_param_groups[0].mesh_info.shard_mesh_rank

@@ -72,6 +72,7 @@ class InterNodeGradAverage:
         self.deferred_calls = 0
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.state.deferred.settle_stale()  # a backward that raised left its deferred calls unwritten
         if dist.get_world_size(self.inter) == 1:
             return
         codec = None if reduce_output.numel() < self.min_quant_numel else self._codec_now()

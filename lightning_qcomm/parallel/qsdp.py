@@ -53,6 +53,7 @@ from lightning_qcomm.comm.fsdp import (
     is_quantized_param,
 )
 from lightning_qcomm.comm.fsdp_install import QSDPCommConfig, install_qsdp_comms
+from lightning_qcomm.comm.fsdp_internals import fsdp_roots
 from lightning_qcomm.comm.fsdp_master import project_master_weights
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import max_over_ranks, max_over_ranks_each
@@ -125,6 +126,7 @@ class QSDPHandle:
 
     def before_step(self, optimizer: Optimizer) -> bool:
         """Apply the non-finite policy to ``optimizer``'s gradient shards (after backward, before its step)."""
+        self.comm_state.deferred.settle_stale()  # a backward that raised left its deferred calls unwritten
         return self.nonfinite.apply(optimizer, self.comm_state.step)
 
     def attach(self, optimizer: Optimizer) -> QSDPHandle:
@@ -153,8 +155,26 @@ class QSDPHandle:
         if self.trial is not None:
             self.trial.load_state_dict(state.get("auto"), self.comm_state.step)
 
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: FSDP2's recovery (``FSDPModule.reset_iter_state``) on
+        every root FSDP group, once the calls the failed backward deferred are written as inline calls would have
+        been (``comm.fsdp_deferred``). Gradients it had already reduced stay; ``zero_grad`` drops them.
+
+        Example::
+
+            try:
+                loss.backward()
+            except torch.OutOfMemoryError:
+                handle.reset_iter_state()
+                optimizer.zero_grad()
+        """
+        self.comm_state.deferred.settle_stale()
+        for root in fsdp_roots(self.modules):
+            root.reset_iter_state()
+
     def close(self) -> None:
         """Stop the background all-gather thread (if any); a later all-gather restarts it."""
+        self.comm_state.deferred.settle_stale()
         if self.background is not None:
             self.background.close()
 
@@ -312,6 +332,7 @@ def _inter_node_lane(config: QSDPConfig, mesh: Any, background: BackgroundComm |
         return background, None, None
     background = BackgroundComm("lightning_qcomm-qsdp") if background is None else background
     worker, lanes = background.acquire_nodes(Topology(mesh.size(0) * mesh.size(1), mesh.size(1)))
+    # every member of one inter group compares the same two rank sets: a group runs all deferred or all inline
     if dist.get_process_group_ranks(lanes.inter) != dist.get_process_group_ranks(mesh.get_group("inter")):
         log.info("%s: the mesh's nodes are not consecutive ranks; the averages across nodes run inline", owner)
         return background, None, None
