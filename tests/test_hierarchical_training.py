@@ -170,6 +170,68 @@ MATRIX = {
 }
 
 
+# per rank, the step time at each width (hierarchical codec="auto"): alone, ranks 0 and 1 would choose 4 bits and
+# ranks 2 and 3 8 bits; agreed (the slowest), 32 bits, so the first chosen step sends the residuals (error feedback)
+AUTO_FAKE = {0: {32: 1.0, 8: 1.2, 4: 0.5}, 1: {32: 1.0, 8: 1.2, 4: 0.5}, 2: {32: 1.0, 8: 0.5, 4: 1.5}}
+AUTO_FAKE[3] = AUTO_FAKE[2]
+AUTO_STEPS = 14  # 12 trial steps, then 2 at the choice
+
+
+def _auto_fit(rank: int, world: int, per_node: int) -> dict:
+    """``QuantDDPStrategy(codec="auto", hierarchical=True, error_feedback=True)`` under the Trainer, with a clock
+    that makes each rank measure AUTO_FAKE: the width of every step, its bytes across nodes, the agreed choice."""
+    import types
+
+    import lightning.pytorch as pl
+
+    from lightning_qcomm.comm import auto_trial
+
+    strategy = _quant(codec="auto", min_bits=4, min_quant_numel=0, error_feedback=True, hierarchical=True)
+    clock = {"t": 0.0}
+
+    def fake_clock() -> float:
+        hook = strategy.hook_state
+        clock["t"] += AUTO_FAKE[rank][hook.trial.width(hook.step)]
+        return clock["t"]
+
+    class Record(pl.Callback):
+        """The width each step runs, and the ledger's bytes across nodes each step sends (wire bytes)."""
+
+        widths: list = []
+        inter: list = []
+
+        def on_train_batch_start(self, trainer, *args) -> None:
+            hook = strategy.hook_state
+            self.widths.append(hook.trial.width(hook.step))
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            from lightning_qcomm.comm.ledger import get_ledger
+
+            total = sum(t.wire_bytes for (op, tag), t in get_ledger().cumulative.items() if tag == "grads@inter")
+            self.inter.append(total - sum(self.inter))
+
+    real_time, auto_trial.time = auto_trial.time, types.SimpleNamespace(perf_counter=fake_clock)
+    try:
+        trainer, module, ledger, _ = _fit(world, per_node, strategy, callbacks=[Record()], max_steps=AUTO_STEPS)
+    finally:
+        auto_trial.time = real_time
+    hook = trainer.strategy.hook_state
+    from lightning.pytorch.strategies import DDPStrategy
+
+    _, ddp, _, _ = _fit(world, per_node, DDPStrategy(), max_steps=AUTO_STEPS)
+    return {
+        "ddp_loss": _full_loss(ddp),
+        "hierarchical": hook.node_groups is not None,
+        "widths": Record.widths,
+        "inter_bytes": Record.inter,
+        "chosen": hook.trial.chosen,
+        "figures": hook.trial.figures,
+        "residual": sum(float(v.abs().sum()) for v in hook.ef_state_dict().values()),
+        "identical": _identical_across_ranks(module),
+        "loss": _full_loss(module),
+    }
+
+
 def _two_by_two(rank: int, world: int, per_node: int, outdir: str) -> dict:
     import torch.distributed as dist
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -248,6 +310,8 @@ def _two_by_two(rank: int, world: int, per_node: int, outdir: str) -> dict:
     res["onebit_resumed"] = _params(again)
 
     res["plain"] = _plain_torch()
+    res["auto_flush"] = _auto_flush()
+    res["auto"] = _auto_fit(rank, world, per_node)
     res["fabric"] = _fabric_hierarchical(outdir)
 
     # a node_size that does not divide the world: refused at setup, on every rank
@@ -308,6 +372,43 @@ def _plain_torch(steps: int = 6) -> dict:
         "onebit_topology": None if groups is None else (groups.topology.num_nodes, groups.topology.node_size),
         "onebit_identical": _identical_across_ranks(onebit),
         "momentum_inter_calls": ledger.cumulative[("all_reduce", "momentum@inter")].calls,
+    }
+
+
+def _auto_flush(steps: int = 4) -> dict:
+    """``codec="auto", hierarchical=True`` with error feedback, by hand: 4-bit steps, then a 32-bit one. Over the
+    steps the outputs must sum to the sum of the exact averages (each rank's residual of its shard sent at the
+    32-bit step: nothing kept, nothing lost), and the residuals end at 0."""
+    import torch.distributed as dist
+    from _launch import FakeBucket
+
+    from lightning_qcomm.comm.auto_trial import UNCOMPRESSED
+    from lightning_qcomm.comm.ddp_config import QuantDDPConfig
+    from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
+    from lightning_qcomm.comm.topology import Topology, node_groups
+
+    world, rank, n = dist.get_world_size(), dist.get_rank(), 4099  # odd: the last shard is padded
+    config = QuantDDPConfig(codec="auto", min_quant_numel=0, error_feedback=True, hierarchical=True, node_size=NODE)
+    p = torch.nn.Parameter(torch.zeros(n))
+    state = QuantDDPHookState(config, {p: "p"}, node_groups=node_groups(Topology(world, NODE)))
+    state.trial.load_state_dict({"chosen": 4, "decided_at": 0}, step=0)
+
+    def grad(r: int, t: int) -> torch.Tensor:
+        return torch.randn(n, generator=torch.Generator().manual_seed(100 * t + r))
+
+    sent, exact, residual_before = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), 0.0
+    for t in range(steps):
+        if t == steps - 1:
+            residual_before = float(state.ef_state_dict()["p"].abs().sum())
+            state.trial.chosen = UNCOMPRESSED  # a re-check chose 32
+        p.grad = grad(rank, t)
+        sent += quant_ddp_comm_hook(state, FakeBucket(0, [p])).wait().double()
+        exact += sum(grad(r, t).double() for r in range(world)) / world
+        state.next_step()
+    return {
+        "max_err": float((sent - exact).abs().max()),
+        "residual_before": residual_before,
+        "residual_after": float(state.ef_state_dict()["p"].abs().sum()),
     }
 
 
@@ -538,6 +639,38 @@ def test_plain_torch_entry_points(runs):
         assert plain["hook_hierarchical"] and plain["max_diff"] <= 1e-6, plain
         assert plain["onebit_topology"] == (2, NODE) and plain["onebit_identical"]
         assert plain["momentum_inter_calls"] == 6 - 2  # the compressed steps after freeze_step=2
+
+
+def test_auto_hierarchical_flush_sends_each_shards_residual_exactly(runs):
+    """Error feedback under hierarchical ``auto``: after 4-bit steps (a non-zero residual) a 32-bit step sends
+    every rank's residual of its shard, so the outputs summed over the steps equal the exact averages summed, to
+    fp32 rounding (4 steps of N(0, 1) values: well under 1e-5; a residual kept or lost would be ~0.1)."""
+    for r in runs["2x2"]:
+        flush = r["auto_flush"]
+        assert flush["residual_before"] > 0 and flush["residual_after"] == 0
+        assert flush["max_err"] < 1e-5, flush
+
+
+def test_auto_hierarchical_under_the_trainer(runs):
+    """``QuantDDPStrategy(codec="auto", hierarchical=True)``: the trial's widths step by step on every rank, the
+    choice from the agreed (slowest) figures, each width's bytes across nodes (32 > 8 > 4, steady within a width),
+    the residuals sent at the first chosen 32-bit step, the replicas identical, the loss in the 1% band of DDP's
+    after as many steps."""
+    for r in runs["2x2"]:
+        auto = r["auto"]
+        assert auto["hierarchical"] and auto["identical"]
+        assert auto["widths"] == [32] * 4 + [8] * 4 + [4] * 4 + [32] * 2
+        assert auto["figures"] == pytest.approx({32: 1.0, 8: 1.2, 4: 1.5}) and auto["chosen"] == 32
+        by_width = {}
+        widths = auto["widths"]
+        for i, (w, b) in enumerate(zip(widths, auto["inter_bytes"])):
+            # from the step after DDP's bucket rebuild on; a width's first step also checks the ranks' payloads
+            if i >= 2 and w == widths[i - 1]:
+                by_width.setdefault(w, set()).add(b)
+        assert all(len(v) == 1 for v in by_width.values()), by_width
+        assert by_width[32].pop() > by_width[8].pop() > by_width[4].pop()
+        assert auto["residual"] == 0
+        assert _rel(auto["loss"], auto["ddp_loss"]) <= 0.01, (auto["loss"], auto["ddp_loss"])
 
 
 def test_fabric_hierarchical_resumes_exactly(runs):

@@ -196,6 +196,11 @@ VARIANTS: tuple[Variant, ...] = (
         multi_rank_only=True,
     ),
     Variant(
+        "qddp_auto_hier", "lq",
+        "QuantDDPStrategy(codec='auto', min_bits=4, hierarchical=True) (the trial's 12 steps: --warmup >= 12)", QDDP,
+        False, multi_rank_only=True,
+    ),
+    Variant(
         "onebit_adam_hier", "lq", "DDP + OneBitAdamCallback(freeze_step=warm-up steps, hierarchical=True)", ONEBIT,
         multi_rank_only=True,
     ),
@@ -337,8 +342,11 @@ def build_variant(
         extra.update({"overlap_comm": False} if name.endswith("_inline") else {})
         strat = load_symbol(QSDP)(weight_bits=8, grad_bits=8, hsdp=True, timeout=timeout, **extra)
         return strat, BenchLM, {}, []
-    if name == "qddp_auto":
-        strat = load_symbol(QDDP)(codec="auto", min_bits=4, process_group_backend="gloo", timeout=timeout)
+    if name in ("qddp_auto", "qddp_auto_hier"):
+        hier = name.endswith("_hier")
+        strat = load_symbol(QDDP)(
+            codec="auto", min_bits=4, hierarchical=hier, process_group_backend="gloo", timeout=timeout
+        )
         return strat, BenchLM, {}, []
     if name == "qsdp_hsdp_auto":
         strat = load_symbol(QSDP)(hsdp=True, grad_bits="auto", min_bits=4, timeout=timeout)

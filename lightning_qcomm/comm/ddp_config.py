@@ -62,7 +62,8 @@ class QuantDDPConfig:
         min_bits: with ``codec="auto"``, the narrowest width it may choose (2, 4 or 8): the accuracy rule. The
             hook times ``auto_trial_steps`` optimizer steps (after one untimed one) at each of 32 (no compression)
             and the uniform widths 8 .. ``min_bits``, from ``start_step`` on, and keeps the fastest
-            (``comm.auto_trial``): the same on every rank, logged, checkpointed.
+            (``comm.auto_trial``): the same on every rank, logged, checkpointed. With ``hierarchical`` it sets
+            the width across nodes only.
         auto_trial_steps: with ``codec="auto"``, timed steps per candidate width (their minimum counts).
         auto_recheck_steps: with ``codec="auto"``, steps at the choice before the trial runs again (0: never).
 
@@ -115,8 +116,6 @@ class QuantDDPConfig:
         check_bool(own, "hierarchical", self.hierarchical)
         check_int(own, "node_size", self.node_size, minimum=1, optional=True)
         if auto:
-            if self.hierarchical:
-                raise ValueError(f"{own}(codec='auto', hierarchical=True) is not supported; choose codec and bits")
             return  # the codec is built once the width is chosen
         try:
             self.build_codec()

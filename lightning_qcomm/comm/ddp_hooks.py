@@ -315,8 +315,11 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
         else:
             hierarchical_all_reduce(t, None, groups, op="avg", tag="grads", check=check)
 
+    # hierarchical: the residual is this rank's of its shard, so it joins the shard after the sum inside the node
+    sharded_flush = flush and ef is not None and plan.shards is not None
+
     def job() -> torch.Tensor:
-        if not compress:
+        if not compress and not sharded_flush:
             if ef is not None:
                 big = gather_segments(buf, plan.big)
                 big.add_(ef if scale is None else ef * scale)
@@ -337,7 +340,10 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
             )
         else:
             rows = plan.shards.to_rows(big)
-            hierarchical_all_reduce(rows, codec, groups, "avg", ef, seed, tag="grads", check=check)
+            # codec None (a flush): the shard plus its residual, averaged exactly; the residual is zeroed
+            hierarchical_all_reduce(
+                rows, codec if compress else None, groups, "avg", ef, seed, tag="grads", check=check
+            )
             plan.shards.from_rows(rows, big)
         if scale is not None:
             ef.div_(scale)  # ... and back: the residual outlives this step's scale
