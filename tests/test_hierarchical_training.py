@@ -199,6 +199,7 @@ def _auto_fit(rank: int, world: int, per_node: int) -> dict:
 
         widths: list = []
         inter: list = []
+        flat: list = []
 
         def on_train_batch_start(self, trainer, *args) -> None:
             hook = strategy.hook_state
@@ -207,8 +208,9 @@ def _auto_fit(rank: int, world: int, per_node: int) -> dict:
         def on_train_batch_end(self, trainer, *args) -> None:
             from lightning_qcomm.comm.ledger import get_ledger
 
-            total = sum(t.wire_bytes for (op, tag), t in get_ledger().cumulative.items() if tag == "grads@inter")
-            self.inter.append(total - sum(self.inter))
+            totals = get_ledger().cumulative.items()
+            for tag, per_step in (("grads@inter", self.inter), ("grads", self.flat)):
+                per_step.append(sum(t.wire_bytes for (op, key), t in totals if key == tag) - sum(per_step))
 
     real_time, auto_trial.time = auto_trial.time, types.SimpleNamespace(perf_counter=fake_clock)
     try:
@@ -224,6 +226,7 @@ def _auto_fit(rank: int, world: int, per_node: int) -> dict:
         "hierarchical": hook.node_groups is not None,
         "widths": Record.widths,
         "inter_bytes": Record.inter,
+        "flat_bytes": Record.flat,
         "chosen": hook.trial.chosen,
         "figures": hook.trial.figures,
         "residual": sum(float(v.abs().sum()) for v in hook.ef_state_dict().values()),
@@ -653,9 +656,10 @@ def test_auto_hierarchical_flush_sends_each_shards_residual_exactly(runs):
 
 def test_auto_hierarchical_under_the_trainer(runs):
     """``QuantDDPStrategy(codec="auto", hierarchical=True)``: the trial's widths step by step on every rank, the
-    choice from the agreed (slowest) figures, each width's bytes across nodes (32 > 8 > 4, steady within a width),
-    the residuals sent at the first chosen 32-bit step, the replicas identical, the loss in the 1% band of DDP's
-    after as many steps."""
+    choice from the agreed (slowest) figures; the compressed steps send their width across nodes only (8 > 4 bits,
+    steady within a width), the 32-bit steps one flat fp32 all-reduce as DDP (no hierarchical bytes); the
+    residuals sent at the first chosen 32-bit step, the replicas identical, the loss in the 1% band of DDP's after
+    as many steps."""
     for r in runs["2x2"]:
         auto = r["auto"]
         assert auto["hierarchical"] and auto["identical"]
@@ -663,10 +667,11 @@ def test_auto_hierarchical_under_the_trainer(runs):
         assert auto["figures"] == pytest.approx({32: 1.0, 8: 1.2, 4: 1.5}) and auto["chosen"] == 32
         by_width = {}
         widths = auto["widths"]
-        for i, (w, b) in enumerate(zip(widths, auto["inter_bytes"])):
+        for i, (w, inter, flat) in enumerate(zip(widths, auto["inter_bytes"], auto["flat_bytes"])):
+            assert (inter == 0) == (w == 32) and (flat > 0) == (w == 32), (i, w, inter, flat)
             # from the step after DDP's bucket rebuild on; a width's first step also checks the ranks' payloads
             if i >= 2 and w == widths[i - 1]:
-                by_width.setdefault(w, set()).add(b)
+                by_width.setdefault(w, set()).add(inter or flat)
         assert all(len(v) == 1 for v in by_width.values()), by_width
         assert by_width[32].pop() > by_width[8].pop() > by_width[4].pop()
         assert auto["residual"] == 0

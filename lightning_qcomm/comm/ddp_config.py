@@ -63,7 +63,7 @@ class QuantDDPConfig:
             hook times ``auto_trial_steps`` optimizer steps (after one untimed one) at each of 32 (no compression)
             and the uniform widths 8 .. ``min_bits``, from ``start_step`` on, and keeps the fastest
             (``comm.auto_trial``): the same on every rank, logged, checkpointed. With ``hierarchical`` it sets
-            the width across nodes only.
+            the width across nodes; its 32 bits are one flat fp32 all-reduce, as DDP's.
         auto_trial_steps: with ``codec="auto"``, timed steps per candidate width (their minimum counts).
         auto_recheck_steps: with ``codec="auto"``, steps at the choice before the trial runs again (0: never).
 

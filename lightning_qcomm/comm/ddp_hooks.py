@@ -48,7 +48,9 @@ Hierarchical (``node_groups`` given, docs/design.md "Topology"): every all-reduc
 1/L of the bucket across nodes, fp32 all-gather inside the node -- on the bucket's quantized elements laid out
 by ``ParamShards`` (each rank's shard holds the l-th ceil(n/L)-element piece of every parameter). The
 error-feedback residual is this rank's residual of its shard, kept per parameter name with ceil(n/L) elements,
-so DDP's re-bucketing and checkpoints work as in the flat case.
+so DDP's re-bucketing and checkpoints work as in the flat case. Under ``codec="auto"`` the uncompressed width is
+the flat fp32 all-reduce (as DDP's); a 32-bit step after compressed ones adds each rank's shard residual at its
+shard's place in the bucket first.
 A non-finite gradient stays non-finite through the hook (so GradScaler skips the step), and the
 collective keeps the previous residual wherever the new one is non-finite, so it cannot poison later steps.
 """
@@ -66,7 +68,7 @@ from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_plan import BucketPlan, append_segment, gather_segments, scatter_segments
 from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket
-from lightning_qcomm.comm.hierarchical import ParamShards, hierarchical_all_reduce, shard_numel
+from lightning_qcomm.comm.hierarchical import ParamShards, hierarchical_all_reduce, local_index, shard_numel
 from lightning_qcomm.comm.onebit import max_over_ranks_each
 from lightning_qcomm.comm.quantized import quantized_all_reduce
 from lightning_qcomm.comm.side_stream import SideStream
@@ -308,21 +310,27 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
         state.advance_round()
 
     groups = state.node_groups
+    # codec="auto" averages uncompressed elements as DDP does (one flat fp32 all-reduce: "no compression" is what
+    # the trial measures against); a fixed hierarchical config keeps its exact two-level path
+    flat_plain = groups is None or state.trial is not None
 
     def plain_average(t: torch.Tensor) -> None:
-        if groups is None:
+        if flat_plain:
             quantized_all_reduce(t, None, group=group, op="avg", tag="grads", check=check)
         else:
             hierarchical_all_reduce(t, None, groups, op="avg", tag="grads", check=check)
 
-    # hierarchical: the residual is this rank's of its shard, so it joins the shard after the sum inside the node
-    sharded_flush = flush and ef is not None and plan.shards is not None
-
     def job() -> torch.Tensor:
-        if not compress and not sharded_flush:
+        if not compress:
             if ef is not None:
                 big = gather_segments(buf, plan.big)
-                big.add_(ef if scale is None else ef * scale)
+                residual = ef if scale is None else ef * scale
+                if plan.shards is None:
+                    big.add_(residual)
+                else:  # hierarchical: this rank's residual is of its shard of the node's sum: add it at that place
+                    rows = plan.shards.to_rows(big)
+                    rows.view(groups.topology.node_size, -1)[local_index(groups)].add_(residual)
+                    plan.shards.from_rows(rows, big)
                 scatter_segments(buf, plan.big, big)
                 ef.zero_()
             plain_average(buf)
@@ -340,10 +348,7 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
             )
         else:
             rows = plan.shards.to_rows(big)
-            # codec None (a flush): the shard plus its residual, averaged exactly; the residual is zeroed
-            hierarchical_all_reduce(
-                rows, codec if compress else None, groups, "avg", ef, seed, tag="grads", check=check
-            )
+            hierarchical_all_reduce(rows, codec, groups, "avg", ef, seed, tag="grads", check=check)
             plan.shards.from_rows(rows, big)
         if scale is not None:
             ef.div_(scale)  # ... and back: the residual outlives this step's scale
