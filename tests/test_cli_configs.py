@@ -360,6 +360,14 @@ def test_wheel_ships_configs_and_types_and_no_hard_triton(tmp_path):
 # ------------------------------------------------------------------------------------- training, 2 ranks
 
 
+def _quant_ddp_auto(path: Path) -> bool:
+    """A QuantDDP config with codec="auto": its first 12 steps are trial steps, fp32 first."""
+    strategy = yaml.safe_load(path.read_text())["trainer"].get("strategy")
+    if not isinstance(strategy, dict) or not strategy["class_path"].endswith("QuantDDPStrategy"):
+        return False
+    return strategy.get("init_args", {}).get("codec") == "auto"
+
+
 def _config_worker(rank: int, port: int, configs: list[str], out_dir: str) -> None:
     os.environ.update(
         OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0"
@@ -423,6 +431,9 @@ def test_config_trains_two_cpu_ranks(path, config_runs):
     baseline = sum(v[2] for v in r0["totals"].values())
     if r0["strategy"] == "DDPStrategy":
         assert wire == baseline and set(r0["totals"]) == {"all_reduce|grads"}
+    elif _quant_ddp_auto(path):  # the 4 steps are the trial's fp32 steps: DDP's bytes exactly
+        calls, wire, baseline = r0["totals"]["all_reduce|grads"]
+        assert calls > 0 and wire == baseline, r0["totals"]
     elif r0["strategy"] in ("QSDPStrategy", "QuantDDPStrategy"):
         assert wire < baseline, f"{path.name}: a quantized strategy sent {wire} B >= fp32 baseline {baseline} B"
     metrics = list((out / path.stem).rglob("metrics.csv"))

@@ -45,27 +45,29 @@ def test_flush_runs_at_the_end_of_backward_and_divides():
     assert len(deferred) == 0
 
 
+def _left_by_a_failed_backward(deferred: DeferredReduceScatters, total: torch.Tensor) -> torch.Tensor:
+    """A backward that defers a call (output = ``total`` / 2) and then raises: autograd runs no final callback, so
+    the call stays pending and its output unwritten (returned)."""
+    out = torch.zeros_like(total)
+    x = torch.ones_like(total, requires_grad=True)
+    with pytest.raises(RuntimeError, match="backward failed"):  # the deferred call's backward runs first
+        _Defer.apply(_Raise.apply(x), deferred, out, total).sum().backward()
+    assert len(deferred) == 1 and torch.equal(out, torch.zeros_like(total))
+    return out
+
+
 def test_a_backward_that_raised_does_not_stop_the_next_one_from_flushing():
     deferred = DeferredReduceScatters()
-    stale_out, stale_total = torch.zeros(2), torch.tensor([8.0, 8.0])
-    x = torch.ones(2, requires_grad=True)
-    # the deferred call's backward runs first, then the raising one: autograd runs no final callback
-    with pytest.raises(RuntimeError, match="backward failed"):
-        _Defer.apply(_Raise.apply(x), deferred, stale_out, stale_total).sum().backward()
-    assert len(deferred) == 1 and torch.equal(stale_out, torch.zeros(2))
-
+    _left_by_a_failed_backward(deferred, torch.tensor([8.0, 8.0]))
     out, total = torch.zeros(2), torch.tensor([2.0, 6.0])
-    _Defer.apply(x, deferred, out, total).sum().backward()
+    _Defer.apply(torch.ones(2, requires_grad=True), deferred, out, total).sum().backward()
     assert torch.equal(out, torch.tensor([1.0, 3.0]))
     assert len(deferred) == 0
 
 
 def test_settle_stale_writes_the_calls_of_a_backward_that_raised_and_only_those():
     deferred = DeferredReduceScatters()
-    stale_out, stale_total = torch.zeros(2), torch.tensor([8.0, 4.0])
-    x = torch.ones(2, requires_grad=True)
-    with pytest.raises(RuntimeError, match="backward failed"):
-        _Defer.apply(_Raise.apply(x), deferred, stale_out, stale_total).sum().backward()
+    stale_out = _left_by_a_failed_backward(deferred, torch.tensor([8.0, 4.0]))
     seen = {}
 
     class _SettleInside(torch.autograd.Function):
@@ -80,7 +82,7 @@ def test_settle_stale_writes_the_calls_of_a_backward_that_raised_and_only_those(
             return grad
 
     out, total = torch.zeros(2), torch.tensor([2.0, 6.0])
-    _Defer.apply(_SettleInside.apply(x), deferred, out, total).sum().backward()
+    _Defer.apply(_SettleInside.apply(torch.ones(2, requires_grad=True)), deferred, out, total).sum().backward()
     assert torch.equal(seen["stale"], torch.tensor([4.0, 2.0]))  # the failed backward's call: written
     assert torch.equal(seen["current"], torch.zeros(2)) and seen["left"] == 1  # this backward's: still deferred
     assert torch.equal(out, torch.tensor([1.0, 3.0])) and len(deferred) == 0  # ... until its flush
@@ -88,10 +90,6 @@ def test_settle_stale_writes_the_calls_of_a_backward_that_raised_and_only_those(
 
 def test_settle_stale_outside_backward_writes_everything_left():
     deferred = DeferredReduceScatters()
-    out, total = torch.zeros(2), torch.tensor([8.0, 4.0])
-    x = torch.ones(2, requires_grad=True)
-    with pytest.raises(RuntimeError, match="backward failed"):
-        _Defer.apply(_Raise.apply(x), deferred, out, total).sum().backward()
-    assert torch.equal(out, torch.zeros(2))
+    out = _left_by_a_failed_backward(deferred, torch.tensor([8.0, 4.0]))
     deferred.settle_stale()
     assert torch.equal(out, torch.tensor([4.0, 2.0])) and len(deferred) == 0

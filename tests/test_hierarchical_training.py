@@ -447,10 +447,31 @@ def _fabric_hierarchical(outdir: str, steps: int = 6, save_at: int = 3) -> dict:
 
     state, straight = run(load=False)
     resumed_state, resumed = run(load=True)
+    # codec="auto": 3 widths x (1 untimed + 1 timed) steps, so the choice is made at the last step
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=NODE,
+        num_nodes=2,
+        strategy=QuantDDPFabricStrategy(codec="auto", min_bits=4, auto_trial_steps=1, hierarchical=True),
+    )
+    fabric.launch()
+    net = _module().body
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
+    for bx, by in batches:
+        fabric.backward(torch.nn.functional.cross_entropy(model(bx), by))
+        opt.step()
+        opt.zero_grad()
+    auto = fabric.strategy.hook_state
     return {
         "hierarchical": state.node_groups is not None and resumed_state.node_groups is not None,
         "step": resumed_state.step,
         "exact": all(torch.equal(p, q) for p, q in zip(straight, resumed)),
+        "auto": {
+            "hierarchical": auto.node_groups is not None,
+            "chosen": auto.trial.chosen,
+            "figures": auto.trial.figures,
+            "identical": _identical_across_ranks(net),
+        },
     }
 
 
@@ -680,7 +701,15 @@ def test_auto_hierarchical_under_the_trainer(runs):
 
 def test_fabric_hierarchical_resumes_exactly(runs):
     for r in runs["2x2"]:
-        assert r["fabric"] == {"hierarchical": True, "step": 6, "exact": True}, r["fabric"]
+        fabric = dict(r["fabric"])
+        auto = fabric.pop("auto")
+        assert fabric == {"hierarchical": True, "step": 6, "exact": True}, r["fabric"]
+        # codec="auto" under Fabric: the trial ran to its choice, one choice from one set of figures on every rank
+        assert auto["hierarchical"] and auto["identical"] and auto["chosen"] in (32, 8, 4)
+        assert (auto["chosen"], auto["figures"]) == (
+            runs["2x2"][0]["fabric"]["auto"]["chosen"],
+            runs["2x2"][0]["fabric"]["auto"]["figures"],
+        )
 
 
 def test_node_size_that_does_not_divide_the_world_is_refused(runs):
