@@ -183,6 +183,7 @@ def _auto_fit(rank: int, world: int, per_node: int) -> dict:
     import types
 
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_qcomm.comm import auto_trial
 
@@ -218,8 +219,6 @@ def _auto_fit(rank: int, world: int, per_node: int) -> dict:
     finally:
         auto_trial.time = real_time
     hook = trainer.strategy.hook_state
-    from lightning.pytorch.strategies import DDPStrategy
-
     _, ddp, _, _ = _fit(world, per_node, DDPStrategy(), max_steps=AUTO_STEPS)
     return {
         "ddp_loss": _full_loss(ddp),

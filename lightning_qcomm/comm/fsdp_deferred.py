@@ -56,7 +56,6 @@ class DeferredReduceScatters:
     def add(self, future: torch.futures.Future, output: torch.Tensor, total: torch.Tensor, post_divide: float | None):
         """``future`` completes once ``total`` (fp32, the output's elements) holds the sum; then the output gets
         ``total`` and is divided by ``post_divide`` (None: not divided)."""
-        self.settle_stale()
         # one callback per call, not per backward: extra callbacks of this backward find nothing left to do
         torch.autograd.Variable._execution_engine.queue_callback(self.flush)
         self._pending.append((torch._C._current_graph_task_id(), future, output, total, post_divide))
@@ -67,14 +66,14 @@ class DeferredReduceScatters:
         self._write(pending)
 
     def settle_stale(self) -> None:
-        """Write the calls left by a backward other than the running one (one that raised); a no-op otherwise."""
-        if not self._pending:
-            return
+        """Write the calls left by a backward other than the running one (one that raised); a no-op otherwise.
+        Calls are kept in call order, so a failed backward's come first: the first entry tells (O(1) per call)."""
         task = torch._C._current_graph_task_id()
-        stale = [entry for entry in self._pending if entry[0] != task]
-        if stale:
-            self._pending = [entry for entry in self._pending if entry[0] == task]
-            self._write(stale)
+        if not self._pending or self._pending[0][0] == task:
+            return
+        first_current = next((i for i, entry in enumerate(self._pending) if entry[0] == task), len(self._pending))
+        stale, self._pending = self._pending[:first_current], self._pending[first_current:]
+        self._write(stale)
 
     @staticmethod
     def _write(pending) -> None:
