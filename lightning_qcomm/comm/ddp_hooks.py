@@ -328,9 +328,7 @@ def _bucket_job(state: QuantDDPHookState, bucket: dist.GradBucket) -> Callable[[
                 if plan.shards is None:
                     big.add_(residual)
                 else:  # hierarchical: this rank's residual is of its shard of the node's sum: add it at that place
-                    rows = plan.shards.to_rows(big)
-                    rows.view(groups.topology.node_size, -1)[local_index(groups)].add_(residual)
-                    plan.shards.from_rows(rows, big)
+                    plan.shards.add_to_shard(big, local_index(groups), residual)
                 scatter_segments(buf, plan.big, big)
                 ef.zero_()
             plain_average(buf)

@@ -208,6 +208,22 @@ class ParamShards:
             pos += n
         return out
 
+    def add_to_shard(self, flat: torch.Tensor, index: int, values: torch.Tensor) -> torch.Tensor:
+        """``flat`` += ``values`` placed as shard ``index`` (``shard_numel`` elements, e.g. that rank's residual),
+        in place and returned: ``from_rows(to_rows(flat) + values in row index)`` without the row copies (padding
+        elements have no place in ``flat`` and are dropped).
+
+        Example::
+
+            ParamShards([5, 3], node_size=2).add_to_shard(torch.zeros(8), 1, torch.ones(5))  # [0, 0, 0, 1, 1, 0, 0, 1]
+        """
+        pos = col = 0
+        for n, k in zip(self.numels, self.chunks):
+            lo, hi = min(index * k, n), min((index + 1) * k, n)
+            flat[pos + lo : pos + hi].add_(values[col : col + hi - lo])
+            pos, col = pos + n, col + k
+        return flat
+
 
 __all__ = [
     "ParamShards",
