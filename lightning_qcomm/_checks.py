@@ -44,11 +44,11 @@ def check_int(
         allowed = "an int" + (" or None" if optional else "")
         raise TypeError(f"{_where(owner, name, value)} must be {allowed}, got {type(value).__name__}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        lo = "" if minimum is None else f">= {minimum}"
-        hi = "" if maximum is None else f"<= {maximum}"
-        raise ValueError(
-            f"{_where(owner, name, value)} is out of range; allowed: an int {' and '.join(filter(None, (lo, hi)))}"
-        )
+        if minimum is not None and maximum is not None:
+            allowed = f"in {minimum}..{maximum}"
+        else:
+            allowed = f">= {minimum}" if minimum is not None else f"<= {maximum}"
+        raise ValueError(f"{_where(owner, name, value)} is out of range; allowed: an int {allowed}")
     return value
 
 

@@ -701,27 +701,31 @@ def test_checkpoint_plan_is_checked_against_the_policy(caplog):
 
 
 @pytest.mark.parametrize(
-    "kwargs,words",
+    "kwargs,words,error",
     [
-        ({"bits": 9}, ["bits", "9", "1..8"]),
-        ({"bits": 0}, ["bits", "0", "1..8"]),
-        ({"bits": 4.0}, ["bits", "4.0"]),
-        ({"policy": "greedy"}, ["policy", "greedy", "uniform", "layer_aware", "budget"]),
-        ({"block_size": 0}, ["block_size", "0", ">= 1"]),
-        ({"min_numel": -1}, ["min_numel", "-1"]),
-        ({"edge_bits": 3}, ["edge_bits", "3", "4..8"]),
-        ({"budget_bits": 3.5}, ["budget_bits", "3.5", "8"]),
-        ({"budget_bits": 9.0}, ["budget_bits", "9.0"]),
-        ({"attention_patterns": 7}, ["attention_patterns", "7"]),
-        ({"calibration_steps": 0}, ["calibration_steps", "0"]),
-        ({"recompute": "yes"}, ["recompute", "yes"]),
-        ({"seed": -2}, ["seed", "-2"]),
-        ({"log_every_n_steps": 0}, ["log_every_n_steps", "0"]),
-        ({"grad_storage": "int8"}, ["grad_storage", "int8", "fp32", "fp8_e4m3", "fp8_e5m2"]),
+        ({"bits": 9}, ["ActivationQuantization(bits=9)", "1..8"], ValueError),
+        ({"bits": 0}, ["ActivationQuantization(bits=0)", "1..8"], ValueError),
+        ({"bits": 4.0}, ["ActivationQuantization(bits=4.0)", "an int"], TypeError),
+        (
+            {"policy": "greedy"},
+            ["ActivationQuantization(policy='greedy')", "uniform", "layer_aware", "budget"],
+            ValueError,
+        ),
+        ({"block_size": 0}, ["ActivationQuantization(block_size=0)", ">= 1"], ValueError),
+        ({"min_numel": -1}, ["ActivationQuantization(min_numel=-1)"], ValueError),
+        ({"edge_bits": 3}, ["ActivationQuantization(edge_bits=3)", "4..8"], ValueError),
+        ({"budget_bits": 3.5}, ["ActivationQuantization(budget_bits=3.5)", "8"], ValueError),
+        ({"budget_bits": 9.0}, ["ActivationQuantization(budget_bits=9.0)"], ValueError),
+        ({"attention_patterns": 7}, ["ActivationQuantization(attention_patterns=7)"], TypeError),
+        ({"calibration_steps": 0}, ["ActivationQuantization(calibration_steps=0)"], ValueError),
+        ({"recompute": "yes"}, ["ActivationQuantization(recompute='yes')"], TypeError),
+        ({"seed": -2}, ["ActivationQuantization(seed=-2)"], ValueError),
+        ({"log_every_n_steps": 0}, ["ActivationQuantization(log_every_n_steps=0)"], ValueError),
+        ({"grad_storage": "int8"}, ["ActivationQuantization(grad_storage='int8')", "fp32", "fp8_e4m3"], ValueError),
     ],
 )
-def test_bad_arguments_raise_naming_argument_value_and_allowed(kwargs, words):
-    with pytest.raises(ValueError) as err:
+def test_bad_arguments_raise_naming_argument_value_and_allowed(kwargs, words, error):
+    with pytest.raises(error) as err:
         ActivationQuantization(**kwargs)
     for w in words:
         assert w in str(err.value), (w, str(err.value))
@@ -731,7 +735,7 @@ def test_attention_patterns_are_a_lowercased_str():
     a = ActivationQuantization(attention_patterns="*Attn*, SelfAttention")
     assert a.config.attention_patterns == ("*attn*", "selfattention")
     assert ActivationQuantization(attention_patterns=None).config.attention_patterns == ()
-    with pytest.raises(ValueError, match="attention_patterns"):
+    with pytest.raises(TypeError, match="attention_patterns"):
         ActivationQuantization(attention_patterns=["*attn*"])  # not a typed primitive
     # patterns given to the config directly are matched case-insensitively too
     cfg = ActivationQuantConfig(attention_patterns=("*ATTN*",))

@@ -671,7 +671,7 @@ def test_fabric_strategies_check_their_arguments_as_the_trainer_ones():
     from lightning_qcomm import LocalSGDFabricStrategy, QSDPFabricStrategy, QuantDDPFabricStrategy
 
     for cls, kwargs, name in (
-        (QSDPFabricStrategy, {"bits": 9}, "weight_bits=9"),
+        (QSDPFabricStrategy, {"bits": 9}, "QSDPFabricStrategy(bits=9)"),
         (QSDPFabricStrategy, {"seed": -1}, "QSDPFabricStrategy(seed=-1)"),
         (QuantDDPFabricStrategy, {"codec": "topk"}, "QuantDDPFabricStrategy(codec='topk')"),
         (QuantDDPFabricStrategy, {"ddp_comm_hook": print}, "ddp_comm_hook"),

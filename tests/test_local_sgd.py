@@ -463,7 +463,7 @@ def test_registry_names_and_double_registration():
         ({"sync": "qsr", "alpha": -0.1}, "alpha"),
         ({"sync": "qsr", "h_base": 0}, "h_base"),
         ({"sync": "qsr", "power": 0.0}, "power"),
-        ({"sync": "periodic"}, "sync must be one of"),
+        ({"sync": "periodic"}, r"sync='periodic'\) is not allowed; allowed: qsr, constant, post_local"),
         ({"sync": "constant", "period": 0}, "period"),
         ({"sync": "post_local"}, "switch_step"),
         ({"sync": "qsr", "warmup_steps": -1}, "warmup_steps"),

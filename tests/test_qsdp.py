@@ -508,7 +508,7 @@ def test_model_without_parameters_is_rejected(two_ranks):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"bits": 9}, "weight_bits=9"),
+        ({"bits": 9}, r"QSDPStrategy\(bits=9\) is not supported by weight_codec=.uniform.; allowed: 1..8"),
         ({"weight_bits": 0}, "weight_bits=0"),
         ({"grad_bits": 16}, "grad_bits=16"),
         ({"grad_codec": "qsgd", "grad_bits": 1}, "grad_bits=1"),

@@ -47,6 +47,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_qcomm._checks import build_as, check_bool, check_choice, check_int
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.memory.bit_allocation import average_bits
 from lightning_qcomm.memory.config import ActivationQuantConfig, parse_patterns
@@ -109,31 +110,19 @@ class ActivationQuantization(pl.Callback):
         record_saves: bool = False,
         grad_storage: Literal["fp32", "fp8_e4m3", "fp8_e5m2"] = "fp32",
     ) -> None:
+        own = type(self).__name__
         if isinstance(budget_bits, int) and not isinstance(budget_bits, bool):
             budget_bits = float(budget_bits)
         if attention_patterns is not None and not isinstance(attention_patterns, str):
-            raise ValueError(f"attention_patterns must be a comma-separated str or None, got {attention_patterns!r}")
-        self.config = ActivationQuantConfig(
-            bits=bits,
-            block_size=block_size,
-            policy=policy,
-            min_numel=min_numel,
-            recompute=recompute,
-            attention_patterns=parse_patterns(attention_patterns),
-            edge_bits=edge_bits,
-            budget_bits=budget_bits,
-            calibration_steps=calibration_steps,
-            stochastic=stochastic,
-            seed=seed,
-        )
-        if log_every_n_steps is not None and (
-            not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1
-        ):
-            raise ValueError(f"log_every_n_steps must be None or an int >= 1, got {log_every_n_steps!r}")
-        if not isinstance(record_saves, bool):
-            raise ValueError(f"record_saves must be a bool, got {record_saves!r}")
-        if grad_storage not in GRAD_STORAGE:
-            raise ValueError(f"grad_storage={grad_storage!r} is not supported; allowed: {', '.join(GRAD_STORAGE)}")
+            raise TypeError(
+                f"{own}(attention_patterns={attention_patterns!r}) must be a comma-separated str or None "
+                "(e.g. '*attn*,*attention*')"
+            )
+        fields = dict(locals(), attention_patterns=parse_patterns(attention_patterns, owner=own))
+        self.config = build_as(own, ActivationQuantConfig, fields)
+        check_int(own, "log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
+        check_bool(own, "record_saves", record_saves)
+        check_choice(own, "grad_storage", grad_storage, GRAD_STORAGE)
         self.grad_storage = grad_storage
         self.grad_store = (
             None

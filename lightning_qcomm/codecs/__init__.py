@@ -29,6 +29,8 @@ from lightning_qcomm.codecs.base import Codec, Packed
 from lightning_qcomm.codecs.registry import (
     NO_COMPRESSION,
     CodecSpec,
+    allowed_bits,
+    check_codec_bits,
     codec_names,
     codec_spec,
     register_codec,
@@ -71,6 +73,8 @@ __all__ = [
     "QSGDInfCodec",
     "SignCodec",
     "UniformCodec",
+    "allowed_bits",
+    "check_codec_bits",
     "codec_names",
     "codec_spec",
     "derive_seed",

@@ -171,6 +171,38 @@ def codec_spec(name: str) -> CodecSpec:
     return spec
 
 
+def allowed_bits(name: str) -> str:
+    """The widths codec ``name`` takes, as users read them: ``"2..8"``, ``"8"``, ``"32"`` (``"none"``)."""
+    bits = codec_spec(name).bits
+    return str(bits.start) if len(bits) == 1 else f"{bits.start}..{bits.stop - 1}"
+
+
+def check_codec_bits(
+    owner: str, bits: Any, codec: str, *, bits_arg: str = "bits", codec_arg: str = "codec", also: str = ""
+) -> int:
+    """``bits`` checked against codec ``codec``'s own widths, before any generic bound: ``TypeError`` for a
+    non-int, ``ValueError`` for a width the codec lacks. Both name ``owner``, the argument as the user spelled it
+    (``bits_arg``: ``"bits"`` when that set the width) and the codec's range; ``also`` adds other allowed values
+    (e.g. ``", or 32 for unquantized"``).
+
+    Example::
+
+        check_codec_bits("QuantDDPStrategy", 0, "nuqsgd")
+        # ValueError: QuantDDPStrategy(bits=0) is not supported by codec='nuqsgd'; allowed: 2..8
+    """
+    allowed = allowed_bits(codec)
+    if not isinstance(bits, int) or isinstance(bits, bool):
+        raise TypeError(
+            f"{owner}({bits_arg}={bits!r}) must be an int, got {type(bits).__name__}; allowed for "
+            f"{codec_arg}={codec.lower()!r}: {allowed}{also}"
+        )
+    if bits not in codec_spec(codec).bits:
+        raise ValueError(
+            f"{owner}({bits_arg}={bits!r}) is not supported by {codec_arg}={codec.lower()!r}; allowed: {allowed}{also}"
+        )
+    return bits
+
+
 def resolve_codec(name: str, bits: int | None = None, bucket_size: int | None = None, **opts: Any):
     """``get_codec(name, bits, bucket_size, **opts)``, or None for ``"none"`` (bits None or 32, no options;
     ``bucket_size`` has no meaning there and is ignored).

@@ -20,7 +20,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_qcomm._checks import check_bool, check_int
-from lightning_qcomm.codecs import Codec, codec_names, get_codec
+from lightning_qcomm.codecs import Codec, check_codec_bits, codec_names, get_codec
 from lightning_qcomm.comm.auto_trial import AUTO_CODEC, RECHECK_STEPS, TRIAL_STEPS, UNCOMPRESSED
 from lightning_qcomm.comm.nonfinite import check_policy
 
@@ -103,9 +103,9 @@ class QuantDDPConfig:
             raise ValueError(f"{own}(codec='auto', bits={self.bits}): 'auto' chooses the width; set min_bits")
         if self.bits is None and not auto:
             object.__setattr__(self, "bits", UNCOMPRESSED_BITS if self.codec == "none" else 8)
-        check_int(own, "bits", self.bits, minimum=1, optional=auto)
-        if self.codec == "none" and self.bits != UNCOMPRESSED_BITS:
-            raise ValueError(f"{own}(codec='none', bits={self.bits}): the uncompressed path is fp32; use bits=32")
+        if not auto:  # the codec's own widths first (nuqsgd: 2..8), not a generic bound
+            also = "" if self.codec == "none" else ", or codec='none' for fp32"
+            check_codec_bits(own, self.bits, self.codec, also=also)
         check_int(own, "bucket_size", self.bucket_size, minimum=1, optional=True)
         check_bool(own, "error_feedback", self.error_feedback)
         check_int(own, "min_quant_numel", self.min_quant_numel, minimum=0)

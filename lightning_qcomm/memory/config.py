@@ -1,7 +1,9 @@
 """Configuration of activation quantization: one frozen dataclass, validated on construction.
 
-Every check raises ``ValueError`` naming the argument, the value and what is allowed, so the Lightning
-callback (whose typed constructor arguments map one to one onto these fields) reports bad YAML clearly.
+Every check raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value) in the package's one form,
+``ActivationQuantConfig(bits=9) is out of range; allowed: ...``, so the Lightning callback (whose typed
+constructor arguments map one to one onto these fields, built through ``build_as``) reports bad YAML naming
+itself.
 """
 
 from __future__ import annotations
@@ -9,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_qcomm._checks import check_bool, check_choice, check_float, check_int
 from lightning_qcomm.memory.bit_allocation import POLICIES
 
 DEFAULT_ATTENTION_PATTERNS = ("*attn*", "*attention*")
 
 
-def parse_patterns(value: str | Sequence[str] | None, arg: str = "attention_patterns") -> tuple[str, ...]:
+def parse_patterns(
+    value: str | Sequence[str] | None, arg: str = "attention_patterns", owner: str = "ActivationQuantConfig"
+) -> tuple[str, ...]:
     """A comma-separated string or a list of fnmatch patterns -> tuple (None or "" -> no pattern)."""
     if value is None:
         return ()
@@ -23,16 +28,10 @@ def parse_patterns(value: str | Sequence[str] | None, arg: str = "attention_patt
     elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         items = list(value)
     else:
-        raise ValueError(f"{arg} must be a comma-separated str, a list of str or None, got {value!r}")
+        raise ValueError(
+            f"{owner}({arg}={value!r}) is not allowed; allowed: a comma-separated str, a list of str or None"
+        )
     return tuple(p.strip().lower() for p in items if p.strip())
-
-
-def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name}={value} is out of range; allowed: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -68,26 +67,26 @@ class ActivationQuantConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("bits", self.bits, 1, 8)
-        _check_int("block_size", self.block_size, 1)
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r} is not supported; allowed: {', '.join(POLICIES)}")
-        _check_int("min_numel", self.min_numel, 1)
-        for name in ("recompute", "stochastic"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        own = type(self).__name__
+        check_int(own, "bits", self.bits, minimum=1, maximum=8)
+        check_int(own, "block_size", self.block_size, minimum=1)
+        check_choice(own, "policy", self.policy, POLICIES)
+        check_int(own, "min_numel", self.min_numel, minimum=1)
+        check_bool(own, "recompute", self.recompute)
+        check_bool(own, "stochastic", self.stochastic)
         if not isinstance(self.attention_patterns, tuple) or not all(
             isinstance(p, str) for p in self.attention_patterns
         ):
-            raise ValueError(f"attention_patterns must be a tuple of str, got {self.attention_patterns!r}")
+            raise TypeError(
+                f"{own}(attention_patterns={self.attention_patterns!r}) must be a tuple of str "
+                "(parse_patterns makes one from a comma-separated str)"
+            )
         # matched against lowercased module / class names (case-insensitive), so stored lowercased
         object.__setattr__(self, "attention_patterns", tuple(p.strip().lower() for p in self.attention_patterns))
-        _check_int("edge_bits", self.edge_bits, self.bits, 8)
+        check_int(own, "edge_bits", self.edge_bits, minimum=self.bits, maximum=8)
         if self.budget_bits is None:
             object.__setattr__(self, "budget_bits", float(min(self.bits + 1, 8)))
-        if isinstance(self.budget_bits, bool) or not isinstance(self.budget_bits, (int, float)):
-            raise ValueError(f"budget_bits must be a float, got {self.budget_bits!r}")
-        if not self.bits <= self.budget_bits <= 8:
-            raise ValueError(f"budget_bits={self.budget_bits} is out of range; allowed: bits ({self.bits})..8")
-        _check_int("calibration_steps", self.calibration_steps, 1)
-        _check_int("seed", self.seed, 0)
+        check_float(own, "budget_bits", self.budget_bits, minimum=self.bits, maximum=8)
+        object.__setattr__(self, "budget_bits", float(self.budget_bits))
+        check_int(own, "calibration_steps", self.calibration_steps, minimum=1)
+        check_int(own, "seed", self.seed, minimum=0)

@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
@@ -60,7 +59,7 @@ from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, inter_node
 from lightning_qcomm.parallel.local_sgd_overlap import AveragingLane, OverlappedAverage
 from lightning_qcomm.parallel.outer_optim import build_outer_optimizer
 from lightning_qcomm.parallel.step_hooks import attach_step_hooks
-from lightning_qcomm.parallel.sync_rules import QSRRule, SyncSchedule, check_optimizers_have_lr
+from lightning_qcomm.parallel.sync_rules import QSRRule, SyncSchedule, check_optimizers_have_lr, tell_qsr_period
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +147,7 @@ class LocalSGD:
         self.buffer_averager = self._averager(buffers, "buffers") if config.average_buffers and buffers else None
         self.outer = build_outer_optimizer(config.outer_optimizer, params, config.outer_lr, config.outer_momentum)
         self.schedule = SyncSchedule(self.rule, total_steps=total_steps)
+        self._qsr_told = False  # the QSR period at the first lr it reads was said (sync_rules.tell_qsr_period)
         self.nonfinite = NonFiniteGuard(config.nonfinite, owner) if nonfinite is None else nonfinite
         self.num_averages = 0  # every average (scheduled or forced): seeds of quantized rounds
         self.num_forced_syncs = 0
@@ -221,13 +221,9 @@ class LocalSGD:
         sched = self.schedule
         if sched.h is None and self.rule.needs_lr:
             lr = self._current_lr()
-            h = sched.begin_step(lr)
-            if sched.step == 0 and isinstance(self.rule, QSRRule) and h > self.rule.h_base:
-                rank_zero_warn(
-                    f"{self.owner}(sync='qsr') starts with H={h} from lr={lr:g} at step 0 (warmup_steps="
-                    f"{self.rule.warmup_steps}); if the lr schedule warms up from a small lr, set warmup_steps to "
-                    f"its length so H stays at h_base={self.rule.h_base} meanwhile"
-                )
+            sched.begin_step(lr)
+            if isinstance(self.rule, QSRRule):
+                self._qsr_told = tell_qsr_period(self.owner, self.rule, sched, lr, self._qsr_told)
         else:
             sched.begin_step(None)
         return sched.round_data_parallel

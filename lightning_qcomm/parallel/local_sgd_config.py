@@ -18,7 +18,7 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_qcomm._checks import check_bool, check_choice, check_float, check_int, check_str
-from lightning_qcomm.codecs import Codec, get_codec
+from lightning_qcomm.codecs import Codec, check_codec_bits, codec_names, get_codec
 from lightning_qcomm.comm.nonfinite import check_policy
 from lightning_qcomm.comm.topology import Topology, hierarchical_topology
 from lightning_qcomm.parallel.sync_rules import SYNC_RULE_NAMES, SyncRule, make_rule
@@ -40,6 +40,9 @@ class LocalSGDConfig:
         period: constant period, and the local-phase period of post_local, >= 1.
         switch_step: post_local only: optimizer step where local SGD starts (data-parallel before).
         warmup_steps: QSR only: H = h_base while step < warmup_steps (set it to the lr warmup length).
+        max_period: QSR only: the longest period the rule may give (None: no bound but the run's end). The rule
+            gives H = (alpha / lr)^2, so at AdamW's learning rates the default alpha gives hundreds of steps (306 at
+            1e-3); ``sync_rules.qsr_alpha_for(H, lr)`` is the alpha for a period H at a learning rate.
         average_buffers: also average floating buffers (BatchNorm running stats) at each sync.
         average_optimizer_state: also average floating optimizer-state tensors at each sync.
         codec: None (fp32 averaging) or a codec name for quantized parameter averaging.
@@ -97,6 +100,7 @@ class LocalSGDConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     overlap: bool = False
+    max_period: int | None = None
 
     def __post_init__(self) -> None:
         own = type(self).__name__
@@ -111,15 +115,27 @@ class LocalSGDConfig:
             check_bool(own, name, getattr(self, name))
         check_int(own, "period", self.period, minimum=1)
         check_int(own, "switch_step", self.switch_step, minimum=0, optional=True)
-        check_int(own, "bits", self.bits, minimum=1)
+        check_str(own, "codec", self.codec, optional=True)
+        if self.codec is not None:  # the codec's own widths (nuqsgd: 2..8)
+            if self.codec.lower() not in codec_names():
+                raise ValueError(
+                    f"{own}(codec={self.codec!r}) is not supported; allowed: None, {', '.join(codec_names())}"
+                )
+            check_codec_bits(own, self.bits, self.codec)
+        else:
+            check_int(own, "bits", self.bits, minimum=1)
         check_int(own, "bucket_size", self.bucket_size, minimum=1, optional=True)
         check_int(own, "seed", self.seed, minimum=0)
-        check_str(own, "codec", self.codec, optional=True)
         check_float(own, "comm_bucket_mb", self.comm_bucket_mb, minimum=0.0, exclusive_minimum=True)
         check_policy(own, self.nonfinite)
         if not isinstance(self.sync, str) or self.sync.lower() not in SYNC_RULE_NAMES:
-            raise ValueError(f"sync must be one of {SYNC_RULE_NAMES}, got {self.sync!r}")
+            raise ValueError(f"{own}(sync={self.sync!r}) is not allowed; allowed: {', '.join(SYNC_RULE_NAMES)}")
         object.__setattr__(self, "sync", self.sync.lower())
+        check_int(own, "h_base", self.h_base, minimum=1)
+        check_float(own, "alpha", self.alpha, minimum=0.0, exclusive_minimum=True)
+        check_float(own, "power", self.power, minimum=0.0, exclusive_minimum=True)
+        check_int(own, "warmup_steps", self.warmup_steps, minimum=0)
+        check_int(own, "max_period", self.max_period, minimum=self.h_base, optional=True)
         check_choice(own, "scope", self.scope, SCOPES)
         check_int(own, "node_size", self.node_size, minimum=1, optional=True)
         check_choice(own, "outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
@@ -127,6 +143,11 @@ class LocalSGDConfig:
         check_float(own, "outer_momentum", self.outer_momentum, minimum=0.0)
         if self.outer_momentum >= 1.0:
             raise ValueError(f"{own}(outer_momentum={self.outer_momentum!r}) is not allowed; allowed: [0, 1)")
+        if self.sync == "post_local" and self.switch_step is None:
+            raise ValueError(
+                f"{own}(sync='post_local', switch_step=None): switch_step, the step where local SGD starts, is "
+                "required; allowed: an int >= 0"
+            )
         self._warn_no_effect(own)
         self.build_rule()  # validates h_base / alpha / power (qsr), period, switch_step (post_local), warmup_steps
         self.build_codec()
@@ -140,6 +161,11 @@ class LocalSGDConfig:
                         f"{own}({name}={getattr(self, name)!r}, outer_optimizer='average'): {name} has no effect "
                         "(it is the outer Nesterov step's; set outer_optimizer='nesterov')"
                     )
+        if self.sync != "qsr" and self.max_period is not None:
+            rank_zero_warn(
+                f"{own}(max_period={self.max_period}, sync={self.sync!r}): max_period has no effect (it bounds the "
+                "period of sync='qsr')"
+            )
         if self.scope == "global" and self.node_size is not None:
             rank_zero_warn(
                 f"{own}(node_size={self.node_size}, scope='global'): node_size has no effect (it lays the ranks out "
@@ -156,6 +182,7 @@ class LocalSGDConfig:
             period=self.period,
             switch_step=self.switch_step,
             warmup_steps=self.warmup_steps,
+            max_period=self.max_period,
         )
 
     def build_codec(self) -> Codec | None:

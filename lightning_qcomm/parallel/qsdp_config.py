@@ -24,7 +24,7 @@ from typing import Any, Literal
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_qcomm._checks import check_bool, check_int, check_str
-from lightning_qcomm.codecs import Codec, codec_names, get_codec
+from lightning_qcomm.codecs import Codec, check_codec_bits, codec_names, get_codec
 from lightning_qcomm.comm.auto_trial import WIDTHS, candidate_widths
 from lightning_qcomm.comm.nonfinite import check_policy
 
@@ -65,6 +65,17 @@ def check_auto_codec(owner: str, arg_codec: str, name: str, min_bits: int, bucke
             f"{owner}({arg_codec}={name!r}) cannot be used with an 'auto' width and min_bits={min_bits}: it needs a "
             f"codec with every width in {candidate_widths(min_bits)[1:]}; allowed: {', '.join(allowed)}"
         )
+
+
+def check_width(owner: str, arg_bits: str, bits: int | str, arg_codec: str, name: str) -> None:
+    """``bits`` (spelled ``arg_bits``, as the user passed it: ``bits`` sets both directions) against codec
+    ``name``'s own widths, or 32 (unquantized), or ``"auto"``; the codec name against ``CODEC_CHOICES``."""
+    if not isinstance(name, str) or name.lower() not in CODEC_CHOICES:
+        raise ValueError(f"{owner}({arg_codec}={name!r}) is not supported; allowed: {', '.join(CODEC_CHOICES)}")
+    if bits == AUTO or name.lower() == "none" or bits == UNQUANTIZED_BITS:
+        return
+    also = f", or {UNQUANTIZED_BITS} for unquantized" + (", or 'auto'" if arg_bits != "intra_node_bits" else "")
+    check_codec_bits(owner, bits, name, bits_arg=arg_bits, codec_arg=arg_codec, also=also)
 
 
 def build_codec(arg_bits: str, bits: int, arg_codec: str, name: str, bucket_size: int) -> Codec | None:
@@ -184,8 +195,15 @@ class QSDPConfig:
         if self.hsdp and self.quantize_master:
             raise ValueError(f"{own}(hsdp=True, quantize_master=True): the master projection is for flat QSDP only")
         default = 8 if self.bits is None else self.bits
-        object.__setattr__(self, "weight_bits", default if self.weight_bits is None else self.weight_bits)
-        object.__setattr__(self, "grad_bits", default if self.grad_bits is None else self.grad_bits)
+        for direction in ("weight", "grad"):  # each width against its codec, named as the user passed it
+            given = getattr(self, f"{direction}_bits")
+            spelled = f"{direction}_bits" if given is not None or self.bits is None else "bits"
+            width = default if given is None else given
+            object.__setattr__(self, f"{direction}_bits", width)
+            check_width(own, spelled, width, f"{direction}_codec", getattr(self, f"{direction}_codec"))
+        if self.intra_node_bits is not None:
+            for codec_arg in ("weight_codec", "grad_codec"):
+                check_width(own, "intra_node_bits", self.intra_node_bits, codec_arg, getattr(self, codec_arg))
         self._check_auto(own)
         # raise for a width the codec does not have
         weight_codec = None if self.auto_weights else self.build_weight_codec()
@@ -288,4 +306,5 @@ __all__ = [
     "QSDPConfig",
     "build_codec",
     "check_bits",
+    "check_width",
 ]

@@ -10,9 +10,12 @@ Rules:
 * ``ConstantRule(period)``: H = period (Local SGD / Local AdamW with a fixed period).
 * ``PostLocalRule(switch_step, period)``: H = 1 for t < switch_step (data-parallel phase), then
   H = period (Lin et al., "Don't use large mini-batches, use local SGD", 2020).
-* ``QSRRule(h_base, alpha, power, warmup_steps)``: the Quadratic Synchronization Rule (Gu et al.,
+* ``QSRRule(h_base, alpha, power, warmup_steps, max_period)``: the Quadratic Synchronization Rule (Gu et al.,
   ICLR 2024), H = max(h_base, floor((alpha / η)^power)) with power 2; power 1 gives the linear and
-  power 3 the cubic variant the paper compares against. H = h_base while t < warmup_steps (lr warmup).
+  power 3 the cubic variant the paper compares against. H = h_base while t < warmup_steps (lr warmup);
+  H <= max_period when one is set. The rule's H at a learning rate η is (α/η)², so α = η·√H gives period H
+  at η: the paper's α = 0.0175 means H ≈ 4.8 at its peak lr 8e-3 but H = 306 at AdamW's 1e-3 and 3,402 at
+  3e-4 (``qsr_alpha_for``).
 
 Every rule's H is finally capped by the steps left, H <= total_steps - t, so training ends on a sync
 (``cap_period``). The rule is evaluated once per round, when the round starts, exactly like the QSR
@@ -27,9 +30,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 SYNC_RULE_NAMES = ("qsr", "constant", "post_local")
+QSR_LONG_PERIOD = 100
+"""A QSR period above this many steps (with no ``max_period``) is warned about once: Local SGD studies average
+every 2 to a few dozen steps, and hundreds of steps between averages usually mean ``alpha`` was tuned for a
+larger (SGD-scale) learning rate than the one in use."""
 
 # Larger than any step count a run can have; returned by QSR when lr == 0 (H is then set by the cap).
 _UNBOUNDED_PERIOD = 2**62
@@ -111,6 +119,7 @@ class QSRRule:
     alpha: float = 0.0175
     power: float = 2.0
     warmup_steps: int = 0
+    max_period: int | None = None
     needs_lr = True
 
     def __post_init__(self) -> None:
@@ -118,6 +127,13 @@ class QSRRule:
         _check_positive_float("alpha", self.alpha)
         _check_positive_float("power", self.power)
         _check_int("warmup_steps", self.warmup_steps, 0)
+        if self.max_period is not None:
+            _check_int("max_period", self.max_period, self.h_base)
+
+    def uncapped_period(self, lr: float) -> int:
+        """max(h_base, floor((alpha / lr)^power)) at ``lr`` > 0, before ``max_period`` and the steps-left cap."""
+        ratio = (self.alpha / lr) ** self.power
+        return max(self.h_base, math.floor(ratio) if ratio < _UNBOUNDED_PERIOD else _UNBOUNDED_PERIOD)
 
     def next_period(self, step: int, lr: float | None) -> int:
         if step < self.warmup_steps:
@@ -127,10 +143,8 @@ class QSRRule:
         lr = float(lr)
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"lr must be a finite float >= 0 for the QSR rule, got {lr}")
-        if lr == 0.0:
-            return _UNBOUNDED_PERIOD
-        ratio = (self.alpha / lr) ** self.power
-        return max(self.h_base, math.floor(ratio) if ratio < _UNBOUNDED_PERIOD else _UNBOUNDED_PERIOD)
+        h = _UNBOUNDED_PERIOD if lr == 0.0 else self.uncapped_period(lr)
+        return h if self.max_period is None else min(h, self.max_period)
 
     def data_parallel(self, step: int) -> bool:
         return False
@@ -145,13 +159,14 @@ def make_rule(
     period: int = 8,
     switch_step: int | None = None,
     warmup_steps: int = 0,
+    max_period: int | None = None,
 ) -> SyncRule:
     """Build the rule named ``sync`` (one of ``SYNC_RULE_NAMES``) from typed primitives."""
     if not isinstance(sync, str) or sync.lower() not in SYNC_RULE_NAMES:
         raise ValueError(f"sync must be one of {SYNC_RULE_NAMES}, got {sync!r}")
     sync = sync.lower()
     if sync == "qsr":
-        return QSRRule(h_base=h_base, alpha=alpha, power=power, warmup_steps=warmup_steps)
+        return QSRRule(h_base=h_base, alpha=alpha, power=power, warmup_steps=warmup_steps, max_period=max_period)
     if sync == "constant":
         return ConstantRule(period)
     if switch_step is None:
@@ -244,6 +259,57 @@ def simulate(rule: SyncRule, total_steps: int, lr_at, start_step: int = 0) -> li
         while not sched.end_step():
             pass
     return rounds
+
+
+def qsr_alpha_for(period: int, lr: float, power: float = 2.0) -> float:
+    """The QSR ``alpha`` that gives period ``period`` at learning rate ``lr``: alpha = lr * period^(1/power).
+
+    Example::
+
+        qsr_alpha_for(8, 1e-3)     # 0.00283: H = 8 at AdamW's lr 1e-3 (the default 0.0175 gives H = 306 there)
+    """
+    return float(lr) * float(period) ** (1.0 / power)
+
+
+def tell_qsr_period(owner: str, rule: QSRRule, schedule: SyncSchedule, lr: float, told: bool) -> bool:
+    """Say once, when the QSR rule first reads the learning rate after its warmup, which period it gives there,
+    and warn when that period reaches the end of the run (the replicas would be averaged only at the end) or
+    exceeds ``QSR_LONG_PERIOD`` without a ``max_period``; with the ``alpha`` that gives a short period at this lr.
+    Returns the new ``told``. Call it right after ``schedule.begin_step(lr)``.
+
+    Example::
+
+        told = tell_qsr_period("LocalSGD", rule, schedule, lr=1e-3, told=False)
+    """
+    start = schedule.step
+    if start == 0 and schedule.h is not None and schedule.h > rule.h_base:
+        rank_zero_warn(
+            f"{owner}(sync='qsr') starts with H={schedule.h} from lr={lr:g} at step 0 (warmup_steps="
+            f"{rule.warmup_steps}); if the lr schedule warms up from a small lr, set warmup_steps to "
+            f"its length so H stays at h_base={rule.h_base} meanwhile"
+        )
+    if told or start < rule.warmup_steps or not lr > 0:
+        return told
+    h, raw = rule.next_period(start, lr), rule.uncapped_period(lr)
+    bound = f"; max_period={rule.max_period} bounds it to {h}" if h < raw else ""
+    rank_zero_info(
+        f"{owner}(sync='qsr'): H = max(h_base, (alpha / lr)^{rule.power:g}) = {raw} steps at lr={lr:g}, "
+        f"alpha={rule.alpha:g}{bound}"
+    )
+    total = schedule.total_steps
+    left = int(total) - start if total is not None and math.isfinite(total) else None
+    if (left is not None and h >= left) or (rule.max_period is None and h > QSR_LONG_PERIOD):
+        where = (
+            f"reaches the end of the run ({left} steps left): the replicas are averaged only at the end"
+            if (left is not None and h >= left)
+            else f"is longer than {QSR_LONG_PERIOD} steps"
+        )
+        rank_zero_warn(
+            f"{owner}(sync='qsr', alpha={rule.alpha:g}): the period the rule gives at lr={lr:g}, H={h}, {where}. "
+            f"H = (alpha / lr)^{rule.power:g}: alpha={qsr_alpha_for(8, lr, rule.power):.3g} gives H=8 at this lr "
+            f"(alpha = lr * H^(1/{rule.power:g})); or set max_period"
+        )
+    return True
 
 
 def check_optimizers_have_lr(optimizers: Sequence[Optimizer], sync: str) -> None:

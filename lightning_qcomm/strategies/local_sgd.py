@@ -84,7 +84,7 @@ CHECKPOINT_KEY = "local_sgd"
 class LocalSGDStrategy(DDPStrategy):
     """Local SGD with a constant, post-local or QSR synchronization period (see module docstring).
 
-    The arguments from ``sync`` to ``outer_momentum`` are the fields of ``parallel.LocalSGDConfig`` (same names, defaults
+    The arguments from ``sync`` to ``max_period`` are the fields of ``parallel.LocalSGDConfig`` (same names, defaults
     and checks); the strategy keeps them as ``self.config``. The others are ``DDPStrategy``'s. Under Lightning
     Fabric use ``LocalSGDFabricStrategy`` (Fabric takes only its own strategy classes and refuses this one).
 
@@ -123,6 +123,7 @@ class LocalSGDStrategy(DDPStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         overlap: bool = False,
+        max_period: int | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

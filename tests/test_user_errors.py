@@ -1,0 +1,195 @@
+"""What a new user types wrong: every argument error names the class the user called, the argument as the user
+spelled it, the value, and what that codec (or argument) allows; one form everywhere:
+``Owner(arg=value) <what is wrong>; allowed: <the set>``."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+
+import lightning_qcomm as lq
+from lightning_qcomm.codecs import codec_spec
+
+PUBLIC = [
+    "ActivationQuantConfig",
+    "ActivationQuantization",
+    "CommVolumeLogger",
+    "LocalSGDConfig",
+    "LocalSGDStrategy",
+    "OneBitAdamCallback",
+    "QSDPConfig",
+    "QSDPStrategy",
+    "QuantDDPConfig",
+    "QuantDDPStrategy",
+]
+FABRIC = {  # Fabric strategies take their config's fields as keyword arguments
+    "LocalSGDFabricStrategy": "LocalSGDConfig",
+    "QSDPFabricStrategy": "QSDPConfig",
+    "QuantDDPFabricStrategy": "QuantDDPConfig",
+}
+
+
+def _range(codec: str) -> tuple[int, int]:
+    bits = codec_spec(codec).bits
+    return bits.start, bits.stop - 1
+
+
+def _raised(cls, **kwargs) -> Exception:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises((TypeError, ValueError)) as err:
+            cls(**kwargs)
+    return err.value
+
+
+def _bad_widths(codec: str) -> list[int]:
+    lo, hi = _range(codec)
+    return [0, hi + 1] + ([lo - 1] if lo > 1 else [])
+
+
+@pytest.mark.parametrize("owner", ["QuantDDPStrategy", "QuantDDPFabricStrategy", "QuantDDPConfig"])
+@pytest.mark.parametrize("codec", ["uniform", "qsgd", "nuqsgd", "fp8_e4m3"])
+def test_quant_ddp_width_is_checked_against_the_codec_first(owner, codec):
+    lo, hi = _range(codec)
+    allowed = str(lo) if lo == hi else f"{lo}..{hi}"
+    for bits in _bad_widths(codec):
+        msg = str(_raised(getattr(lq, owner), codec=codec, bits=bits))
+        assert msg.startswith(f"{owner}(bits={bits})"), msg
+        assert f"codec={codec!r}" in msg and f"allowed: {allowed}" in msg, msg
+
+
+@pytest.mark.parametrize("owner", ["LocalSGDStrategy", "LocalSGDFabricStrategy", "LocalSGDConfig"])
+@pytest.mark.parametrize("codec", ["uniform", "nuqsgd"])
+def test_local_sgd_width_is_checked_against_the_codec_first(owner, codec):
+    lo, hi = _range(codec)
+    for bits in _bad_widths(codec):
+        msg = str(_raised(getattr(lq, owner), codec=codec, bits=bits))
+        assert msg.startswith(f"{owner}(bits={bits})") and f"{lo}..{hi}" in msg, msg
+
+
+@pytest.mark.parametrize("owner", ["QSDPStrategy", "QSDPFabricStrategy", "QSDPConfig"])
+def test_qsdp_names_the_width_argument_the_user_passed(owner):
+    cls = getattr(lq, owner)
+    msg = str(_raised(cls, bits=9))
+    assert msg.startswith(f"{owner}(bits=9)") and "weight_bits" not in msg and "1..8" in msg, msg
+    msg = str(_raised(cls, grad_bits=9))
+    assert msg.startswith(f"{owner}(grad_bits=9)") and "grad_codec='uniform'" in msg, msg
+    msg = str(_raised(cls, bits=8, weight_bits=0))
+    assert msg.startswith(f"{owner}(weight_bits=0)"), msg
+    msg = str(_raised(cls, weight_codec="nuqsgd", grad_codec="nuqsgd", bits=1))
+    assert msg.startswith(f"{owner}(bits=1)") and "2..8" in msg, msg
+
+
+def _arguments(name: str):
+    """(parameter name, default) of the public constructor (a Fabric strategy: its config's fields)."""
+    if name in FABRIC:
+        return [(f.name, f.default) for f in dataclasses.fields(getattr(lq, FABRIC[name]))]
+    return [(p.name, p.default) for p in inspect.signature(getattr(lq, name)).parameters.values()]
+
+
+def _bad_values(default):
+    if isinstance(default, bool):
+        return ["yes", 1]
+    if isinstance(default, (int, float)):
+        return ["x", -1]
+    if isinstance(default, str):
+        return ["zzz", 3]
+    return []
+
+
+@pytest.mark.parametrize("owner", PUBLIC + list(FABRIC))
+def test_every_argument_error_names_the_class_and_the_argument(owner):
+    """One form everywhere: the message starts with ``Owner(arg=value)``. Every typed argument with a bool, int,
+    float or str default gets a value of the wrong type and an out-of-range one; those that raise must say so in
+    that form (a free-form str that is accepted is fine)."""
+    cls = getattr(lq, owner)
+    checked = 0
+    for arg, default in _arguments(owner):
+        for value in _bad_values(default):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    cls(**{arg: value})
+                    continue
+                except (TypeError, ValueError) as err:
+                    msg, is_type = str(err), isinstance(err, TypeError)
+            checked += 1
+            assert msg.startswith(f"{owner}(") and arg in msg.split(")")[0], (arg, value, msg)
+            if is_type or "allowed" in msg or "must be" in msg:
+                continue
+            raise AssertionError(f"{owner}({arg}={value!r}): the message does not say what is allowed: {msg}")
+    assert checked >= 2
+
+
+@pytest.mark.parametrize(
+    "call,starts",
+    [
+        (lambda: lq.LocalSGDStrategy(sync="qsr", h_base=0), "LocalSGDStrategy(h_base=0)"),
+        (lambda: lq.LocalSGDStrategy(sync="qsrr"), "LocalSGDStrategy(sync='qsrr')"),
+        (lambda: lq.LocalSGDStrategy(alpha=0.0), "LocalSGDStrategy(alpha=0.0)"),
+        (lambda: lq.ActivationQuantization(bits=9), "ActivationQuantization(bits=9)"),
+        (lambda: lq.ActivationQuantization(policy="greedy"), "ActivationQuantization(policy='greedy')"),
+    ],
+)
+def test_the_issue_examples_name_their_class(call, starts):
+    with pytest.raises((TypeError, ValueError)) as err:
+        call()
+    assert str(err.value).startswith(starts), str(err.value)
+
+
+# ------------------------------------------------------------------ the QSR period at AdamW's learning rates
+
+
+def _qsr(total_steps: int, lr: float = 1e-3, **config):
+    from lightning_qcomm.parallel import LocalSGD, LocalSGDConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    cfg = LocalSGDConfig(sync="qsr", **config)
+    return LocalSGD(model, opt, cfg, total_steps=total_steps, broadcast=False, register_hooks=False)
+
+
+def test_qsr_warns_once_when_its_period_reaches_the_end_of_the_run(caplog):
+    """The default alpha at AdamW's lr 1e-3 gives H = (0.0175 / 0.001)^2 = 306 > 160 steps: the run would average
+    only at its end. Said once, with the alpha that gives a short period at this lr."""
+    local_sgd = _qsr(160)
+    with pytest.warns(UserWarning) as record, caplog.at_level(logging.INFO):
+        local_sgd.begin_step()
+    texts = [str(w.message) for w in record if "reaches the end of the run" in str(w.message)]
+    assert len(texts) == 1 and "H=306" in texts[0] and "160 steps left" in texts[0], texts
+    alpha = float(texts[0].split("alpha=")[2].split(" ")[0])
+    assert math.floor((alpha / 1e-3) ** 2) == 8  # the suggestion gives what it says
+    assert "= 306 steps at lr=0.001" in caplog.text
+    for _ in range(local_sgd.sync_period):  # the next round starts: no second warning
+        local_sgd.schedule.end_step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        local_sgd.begin_step()
+
+
+def test_qsr_max_period_bounds_the_period_and_a_short_period_is_not_warned():
+    local_sgd = _qsr(1000, max_period=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        local_sgd.schedule.step = 1  # past step 0's warmup hint
+        local_sgd.begin_step()
+    assert local_sgd.sync_period == 16
+    short = _qsr(1000, alpha=1e-3 * math.sqrt(8))  # H = 8 at lr 1e-3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        short.schedule.step = 1
+        short.begin_step()
+    assert short.sync_period == 8
+
+
+def test_qsr_long_period_without_a_known_end_is_warned():
+    local_sgd = _qsr(None, lr=3e-4)  # H = (0.0175 / 3e-4)^2 = 3402 at the lr LLMs use with AdamW
+    with pytest.warns(UserWarning, match=r"H=3402, is longer than 100 steps"):
+        local_sgd.begin_step()
