@@ -67,7 +67,7 @@ def test_ratio_of_nothing_is_one():
 
 
 def test_null_ledger_and_global_slot():
-    prev = set_ledger(None)
+    prev = set_ledger(NullLedger())
     try:
         null = get_ledger()
         assert isinstance(null, NullLedger) and not null.enabled
@@ -80,3 +80,48 @@ def test_null_ledger_and_global_slot():
         assert set_ledger(mine) is led and get_ledger() is mine
     finally:
         set_ledger(prev)
+
+
+def _train_then_read_the_ledger(rank: int, port: int, outdir: str) -> None:
+    """The README's plain-torch flow in its natural order: train first, read ``ensure_ledger()`` afterwards."""
+    import torch
+    import torch.distributed as dist
+    from _launch import set_rank_env, write_rank_result
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_qcomm.parallel import QuantDDPConfig, quant_ddp_hook
+
+    set_rank_env(rank, 2, port)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    state, hook = quant_ddp_hook(QuantDDPConfig(codec="uniform", bits=8), ddp, optimizer=optimizer)
+    ddp.register_comm_hook(state, hook)
+    for step in range(3):
+        torch.manual_seed(rank * 100 + step)
+        ddp(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    totals = CommLedger.summarize(ensure_ledger().cumulative, by="tag")
+    numel = sum(p.numel() for p in model.parameters())
+    write_rank_result(
+        outdir, rank, {k: [t.calls, t.wire_bytes, t.baseline_bytes] for k, t in totals.items()} | {"numel": numel}
+    )
+    dist.destroy_process_group()
+
+
+def test_ledger_read_after_training_holds_the_run(tmp_path):
+    """``ensure_ledger().cumulative`` after training (not before) holds the run: 3 steps of DDP fp32's baseline,
+    2(N-1)/N * 4 bytes * parameters per step at N = 2, and fewer bytes sent by 8-bit codes. It was {}: only a
+    null ledger was active while training ran."""
+    from _launch import free_port, rank_results, spawn
+
+    spawn(_train_then_read_the_ledger, free_port(), str(tmp_path), nprocs=2, timeout_s=120)
+    for result in rank_results(tmp_path, 2):
+        numel = result.pop("numel")
+        assert "grads" in result, result
+        calls, wire, baseline = result["grads"]
+        assert calls >= 3 and baseline == pytest.approx(3 * 4 * numel)
+        assert 0 < wire < 0.5 * baseline  # 8-bit codes for the 64x64 weight; the 324 smaller elements travel fp32

@@ -17,8 +17,10 @@ Each record carries, for this rank:
 * ``baseline_bytes``: the same estimate for the uncompressed fp32 collective that would otherwise run.
 
 Recording is plain Python integer arithmetic: no tensor is read, so no device sync. Steps are
-delimited by ``next_step()`` (a strategy or callback calls it once per optimizer step). ``NullLedger``
-drops everything and is the default until somebody installs a ledger with ``set_ledger``.
+delimited by ``next_step()`` (a strategy or callback calls it once per optimizer step). A counting
+``CommLedger`` is active from import on, so ``ensure_ledger().cumulative`` read after training (the natural
+order in a Fabric or plain-torch script) holds what the process sent; ``reset()`` starts it from zero,
+``set_ledger(None)`` installs a fresh one, and ``set_ledger(NullLedger())`` stops counting.
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ class CommLedger:
 
 
 class NullLedger(CommLedger):
-    """Drops every record (the default when nobody listens)."""
+    """Drops every record: ``set_ledger(NullLedger())`` turns the accounting off."""
 
     enabled = False
 
@@ -188,12 +190,12 @@ class NullLedger(CommLedger):
         return CommRecord(op, tag, int(payload_bytes or collective_bytes), 0.0, 0.0, int(world_size))
 
 
-_NULL = NullLedger()
-_active: CommLedger = _NULL
+_active: CommLedger = CommLedger()
 
 
 def get_ledger() -> CommLedger:
-    """The process-wide ledger collectives record into (a ``NullLedger`` unless one was set).
+    """The process-wide ledger collectives record into: a counting ``CommLedger`` from import on, or the one set
+    with ``set_ledger``.
 
     Example::
 
@@ -203,7 +205,8 @@ def get_ledger() -> CommLedger:
 
 
 def set_ledger(ledger: CommLedger | None) -> CommLedger:
-    """Install ``ledger`` (None restores the null ledger); returns the previous one.
+    """Install ``ledger`` (None: a fresh counting ``CommLedger``; ``NullLedger()`` stops counting); returns the
+    previous one.
 
     Example::
 
@@ -211,16 +214,18 @@ def set_ledger(ledger: CommLedger | None) -> CommLedger:
     """
     global _active
     prev = _active
-    _active = _NULL if ledger is None else ledger
+    _active = CommLedger() if ledger is None else ledger
     return prev
 
 
 def ensure_ledger() -> CommLedger:
-    """The active ledger, installing a fresh ``CommLedger`` if only the null one is active.
+    """The active counting ledger, installing a fresh ``CommLedger`` if a ``NullLedger`` was set. Read after
+    training, it holds everything this process sent since import (or since its ``reset()``).
 
     Example::
 
-        ledger = ensure_ledger(); ledger.next_step()   # one optimizer step's totals by (op, tag)
+        train(...)                        # any of the package's entry points
+        ensure_ledger().cumulative        # {(op, tag): OpTotals} of the whole run
     """
     if not get_ledger().enabled:
         set_ledger(CommLedger())
