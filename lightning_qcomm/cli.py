@@ -15,6 +15,10 @@ only adds two conveniences:
   exactly its own defaults, not the values of same-named arguments of the demo (jsonargparse would
   otherwise carry matching ``init_args`` over to the new class). Arguments given after it apply.
 
+* **One line for a YAML mistake.** A misspelled ``init_args`` key or a value one of our classes refuses is
+  reported first, in one line with the closest accepted name or the allowed values (``cli_checks``), instead of
+  LightningCLI's usage text and tracebacks.
+
 There is no default model: the demo (``lightning_qcomm.demo.ByteGPT`` on ``StdlibBytes``, no download)
 comes only from the configs that name it.
 
@@ -35,6 +39,7 @@ from lightning.pytorch.utilities import rank_zero_info
 import lightning_qcomm  # noqa: F401  (registers strategy names)
 import lightning_qcomm.callbacks  # noqa: F401  (short callback names)
 import lightning_qcomm.strategies  # noqa: F401  (short strategy names)
+from lightning_qcomm.cli_checks import config_problem
 
 CONFIG_FLAGS = ("--config", "-c")
 CLASS_KEYS = ("model", "data")
@@ -131,9 +136,20 @@ class QCommCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: list[str] | dict | None) -> None:
         if args is None:  # the real command line (LightningCLI warns when given args and argv both)
-            self.config = parser.parse_args(prepare_args(sys.argv[1:]))
+            self.config = parser.parse_args(check_configs(prepare_args(sys.argv[1:])))
             return
-        super().parse_arguments(parser, prepare_args(args) if isinstance(args, list) else args)
+        super().parse_arguments(parser, check_configs(prepare_args(args)) if isinstance(args, list) else args)
+
+
+def check_configs(args: list[str]) -> list[str]:
+    """``args`` unchanged, after exiting with status 2 and one line on stderr (``lightning-qcomm: error: ...``) for
+    the first mistake ``cli_checks.config_problem`` finds in its ``--config`` files: an ``init_args`` key a class
+    does not take (with the closest accepted name), a value one of our classes refuses (with what it allows)."""
+    problem = config_problem(args)
+    if problem:
+        print(f"lightning-qcomm: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    return args
 
 
 def make_cli(args: list[str] | None = None, run: bool = True) -> QCommCLI:

@@ -6,7 +6,7 @@
     2  memory, optim                     adapters: saved-activation storage, OneBitAdam
     3  parallel                          the plain-torch entry points and their configs
     4  strategies, callbacks, fabric,    Lightning glue; the package root
-       cli, demo, consolidate, root
+       cli, cli_checks, demo, consolidate, root
 
 (docs/design.md's picture: codecs -> comm -> adapters -> plain-torch entry points -> Lightning.)
 
@@ -34,6 +34,7 @@ LAYERS = {
     "callbacks": 4,
     "fabric": 4,
     "cli": 4,
+    "cli_checks": 4,
     "demo": 4,
     "consolidate": 4,
     "__main__": 4,

@@ -193,3 +193,57 @@ def test_qsr_long_period_without_a_known_end_is_warned():
     local_sgd = _qsr(None, lr=3e-4)  # H = (0.0175 / 3e-4)^2 = 3402 at the lr LLMs use with AdamW
     with pytest.warns(UserWarning, match=r"H=3402, is longer than 100 steps"):
         local_sgd.begin_step()
+
+
+# ------------------------------------------------------------------ YAML mistakes in the bundled CLI
+
+_YAML = """
+trainer:
+  accelerator: cpu
+  devices: 1
+  strategy:
+    class_path: QSDPStrategy
+    init_args:
+      {strategy_args}
+  callbacks:
+    - class_path: lightning_qcomm.CommVolumeLogger
+    - class_path: ActivationQuantization
+      init_args:
+        {callback_args}
+model:
+  class_path: lightning_qcomm.demo.ByteGPT
+data:
+  class_path: lightning_qcomm.demo.StdlibBytes
+"""
+
+
+@pytest.mark.parametrize(
+    "strategy_args,callback_args,words",
+    [
+        ("grad_bitz: 8", "bits: 4", ["trainer.strategy.init_args.grad_bitz", "did you mean grad_bits?", "accepted:"]),
+        ("grad_bits: 9", "bits: 4", ["trainer.strategy: QSDPStrategy(grad_bits=9)", "allowed: 1..8"]),
+        ("bits: 8", "bitz: 4", ["trainer.callbacks[1].init_args.bitz", "ActivationQuantization", "did you mean bits?"]),
+        ("bits: 8", "bits: 9", ["trainer.callbacks[1]: ActivationQuantization(bits=9)", "1..8"]),
+    ],
+)
+def test_cli_reports_a_yaml_mistake_in_one_line(strategy_args, callback_args, words, tmp_path, capsys):
+    from lightning_qcomm.cli import make_cli
+
+    path = tmp_path / "mine.yaml"
+    path.write_text(_YAML.format(strategy_args=strategy_args, callback_args=callback_args))
+    with pytest.raises(SystemExit) as exit_info:
+        make_cli(["--config", str(path)], run=False)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("lightning-qcomm: error: mine.yaml: "), err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_cli_check_passes_a_correct_yaml(tmp_path):
+    from lightning_qcomm.cli import make_cli
+
+    path = tmp_path / "mine.yaml"
+    path.write_text(_YAML.format(strategy_args="grad_bits: 4", callback_args="bits: 4"))
+    cli = make_cli(["--config", str(path), "--trainer.logger=false"], run=False)
+    assert cli.trainer.strategy.config.grad_bits == 4  # the YAML reached the strategy through LightningCLI
