@@ -35,7 +35,7 @@ EPOCHS = 4
 TOTAL = STEPS_PER_EPOCH * EPOCHS
 WARMUP = 4
 PEAK_LR = 0.05
-QSR_KW = dict(sync="qsr", h_base=2, alpha=0.08, power=2.0, warmup_steps=WARMUP)
+QSR_KW = dict(sync="qsr", h_base=2, alpha=0.08, power=2.0, warmup_steps=WARMUP, max_period=6)  # binds from step 17
 
 
 def lr_factor(t: int) -> float:
@@ -274,7 +274,7 @@ def test_qsr_syncs_follow_schedule_driven_by_lr_scheduler(qsr_runs):
     lrs = a0["lrs"]
     assert sorted(lrs) == list(range(TOTAL))
     assert lrs[0] == pytest.approx(PEAK_LR * lr_factor(0)) and lrs[20] == pytest.approx(PEAK_LR * lr_factor(20))
-    rounds = simulate(QSRRule(2, 0.08, 2.0, WARMUP), TOTAL, lambda t: lrs[t])
+    rounds = simulate(QSRRule(2, 0.08, 2.0, WARMUP, max_period=6), TOTAL, lambda t: lrs[t])
     expected = [start + h for start, h in rounds]
     assert a0["sync_steps"] == expected == a1["sync_steps"]
     assert a0["num_syncs"] == len(expected)
