@@ -3,8 +3,8 @@
 Each path runs under ``NoHostSync`` (tests/_sync_guard.py: raises on ``aten._local_scalar_dense`` -- what
 ``.item()``, ``bool(t)`` and ``float(t)`` dispatch to -- and on data-dependent shapes) on torch's ``fake``
 process group with 4 ranks. The one-off cross-rank consistency check is a host decision by design and
-stays off (``check=False``, as the DDP hook and FSDP comms pass after their first call). Ops inside the codec
-layer are allowed for now (see tests/_sync_guard.py); what is checked is the comm layer around them.
+stays off (``check=False``, as the DDP hook and FSDP comms pass after their first call). The codec layer runs in
+its accelerator form and gets no exemption; tensors made from Python data (``aten.lift_fresh``) are refused too.
 """
 
 from __future__ import annotations
@@ -35,6 +35,15 @@ D = 5003
 
 
 @pytest.fixture(autouse=True)
+def accelerator_form(monkeypatch):
+    """The codec layer in the form it runs on an accelerator (no host branch on values; on CPU tensors it may read
+    values, which waits for nothing), so the guard checks what a GPU step runs, codec layer included."""
+    from lightning_qcomm.codecs import scaling
+
+    monkeypatch.setattr(scaling, "_HOST_BRANCHES", False)
+
+
+@pytest.fixture(autouse=True)
 def fake_world():
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -45,7 +54,12 @@ def fake_world():
 
 def test_the_guard_catches_item_bool_and_nonzero():
     t = torch.ones(3)
-    for fn in (lambda: t.sum().item(), lambda: bool(t.any()), lambda: t.nonzero(), lambda: t[t > 0]):
+
+    def set_number():
+        t[0] = 2.0
+
+    checks = (lambda: t.sum().item(), lambda: bool(t.any()), lambda: t.nonzero(), lambda: t[t > 0])
+    for fn in (*checks, set_number, lambda: torch.tensor([1.0, 2.0])):
         with pytest.raises(AssertionError, match="host sync"), NoHostSync():
             fn()
 

@@ -153,10 +153,32 @@ def _worker() -> dict:
                 )
         return res
 
+    def run_sync_guard(name: str, bits: int, opts: dict) -> list[str]:
+        """Encode and decode through the kernels in their accelerator form under ``NoHostSync``: no op that makes
+        the host wait, no tensor made from Python data, anywhere (codec layer and kernels included)."""
+        from _sync_guard import NoHostSync
+
+        from lightning_qcomm.codecs import rng, scaling
+
+        x = _inputs(2051, torch.Generator().manual_seed(3))
+        problems = []
+        with mock.patch.object(scaling, "_HOST_BRANCHES", False), to_kernels:
+            for bucket in (37, None):
+                codec = get_codec(name, bits, bucket, **opts)
+                args = codec.op_args()
+                try:  # the ops' CUDA kernels themselves: a dispatch mode does not see inside a custom op
+                    with NoHostSync():
+                        codes, scales = ops.encode_cuda(x, *args, rng.signed_seed(seeds[1]))
+                        ops.decode_cuda(codes, scales, x.numel(), *args)
+                except AssertionError as err:
+                    problems.append(f"bucket={bucket}: {err}")
+        return problems
+
     report = {}
     for cid, name, bits, opts in CODECS:
         report[cid] = run_case(name, bits, opts)
         report[f"{cid}_extreme"] = run_extreme(name, bits, opts)
+        report[f"{cid}_syncs"] = run_sync_guard(name, bits, opts)
     with mock.patch.object(codec_kernels, "INT32_INDEX_LIMIT", 0):  # every launch takes the int64 path
         for cid, name, bits, opts in CODECS:
             if cid in INT64_CASES:
@@ -202,6 +224,13 @@ def test_extreme_values_bit_identical_and_finite(report, cid):
     r = report[f"{cid}_extreme"]
     assert r["checked"] == len(EXTREME_BUCKETS)
     assert r["mismatch"] == [] and r["nonfinite"] == []
+
+
+@pytest.mark.parametrize("cid", [c[0] for c in CODECS])
+def test_kernel_path_makes_no_host_sync(report, cid):
+    """The CUDA code path (Triton kernels and the codec layer around them) on CPU tensors under ``NoHostSync``,
+    which has no exemption: no ``.item()``, no data-dependent shape, no tensor made from Python data."""
+    assert report[f"{cid}_syncs"] == []
 
 
 @pytest.mark.parametrize("cid", [c[0] for c in CODECS])

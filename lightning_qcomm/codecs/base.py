@@ -210,7 +210,7 @@ class Codec(ABC):
         nb = -(-n // blen)
         xb = torch.nn.functional.pad(xf, (0, nb * blen - n)).view(nb, blen)
         counts = torch.full((nb,), blen, dtype=torch.float32, device=xf.device)
-        counts[-1] = n - (nb - 1) * blen
+        counts[-1:].fill_(n - (nb - 1) * blen)  # fill_ takes the number as a kernel argument: no host copy
         return xb, counts
 
     def _finite_mask(self, xb: torch.Tensor) -> torch.Tensor:

@@ -346,7 +346,7 @@ def _encode_batched(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> t
     x = torch.nn.functional.pad(rows.detach().to(torch.float32), (0, nb * blen - n))
     xb = x.view(r * nb, blen)
     counts = torch.full((r * nb,), blen, dtype=torch.float32, device=device)
-    counts.view(r, nb)[:, -1] = tail
+    counts.view(r, nb)[:, -1].fill_(tail)  # a kernel argument, not a tensor made from Python data
     scales = _bucket_scales(codec, xb, counts, r, nb, tail)
     params = codec._encode_params(scales, scaling.output_max(rows.dtype)).unsqueeze(-1)  # (r*nb, P, 1)
     keys = _row_keys(seeds, device) if codec.stochastic else None

@@ -183,7 +183,7 @@ def _run_pieces(
         c = _chunk_len(n, world)
         y = torch.empty(world * c, dtype=torch.float32, device=x.device)
         torch.add(flat_x[o : o + n], flat_ew[o : o + n], out=y[:n])
-        y[n:] = 0.0
+        y[n:].zero_()
         send = phases.worker(y, o, n, c)
         recv = torch.empty_like(send)
         phase1.append((o, n, c, es_off, recv, send, _all_to_all_async(recv, send, group, world)))
