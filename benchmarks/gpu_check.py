@@ -1,4 +1,4 @@
-"""The GPU check (issue 19): one command, one GPU, at most 9 minutes, installs nothing.
+"""The GPU check: one command, one GPU, at most 8 minutes, installs nothing.
 
     python benchmarks/gpu_check.py            # from the repository root
 
@@ -8,7 +8,9 @@
 2. times every codec's encode and decode of 2^26 fp32 elements against a device-to-device copy of the same
    tensor (CUDA events, median of ``REPS``), and reports the fraction of the copy's bandwidth each reaches
    (bytes read + written per call; goal: >= 70% for uniform-8 and fp8);
-3. writes ``benchmarks/results/gpu_check.md``.
+3. trains a GPT-2-small-shaped and a LLaMA-style model under every strategy and callback against DDP
+   (``benchmarks/gpu_e2e.py``: median step, ratio, peak memory, kernel launches per step) in the time left;
+4. writes ``benchmarks/results/gpu_check.md`` (and ``gpu_e2e.md``).
 
 It uses the installed ``lightning_qcomm`` (an editable or a non-editable install) when there is one, else
 this checkout; the Triton kernels are its ``lightning_qcomm.kernels``.
@@ -32,7 +34,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "gpu_check.md"
-TEST_BUDGET_S = 390
+TEST_BUDGET_S = 240
+TOTAL_BUDGET_S = 480  # the whole check; the end-to-end runs take what the tests and the codec timing leave
+E2E_ORDER = "ddp,qddp_uniform8,qddp_fp8,qddp_nuqsgd4,onebit_adam,actq4,fsdp2,qsdp_w8g8,local_sgd,qddp_auto"
 NUMEL = 1 << 26
 REPS = 10
 GOAL = 0.70
@@ -207,7 +211,15 @@ def main() -> int:
     failed = tests["timed_out"] or any(s in ("failed", "error") for _, s, _, _ in tests["cases"]) or not tests["cases"]
     print(f"gpu_check: tests/cuda done in {tests['seconds']:.0f} s ({'FAILED' if failed else 'ok'})", flush=True)
     copy_gbs, rows = time_codecs()
+    sys.path.insert(0, str(REPO))
+    from benchmarks import gpu_e2e
+
+    left = TOTAL_BUDGET_S - (time.monotonic() - start) - 20
+    e2e = gpu_e2e.main(["--methods", E2E_ORDER, "--budget-s", f"{max(left, 0):.0f}"])
+    failed = failed or any("error" in r and "budget" not in r["error"] for r in e2e)
     text = write_report(where, tests, copy_gbs, rows, time.monotonic() - start)
+    text += "\n" + (REPO / "benchmarks" / "results" / "gpu_e2e.md").read_text()
+    RESULTS.write_text(text)
     print(text)
     print(f"gpu_check: wrote {RESULTS}")
     return 1 if failed else 0
