@@ -69,10 +69,13 @@ def check_auto_codec(owner: str, arg_codec: str, name: str, min_bits: int, bucke
 
 def check_width(owner: str, arg_bits: str, bits: int | str, arg_codec: str, name: str) -> None:
     """``bits`` (spelled ``arg_bits``, as the user passed it: ``bits`` sets both directions) against codec
-    ``name``'s own widths, or 32 (unquantized), or ``"auto"``; the codec name against ``CODEC_CHOICES``."""
+    ``name``'s own widths, or 32 (unquantized); the codec name against ``CODEC_CHOICES``. An ``"auto"`` width is
+    left to ``check_auto_codec`` (which names the codecs every candidate width has)."""
+    if bits == AUTO:
+        return
     if not isinstance(name, str) or name.lower() not in CODEC_CHOICES:
         raise ValueError(f"{owner}({arg_codec}={name!r}) is not supported; allowed: {', '.join(CODEC_CHOICES)}")
-    if bits == AUTO or name.lower() == "none" or bits == UNQUANTIZED_BITS:
+    if name.lower() == "none" or bits == UNQUANTIZED_BITS:
         return
     also = f", or {UNQUANTIZED_BITS} for unquantized" + (", or 'auto'" if arg_bits != "intra_node_bits" else "")
     check_codec_bits(owner, bits, name, bits_arg=arg_bits, codec_arg=arg_codec, also=also)
