@@ -19,6 +19,7 @@ import torch
 from _launch import free_port, rank_results, set_rank_env, spawn, write_rank_result
 from torch import nn
 
+from lightning_qcomm.comm.fsdp_shim import padded_shard_data
 from lightning_qcomm.strategies.qsdp import QSDPStrategy, register_qsdp_strategies
 
 VOCAB, DIM, HEADS, SEQ, LAYERS = 128, 128, 4, 32, 2
@@ -281,9 +282,9 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     )
     errs = []
     for m in trainer.strategy._fsdp_modules:
-        for fp in m._get_fsdp_state()._fsdp_param_groups[0].fsdp_params:
-            if len(fp._orig_size) >= 2 and fp._orig_size.numel() >= 1024:
-                errs.append(lattice_error(fp._sharded_param_data, 8))
+        for info, data in padded_shard_data(m):
+            if info.ndim >= 2 and info.numel >= 1024:
+                errs.append(lattice_error(data, 8))
     res["master_bf16"]["master_lattice"] = max(errs)
     # every rank's view of the gathered weights, for the cross-rank identity check
     gathered: list = [None] * world

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from _launch import free_port, spawn
 from torch import nn
 
+from lightning_qcomm.comm.fsdp_shim import all_reduce_hook, is_root
 from lightning_qcomm.parallel import QSDPConfig, apply_qsdp
 from lightning_qcomm.parallel.hsdp import fsdp_groups
 
@@ -100,7 +101,7 @@ def _aborted_backward(model: nn.Module, handle, x, y) -> None:
         handle.reset_iter_state()
         return
     for m in fsdp_groups(model):  # no FSDP module holds the others here: each group is a root of its own
-        if m._get_fsdp_state()._is_root:
+        if is_root(m):
             m.reset_iter_state()
 
 
@@ -148,7 +149,7 @@ def _train(mesh, config: QSDPConfig, steps: int = STEPS, abort_at: int | None = 
 
 
 def _all_reduce_hook(module):
-    return module._get_fsdp_state()._fsdp_param_group._all_reduce_hook
+    return all_reduce_hook(module)
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
