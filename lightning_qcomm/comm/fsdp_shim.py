@@ -12,8 +12,8 @@ which ``comm.fsdp_deferred`` relies on).
 
 What moves between releases (read from each release's ``torch/distributed/fsdp/_fully_shard/``):
 
-* param groups: ``FSDPState._fsdp_param_group`` (one or None) up to 2.12, a list ``_fsdp_param_groups`` (per-param
-  meshes) from 2.13;
+* param groups: ``FSDPState._fsdp_param_group`` (one or None) in 2.11, a list ``_fsdp_param_groups`` (per-param
+  meshes) from 2.12;
 * ``foreach_reduce``: 2.11 to 2.13 cast the whole output to the group's ``_orig_dtype`` after the post-divide;
   2.15 casts per parameter to ``FSDPParam.sharded_grad_dtype`` (and reduces in the parameters' ``grad_dtype``
   when ``reduce_dtype`` is None); the order reduce-scatter -> all-reduce hook -> post-divide -> cast -> views /
@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_qcomm._checks import SUPPORTED_TORCH
+
 try:  # the comm interfaces QSDP implements; a torch without them is refused by check_torch_fsdp_api
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover - depends on the installed torch
@@ -45,7 +47,6 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TORCH = ">=2.11,<2.16"
 # methods of FSDPModule the strategy and the comms call (public since 2.11)
 FSDP_MODULE_API = (
     "_get_fsdp_state",
@@ -125,11 +126,11 @@ def check_fsdp_param_internals(fp: object) -> None:
 
 
 def _param_groups(state) -> list:
-    if hasattr(state, "_fsdp_param_groups"):  # torch 2.13+: a list (per-param meshes)
+    if hasattr(state, "_fsdp_param_groups"):  # torch 2.12+: a list (per-param meshes)
         return list(state._fsdp_param_groups)
-    if hasattr(state, "_fsdp_param_group"):  # torch 2.11, 2.12: one group or None
+    if hasattr(state, "_fsdp_param_group"):  # torch 2.11: one group or None
         return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
-    _refuse(["FSDPState._fsdp_param_groups (2.13+) or FSDPState._fsdp_param_group (2.11, 2.12)"])
+    _refuse(["FSDPState._fsdp_param_groups (2.12+) or FSDPState._fsdp_param_group (2.11)"])
 
 
 def _group(module: torch.nn.Module):
