@@ -22,7 +22,7 @@ the post-divide (2) that FSDP2 applied to the unwritten output after the hook.
 
 ``deferrable(module)`` says, at each call, whether the conditions hold for that FSDP module's param group (they are
 read from FSDP2's internals by ``comm.fsdp_shim.output_only_viewed``); otherwise the call runs inline. Only on a
-torch whose ``foreach_reduce`` is one of the reviewed shapes (2.11 to 2.13, 2.15; ``fsdp_shim.reduce_contract``);
+torch whose ``foreach_reduce`` is one of the reviewed shapes (2.11 to 2.14, 2.15; ``fsdp_shim.reduce_contract``);
 on any other every call runs inline, logged once.
 
 Example::

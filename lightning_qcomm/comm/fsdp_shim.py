@@ -14,7 +14,7 @@ What moves between releases (read from each release's ``torch/distributed/fsdp/_
 
 * param groups: ``FSDPState._fsdp_param_group`` (one or None) in 2.11, a list ``_fsdp_param_groups`` (per-param
   meshes) from 2.12;
-* ``foreach_reduce``: 2.11 to 2.13 cast the whole output to the group's ``_orig_dtype`` after the post-divide;
+* ``foreach_reduce``: 2.11 to 2.14 cast the whole output to the group's ``_orig_dtype`` after the post-divide;
   2.15 casts per parameter to ``FSDPParam.sharded_grad_dtype`` (and reduces in the parameters' ``grad_dtype``
   when ``reduce_dtype`` is None); the order reduce-scatter -> all-reduce hook -> post-divide -> cast -> views /
   accumulate -> post-accumulate-grad hooks is the same in both;
@@ -70,7 +70,7 @@ FSDP_PARAM_ATTRS = (
 # FSDPModule features newer than the range's oldest release: name -> first release with it
 FIRST_RELEASE = {"reset_iter_state": "2.13"}
 # foreach_reduce's parameters, per reviewed release: the order comm.fsdp_deferred relies on holds for these
-_FOREACH_REDUCE_2_11 = (  # torch 2.11 to 2.13: one cast of the whole output to the group's _orig_dtype
+_FOREACH_REDUCE_2_11 = (  # torch 2.11 to 2.14: one cast of the whole output to the group's _orig_dtype
     "fsdp_params unsharded_grads reduce_scatter_group reduce_scatter_stream reduce_scatter_comm orig_dtype "
     "reduce_dtype device gradient_divide_factor all_reduce_group all_reduce_stream all_reduce_grads "
     "partial_reduce_output all_reduce_hook force_sum_reduction_for_comms"
@@ -257,7 +257,7 @@ _contract_cache: list[str | None] = []
 
 
 def reduce_contract() -> str | None:
-    """The reviewed ``foreach_reduce`` this torch runs (``"2.11"``: one cast to ``_orig_dtype``, as 2.11 to 2.13;
+    """The reviewed ``foreach_reduce`` this torch runs (``"2.11"``: one cast to ``_orig_dtype``, as 2.11 to 2.14;
     ``"2.15"``: per-parameter cast), or None (a shape not reviewed: deferred reduce-scatters run inline)."""
     if not _contract_cache:
         try:
@@ -292,7 +292,7 @@ def output_only_viewed(module: torch.nn.Module, dtype: torch.dtype, in_all_reduc
         return False
     if type(getattr(group, "mesh_info", None)).__name__ != "FSDPMeshInfo":  # HSDP's all-reduce reads it
         return False
-    if contract == "2.11":  # torch 2.11-2.13: the whole output is cast to the group's original dtype
+    if contract == "2.11":  # torch 2.11-2.14: the whole output is cast to the group's original dtype
         if getattr(group, "_orig_dtype", None) not in (None, dtype):
             return False
     else:  # torch 2.15: each parameter's gradient is cast to its sharded_grad_dtype
