@@ -27,7 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_qcomm.codecs import Codec, get_codec
 from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedReduceScatter
-from lightning_qcomm.comm.fsdp_internals import ParamShard
+from lightning_qcomm.comm.fsdp_shim import ParamShard
 from lightning_qcomm.comm.transport import PieceLayout
 
 OUT = Path(__file__).resolve().parent / "results" / "qsdp_rs_memory.md"

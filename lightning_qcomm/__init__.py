@@ -13,6 +13,12 @@ underneath the callback (``lightning_qcomm.memory``), and ``consolidate_checkpoi
 checkpoint folder -> one file; also ``python -m lightning_qcomm.consolidate IN OUT``).
 """
 
+import torch
+
+from lightning_qcomm._checks import check_torch_version
+
+check_torch_version(torch.__version__)  # before anything reads torch's internals: torch>=2.11,<2.16
+
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 

@@ -5,6 +5,8 @@ No coercion: ``"no"`` is not a bool, ``"0"`` and ``1.7`` are not ints, ``True`` 
 infinities are not sizes, and a timeout is a positive ``timedelta``. Used from every layer (it imports
 nothing of the package).
 
+Also the supported torch range, checked when the package is imported (``check_torch_version``).
+
 Example::
 
     self.quantize_master = check_bool("QSDPStrategy", "quantize_master", quantize_master)
@@ -14,9 +16,41 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
+
+# torch releases the package supports: [first, end), as pyproject.toml's dependency says
+TORCH_FIRST, TORCH_END = (2, 11), (2, 16)
+SUPPORTED_TORCH = f">={TORCH_FIRST[0]}.{TORCH_FIRST[1]},<{TORCH_END[0]}.{TORCH_END[1]}"
+
+
+def check_torch_version(version: str) -> None:
+    """ImportError for a torch older than the supported range (naming it and how to install a CUDA build), one
+    warning for a newer one (untested; FSDP2's internals may have moved: QSDP refuses at setup what it misses).
+
+    Example::
+
+        check_torch_version(torch.__version__)   # "2.10.0" -> ImportError: ... supports torch>=2.11,<2.16 ...
+    """
+    found = re.match(r"(\d+)\.(\d+)", str(version))
+    if found is None:
+        return
+    release = (int(found.group(1)), int(found.group(2)))
+    if release < TORCH_FIRST:
+        raise ImportError(
+            f"lightning_qcomm supports torch{SUPPORTED_TORCH}; this is torch {version}. Upgrade torch, e.g. "
+            f'pip install "torch{SUPPORTED_TORCH}" (a CUDA build: add --index-url '
+            "https://download.pytorch.org/whl/cu130, or your CUDA version's index)"
+        )
+    if release >= TORCH_END:
+        warnings.warn(
+            f"lightning_qcomm is tested with torch{SUPPORTED_TORCH}; this is torch {version}. QSDP reads FSDP2 "
+            "internals that move between releases and refuses at setup what this torch lacks",
+            stacklevel=3,
+        )
 
 
 def _where(owner: str, name: str, value: Any) -> str:

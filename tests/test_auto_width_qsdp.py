@@ -22,6 +22,7 @@ from _launch import free_port, lightning_env, rank_results, spawn, write_rank_re
 from lightning_qcomm.comm import auto_trial
 from lightning_qcomm.comm.auto_trial import UNCOMPRESSED
 from lightning_qcomm.comm.fsdp import QSDPCommState
+from lightning_qcomm.comm.fsdp_shim import installed_comms
 from lightning_qcomm.parallel.qsdp import auto_codecs, new_trial
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
 
@@ -191,11 +192,11 @@ def _lightning(rank: int, out: str, result: dict) -> None:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=QSDPFabricStrategy(weight_bits="auto", grad_bits=8))
     fabric.launch()
     fabric.setup_module(TinyGPT())
-    group = fabric.strategy.qsdp.modules[0]._get_fsdp_state()._fsdp_param_groups[0]
+    comms = installed_comms(fabric.strategy.qsdp.modules[0])
     trial = fabric.strategy.comm_state.trial
     result["fabric"] = {
         "candidates": list(trial.candidates),
-        "installed": [getattr(c.codec, "bits", None) for c in (group._all_gather_comm, group._reduce_scatter_comm)],
+        "installed": [getattr(c.codec, "bits", None) for c in comms],
         "bits": [fabric.strategy.config.weight_bits, fabric.strategy.config.grad_bits],
     }
 

@@ -27,7 +27,7 @@ from lightning_qcomm.comm import (
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
 from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
-from lightning_qcomm.comm.fsdp_internals import ParamShard
+from lightning_qcomm.comm.fsdp_shim import ParamShard
 from lightning_qcomm.comm.onebit import OneBitMomentumSync
 
 WORLD = 4

@@ -623,7 +623,7 @@ def test_torch_internals_are_checked(monkeypatch):
 
     from torch.distributed.fsdp import FSDPModule
 
-    from lightning_qcomm.comm.fsdp import check_fsdp_param_internals, check_torch_fsdp_api
+    from lightning_qcomm.comm.fsdp_shim import check_fsdp_param_internals, check_torch_fsdp_api
 
     check_torch_fsdp_api()  # this torch passes
     monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")

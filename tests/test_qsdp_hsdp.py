@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 from _launch import free_port, spawn
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
+from lightning_qcomm.comm.fsdp_shim import all_reduce_hook, is_root
 from lightning_qcomm.parallel import QSDPConfig, apply_qsdp
 from lightning_qcomm.parallel.hsdp import fsdp_groups
 
@@ -100,7 +102,7 @@ def _aborted_backward(model: nn.Module, handle, x, y) -> None:
         handle.reset_iter_state()
         return
     for m in fsdp_groups(model):  # no FSDP module holds the others here: each group is a root of its own
-        if m._get_fsdp_state()._is_root:
+        if is_root(m):
             m.reset_iter_state()
 
 
@@ -148,7 +150,7 @@ def _train(mesh, config: QSDPConfig, steps: int = STEPS, abort_at: int | None = 
 
 
 def _all_reduce_hook(module):
-    return module._get_fsdp_state()._fsdp_param_group._all_reduce_hook
+    return all_reduce_hook(module)
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -172,11 +174,18 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         result["hsdp_auto"] = _train(groups.mesh, auto, steps=AUTO_STEPS)
         for case, config in list(INLINE_TWINS.items()):
             result[f"{case}_inline"] = _train(groups.mesh, config)
-        for case, (hsdp, recover, config) in ABORTED_TWINS.items():
-            mesh = groups.mesh if hsdp else flat
-            for overlap in (True, False):
-                run = _train(mesh, dataclasses.replace(config, overlap_comm=overlap), abort_at=1, recover=recover)
-                result[case if overlap else f"{case}_inline"] = run
+        if hasattr(FSDPModule, "reset_iter_state"):
+            for case, (hsdp, recover, config) in ABORTED_TWINS.items():
+                mesh = groups.mesh if hsdp else flat
+                for overlap in (True, False):
+                    run = _train(mesh, dataclasses.replace(config, overlap_comm=overlap), abort_at=1, recover=recover)
+                    result[case if overlap else f"{case}_inline"] = run
+        else:  # torch 2.11, 2.12: FSDP2 has no recovery, so the handle's is refused naming the release that has it
+            try:
+                apply_qsdp(Net(), flat, QSDPConfig(bits=8), check_ranks=False).reset_iter_state()
+                result["reset_refused"] = None
+            except RuntimeError as e:
+                result["reset_refused"] = str(e)
         errors = {}
         for name, make in {
             "flat_mesh": lambda: apply_qsdp(Net(), flat, QSDPConfig(hsdp=True), check_ranks=False),
@@ -280,6 +289,9 @@ def test_calls_left_by_a_backward_that_raised_end_as_inline(runs, case):
     collective or by the handle's recovery (comm.fsdp_deferred.settle_stale), so the gradients the next backward
     accumulates into, and every later step, equal the inline run's bit for bit (before, they held the unwritten
     outputs)."""
+    if "reset_refused" in runs[0]:
+        assert all("reset_iter_state" in r["reset_refused"] and "torch>=2.13" in r["reset_refused"] for r in runs)
+        pytest.skip(f"torch {torch.__version__} has no FSDPModule.reset_iter_state (2.13+): refused, as checked")
     for r in runs:
         assert r[case]["deferred"] > 0 or not ABORTED_TWINS[case][0]
         assert r[case]["losses"] == r[f"{case}_inline"]["losses"]

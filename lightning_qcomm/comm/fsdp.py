@@ -1,16 +1,16 @@
 """FSDP2 comm adapters for QSDP: quantized weight all-gather and gradient reduce-scatter (docs/design.md, "QSDP").
 
-This file owns the bridge between FSDP2's flat communication buffers and the codecs. FSDP2 (torch 2.13)
+This file owns the bridge between FSDP2's flat communication buffers and the codecs. FSDP2 (torch 2.11 to 2.15)
 lets a module replace its collectives with ``FSDPModule.set_custom_all_gather`` /
 ``set_custom_reduce_scatter``; the objects installed here implement those interfaces
-(``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`` / ``ReduceScatter``: ``allocate`` plus
+(FSDP2's ``AllGather`` / ``ReduceScatter``, reached through ``comm.fsdp_shim``: ``allocate`` plus
 ``__call__``; ``comm.fsdp_install`` installs them). They run synchronously and return ``None``, except with a
 ``CommWorker`` on CPU: the all-gather then runs on that thread and returns a ``FutureWork`` (FSDP2 waits on it
 before reading the gathered weights), so a prefetched group's all-gather overlaps compute; and a reduce-scatter
 whose output FSDP2 only takes views of runs there too, its sum written into the output when backward ends
 (``comm.fsdp_deferred``), so it overlaps the rest of backward.
 
-Buffer layout (torch 2.13 ``_fsdp_collectives``): one FSDP param group = one flat buffer per collective.
+Buffer layout (FSDP2's ``_fsdp_collectives``, the same in torch 2.11 to 2.15): one FSDP param group = one flat buffer per collective.
 Per rank, the buffer is the concatenation, in ``fsdp_params`` order, of each parameter's *padded* dim-0
 shard (``padded_sharded_param_size``). The all-gather input is this rank's row (a view of the output at
 ``rank * S``); the output is N such rows. The reduce-scatter input is N rows (row j goes to rank j) with
@@ -61,8 +61,10 @@ from lightning_qcomm.codecs.base import FLOAT_DTYPES
 from lightning_qcomm.comm.auto_trial import WidthTrial
 from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork
 from lightning_qcomm.comm.fsdp_deferred import DeferredReduceScatters
-from lightning_qcomm.comm.fsdp_internals import (
+from lightning_qcomm.comm.fsdp_shim import (
+    AllGather,
     ParamShard,
+    ReduceScatter,
     check_fsdp_param_internals,
     check_torch_fsdp_api,
     fsdp_param_shards,
@@ -72,11 +74,6 @@ from lightning_qcomm.comm.fsdp_internals import (
 from lightning_qcomm.comm.ledger import get_ledger
 from lightning_qcomm.comm.row_codec import RowCodec, Segment, is_quantized_param
 from lightning_qcomm.comm.transport import PieceLayout, all_gather_bytes, all_to_all_pieces
-
-try:  # a torch without them is refused at setup by check_torch_fsdp_api, with its version named
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # pragma: no cover - depends on the installed torch
-    AllGather = ReduceScatter = object
 
 log = logging.getLogger(__name__)
 

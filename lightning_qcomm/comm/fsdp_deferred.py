@@ -1,10 +1,10 @@
 """QSDP gradient reduce-scatters finished at the end of backward instead of inline (comm layer; docs/design.md,
 "QSDP", "Overlap").
 
-FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_reduce``) calls the custom reduce-scatter synchronously and, right
+FSDP2 (torch 2.11 to 2.15, ``_fsdp_collectives.foreach_reduce``) calls the custom reduce-scatter synchronously and, right
 after it, (1) divides the output by N in place (``set_force_sum_reduction_for_comms``: SUM, then a post-divide),
 (2) casts the output to the parameters' dtype when the gradients were reduced in another one (a
-``MixedPrecisionPolicy``), (3) makes the sharded gradients *views* of the output, or adds the output into
+``MixedPrecisionPolicy``; 2.15 casts per parameter, to its ``sharded_grad_dtype``), (3) makes the sharded gradients *views* of the output, or adds the output into
 gradients that already exist (accumulation), (4) runs the sharded parameters' post-accumulate-grad hooks, (5) under
 HSDP all-reduces the output. Nothing else reads the gradient values before backward ends. So when (2)-(5) only
 take views (no cast, no gradient yet, no hook, no all-reduce, no custom divide factor, fp32/bf16 gradients) the
@@ -21,8 +21,9 @@ snapshot the output, average the copy on the worker and return; the flush then w
 the post-divide (2) that FSDP2 applied to the unwritten output after the hook.
 
 ``deferrable(module)`` says, at each call, whether the conditions hold for that FSDP module's param group (they are
-read from FSDP2's internals, ``comm.fsdp_internals``); otherwise the call runs inline. Only on torch 2.13, the
-version whose ``foreach_reduce`` this relies on.
+read from FSDP2's internals by ``comm.fsdp_shim.output_only_viewed``); otherwise the call runs inline. Only on a
+torch whose ``foreach_reduce`` is one of the reviewed shapes (2.11 to 2.14, 2.15; ``fsdp_shim.reduce_contract``);
+on any other every call runs inline, logged once.
 
 Example::
 
@@ -37,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_qcomm.comm.fsdp_internals import TESTED_TORCH
+from lightning_qcomm.comm.fsdp_shim import output_only_viewed
 
 _DEFERRABLE_DTYPES = (torch.float32, torch.bfloat16)  # FSDP2 divides these by N after the call, nothing before it
 
@@ -92,25 +93,12 @@ def deferrable(module: torch.nn.Module, *, in_all_reduce_hook: bool = False) -> 
 
     ``in_all_reduce_hook``: asked by the module's own all-reduce hook (``parallel.hsdp``) about its
     ``reduce_output``: the hook is then the reader of the output, not a reason to run inline, and FSDP2's
-    post-divide after it is replayed at the flush (``fsdp_internals.post_divide_factor``)."""
-    supported = torch.__version__.startswith(TESTED_TORCH)
-    group = module._get_fsdp_state()._fsdp_param_group
+    post-divide after it is replayed at the flush (``fsdp_shim.post_divide_factor``)."""
 
     def ok(input_tensor: torch.Tensor) -> bool:
-        if not supported or input_tensor.device.type != "cpu" or input_tensor.dtype not in _DEFERRABLE_DTYPES:
+        if input_tensor.device.type != "cpu" or input_tensor.dtype not in _DEFERRABLE_DTYPES:
             return False
-        if getattr(group, "gradient_divide_factor", None) is not None:
-            return False
-        if getattr(group, "_all_reduce_hook", None) is not None and not in_all_reduce_hook:
-            return False
-        if getattr(group, "_orig_dtype", None) not in (None, input_tensor.dtype):  # FSDP2 casts the output at once
-            return False
-        if type(getattr(group, "mesh_info", None)).__name__ not in ("FSDPMeshInfo",):  # HSDP's all-reduce reads it
-            return False
-        return all(
-            fp.sharded_param.grad is None and not getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
-            for fp in group.fsdp_params
-        )
+        return output_only_viewed(module, input_tensor.dtype, in_all_reduce_hook)
 
     return ok
 

@@ -21,12 +21,12 @@ from lightning_qcomm.codecs import Codec
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
 from lightning_qcomm.comm.fsdp_deferred import deferrable
-from lightning_qcomm.comm.fsdp_internals import (
+from lightning_qcomm.comm.fsdp_shim import (
     check_fsdp_module_internals,
     check_torch_fsdp_api,
     fsdp_param_shards,
-    fsdp_params,
     install_requires_grad_sync,
+    live_requires_grad,
 )
 
 
@@ -44,7 +44,7 @@ class QSDPCommConfig:
 
 def _live_requires_grad(module: torch.nn.Module) -> Callable[[], list[bool]]:
     def flags() -> list[bool]:
-        return [fp.sharded_param.requires_grad for fp in fsdp_params(module)]
+        return live_requires_grad(module)
 
     return flags
 
@@ -68,7 +68,7 @@ def install_qsdp_comms(
     from torch.distributed.fsdp import FSDPModule
 
     check_torch_fsdp_api()
-    root_group = root if isinstance(root, FSDPModule) and fsdp_params(root) else None
+    root_group = root if isinstance(root, FSDPModule) and fsdp_param_shards(root) else None
     installed = []
     for module in root.modules():
         if not isinstance(module, FSDPModule):

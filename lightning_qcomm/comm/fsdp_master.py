@@ -16,7 +16,7 @@ import torch
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
 from lightning_qcomm.comm.fsdp import SEED_MASTER, QSDPCommState
-from lightning_qcomm.comm.fsdp_internals import fsdp_params, param_shard, shard_rank
+from lightning_qcomm.comm.fsdp_shim import padded_shard_data, shard_rank
 from lightning_qcomm.comm.row_codec import is_quantized_param
 
 
@@ -32,13 +32,11 @@ def project_master_weights(
     extremes map to themselves, so the next all-gather of a projected shard is exact up to fp rounding.
     """
     for gid, module in enumerate(modules):
-        fparams = fsdp_params(module)
-        if not fparams:
+        shards = padded_shard_data(module)
+        if not shards:
             continue
         rank = shard_rank(module)
-        for k, fp in enumerate(fparams):
-            info = param_shard(fp)
-            data = fp._sharded_param_data
+        for k, (info, data) in enumerate(shards):
             if info.shard_numel == 0 or not is_quantized_param(info, min_quant_numel) or data.dtype not in FLOAT_DTYPES:
                 continue
             seed = derive_seed(state.seed, SEED_MASTER, state.step, gid, rank, k)

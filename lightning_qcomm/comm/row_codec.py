@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.comm.fsdp_internals import ParamShard
+from lightning_qcomm.comm.fsdp_shim import ParamShard
 from lightning_qcomm.comm.row_batch import (
     c_pass_available,
     decode_rows_into,

@@ -126,7 +126,7 @@ def install_inter_node_average(
     order, as ``comm.fsdp_install.install_qsdp_comms`` or ``fsdp_groups`` return them); with ``worker`` and
     ``worker_group`` (a copy of the mesh's ``inter`` group) the averages overlap the rest of backward."""
     from lightning_qcomm.comm.fsdp_deferred import deferrable
-    from lightning_qcomm.comm.fsdp_internals import post_divide_factor
+    from lightning_qcomm.comm.fsdp_shim import post_divide_factor
 
     inter = mesh.get_group("inter")
     local = mesh.get_local_rank("intra")

@@ -53,8 +53,8 @@ from lightning_qcomm.comm.fsdp import (
     is_quantized_param,
 )
 from lightning_qcomm.comm.fsdp_install import QSDPCommConfig, install_qsdp_comms
-from lightning_qcomm.comm.fsdp_internals import fsdp_roots
 from lightning_qcomm.comm.fsdp_master import project_master_weights
+from lightning_qcomm.comm.fsdp_shim import fsdp_roots, require
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import max_over_ranks, max_over_ranks_each
 from lightning_qcomm.parallel.hsdp import check_hsdp_mesh, fsdp_groups, install_inter_node_average
@@ -168,6 +168,7 @@ class QSDPHandle:
                 handle.reset_iter_state()
                 optimizer.zero_grad()
         """
+        require("reset_iter_state", "QSDPHandle")  # torch 2.13+
         self.comm_state.deferred.settle_stale()
         for root in fsdp_roots(self.modules):
             root.reset_iter_state()

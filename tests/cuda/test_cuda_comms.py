@@ -25,7 +25,7 @@ from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm import quantized_all_reduce
 from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
-from lightning_qcomm.comm.fsdp_internals import ParamShard
+from lightning_qcomm.comm.fsdp_shim import ParamShard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 WORLD = 8

@@ -1,0 +1,197 @@
+"""Every strategy as a user runs it, on whichever torch is installed: loss against DDP's and an exact resume.
+
+Lightning's demo ``Transformer`` (``lightning.pytorch.demos``) with a 32,768-token vocabulary, trained by
+``Trainer.fit`` on CPU ranks (gloo) started the way torchrun starts them: DDP (the reference), QSDP W8G8 and W4G4,
+QuantDDP, Local SGD and DDP + 1-bit Adam on 2 ranks; DDP and QSDP over HSDP (W8G8 across nodes) on 2 nodes x 2
+ranks. Tokens: the running Python's standard library sources cut into byte pairs (token = 256·b0 + b1 mod 32768;
+the source is mostly ASCII, so most pairs are their own token), next-token prediction, nothing downloaded.
+
+Per strategy, three fits from the same seed: two epochs straight; one epoch then ``trainer.save_checkpoint``; and
+the second epoch resumed from that checkpoint. The table gives rank 0's mean training loss over the last
+``TAIL`` steps against DDP's on the same ranks ("vs DDP", the acceptance bound is 3%), and the largest difference
+between the resumed second epoch's losses and the straight run's ("resume": 0 means bit for bit).
+
+Command (one torch per environment; prints the torch version in the title)::
+
+    OMP_NUM_THREADS=1 python benchmarks/torch_versions.py [--steps 24] [--out table.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+VOCAB = 32768
+SEQ = 32
+BATCH = 8  # per rank
+TAIL = 8
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tokens(n: int) -> torch.Tensor:
+    raw = b""
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        raw += path.read_bytes()
+        if len(raw) >= 2 * n:
+            break
+    b = torch.frombuffer(bytearray(raw[: 2 * n]), dtype=torch.uint8).long().view(-1, 2)
+    return (b[:, 0] * 256 + b[:, 1]) % VOCAB
+
+
+def _module():
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos import Transformer
+
+    class Demo(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = Transformer(vocab_size=VOCAB, ninp=64, nhead=2, nhid=128, nlayers=2, dropout=0.0)
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.nll_loss(self.model(x, y), y.reshape(-1))
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=2e-3)
+
+    return Demo()
+
+
+def _strategy(name: str):
+    from lightning_qcomm import LocalSGDStrategy, QSDPStrategy, QuantDDPStrategy
+
+    if name in ("ddp", "ddp_onebit_adam"):
+        return "ddp"
+    return {
+        "qsdp_w8g8": lambda: QSDPStrategy(bits=8, min_wrap_numel=10_000),
+        "qsdp_w4g4": lambda: QSDPStrategy(bits=4, min_wrap_numel=10_000),
+        "hsdp_w8g8": lambda: QSDPStrategy(bits=8, hsdp=True, min_wrap_numel=10_000),
+        "quant_ddp": lambda: QuantDDPStrategy(bits=8),
+        "local_sgd": lambda: LocalSGDStrategy(sync="constant", period=4),
+    }[name]()
+
+
+def _fit(name: str, world: int, per_node: int, epochs: int, steps: int, save: str | None, resume: str | None):
+    import lightning.pytorch as pl
+
+    from lightning_qcomm import OneBitAdamCallback
+
+    data = _tokens(world * BATCH * steps * (SEQ + 1)).view(-1, SEQ + 1)
+    dataset = torch.utils.data.TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
+    module = _module()
+    # the variance frozen after the first epoch (1-bit Adam's warm-up: a quarter to a half of a short run)
+    callbacks = [OneBitAdamCallback(freeze_step=steps)] if name == "ddp_onebit_adam" else []
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=per_node,
+        num_nodes=world // per_node,
+        strategy=_strategy(name),
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return module.losses
+
+
+def _worker(rank: int, world: int, per_node: int, port: int, names: list[str], steps: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        NODE_RANK=str(rank // per_node),
+        LOCAL_RANK=str(rank % per_node),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    result = {}
+    for name in names:
+        ckpt = os.path.join(out, f"{name}.ckpt")
+        straight = _fit(name, world, per_node, 2, steps, None, None)
+        _fit(name, world, per_node, 1, steps, ckpt, None)
+        resumed = _fit(name, world, per_node, 2, steps, None, ckpt)
+        result[name] = {"straight": straight, "resumed": resumed}
+    if rank == 0:
+        Path(out, f"world{world}.json").write_text(json.dumps(result))
+
+
+def _rows(result: dict, reference: str, world: int) -> list[str]:
+    ref = result[reference]["straight"]
+    ref_tail = sum(ref[-TAIL:]) / TAIL
+    rows = []
+    for name, r in result.items():
+        straight, resumed = r["straight"], r["resumed"]
+        tail = sum(straight[-TAIL:]) / TAIL
+        second = straight[len(straight) - len(resumed) :]
+        gap = max((abs(a - b) for a, b in zip(resumed, second)), default=float("nan"))
+        exact = "exact" if len(resumed) == len(second) and gap == 0 else f"max diff {gap:.2e}"
+        ratio = tail / ref_tail - 1
+        ok = "yes" if abs(ratio) <= 0.03 and exact == "exact" else "NO"
+        rows.append(
+            f"| {name} | {world} | {straight[0]:.3f} | {tail:.4f} | {ratio:+.2%} | {exact} ({len(resumed)} steps) | {ok} |"
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per epoch (two epochs per run)")
+    parser.add_argument("--out", default=None, help="also write the table to this file")
+    parser.add_argument("--only", default=None, help="comma-separated strategies (DDP always runs, the reference)")
+    args = parser.parse_args()
+    plans = [
+        (2, 2, ["ddp", "qsdp_w8g8", "qsdp_w4g4", "quant_ddp", "local_sgd", "ddp_onebit_adam"]),
+        (4, 2, ["ddp", "hsdp_w8g8"]),
+    ]
+    if args.only:
+        wanted = {"ddp", *args.only.split(",")}
+        plans = [(w, n, [x for x in names if x in wanted]) for w, n, names in plans]
+        plans = [p for p in plans if len(p[2]) > 1]
+    lines = [
+        f"torch {torch.__version__}, {sys.platform}, CPU/gloo; Lightning demo Transformer (vocab {VOCAB}, "
+        f"{SEQ} tokens x {BATCH} per rank, {args.steps} steps per epoch, 2 epochs; loss = rank 0's mean over the "
+        f"last {TAIL} steps)",
+        "",
+        "| strategy | ranks | first loss | final loss | vs DDP | resume from epoch 1 | within 3% and exact |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as out:
+        for world, per_node, names in plans:
+            mp.spawn(_worker, args=(world, per_node, _port(), names, args.steps, out), nprocs=world, join=True)
+            lines += _rows(json.loads(Path(out, f"world{world}.json").read_text()), "ddp", world)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
