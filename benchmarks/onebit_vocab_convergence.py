@@ -255,8 +255,10 @@ def main() -> None:
     }
     for key, row in rows.items():
         br = row["bytes_after_freeze_ratio"]
-        print(f"{key}: loss(last 10) {row['tail']:.4f}  vs AdamW {row['vs_adamw']:.4f}  bytes after freeze "
-              f"{'-' if br is None else f'{br:.4f}'}x fp32  curve {row['curve']}")
+        print(
+            f"{key}: loss(last 10) {row['tail']:.4f}  vs AdamW {row['vs_adamw']:.4f}  bytes after freeze "
+            f"{'-' if br is None else f'{br:.4f}'}x fp32  curve {row['curve']}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 

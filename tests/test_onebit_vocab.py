@@ -103,3 +103,62 @@ def test_onebit_adam_follows_adamw_after_the_freeze_on_the_demo_transformer(loss
     tail = {k: sum(sum(r[k][-TAIL:]) for r in losses) / (2 * TAIL) for k in ("adamw", "onebit")}
     assert all(len(r["onebit"]) == STEPS for r in losses)
     assert tail["onebit"] <= BOUND * tail["adamw"], tail
+
+
+# ---------------------------------------------------------------------------------------------- single process
+def _embedding_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 5))
+
+
+def _train(model, opt, steps: int, vocab: int, g: torch.Generator) -> None:
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), x % 5).backward()
+        opt.step()
+
+
+def test_rows_without_variance_stay_and_the_others_move_as_adam_bounds_them():
+    """Rows 10..49 of an embedding get no gradient in the warm-up (v̂ = 0): after the freeze they get gradients but
+    stay (no weight decay here); every other coordinate moves by at most lr / (1 - β1^t) times the largest averaged
+    preconditioned momentum, which the 1-bit average keeps at the chunk's rms of u (u = m / (√v̂ + ε))."""
+    from lightning_qcomm.optim import OneBitAdam
+
+    model = _embedding_model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=5)
+    g = torch.Generator().manual_seed(0)
+    _train(model, opt, 5, 10, g)
+    assert opt.frozen and 0.7 < opt.unusable_at_freeze < 0.8  # 320 of the 400 embedding elements, of 445
+    emb = model[0].weight
+    before = emb.detach().clone()
+    moved = []
+    for _ in range(5):
+        p0 = [p.detach().clone() for p in model.parameters()]
+        _train(model, opt, 1, 50, g)
+        t = opt.state[emb]["step"].item()
+        u_max = max(
+            float((opt.state[p]["exp_avg"] / (opt.state[p]["exp_avg_sq"].sqrt() + 1e-8)).abs().max())
+            for p in model.parameters()
+        )
+        step_max = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), p0))
+        rounding = 4 * torch.finfo(torch.float32).eps * max(float(q.abs().max()) for q in p0)  # p - p0 in fp32
+        moved.append(step_max <= 1e-2 / (1 - 0.9**t) * u_max * (1 + 1e-5) + rounding)
+    assert torch.equal(emb.detach()[10:], before[10:])
+    assert not torch.equal(emb.detach()[:10], before[:10])
+    assert all(moved), moved
+
+
+def test_freeze_warns_once_when_the_variance_still_changes(caplog, monkeypatch):
+    """A freeze after 3 steps: v̂ changed by r >= 0.1 over those steps (from its first value): one warning."""
+    from lightning_qcomm.optim import OneBitAdam, variance_freeze
+
+    monkeypatch.setattr(variance_freeze, "_warned", [])
+    model = _embedding_model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    with caplog.at_level("WARNING", logger="lightning_qcomm.optim.variance_freeze"):
+        _train(model, opt, 6, 50, torch.Generator().manual_seed(0))
+    assert opt.change_at_freeze is not None and opt.change_at_freeze >= variance_freeze.UNSTABLE_CHANGE
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "still changing" in caplog.records[0].message
+    assert not variance_freeze.warn_if_unstable(0.05, None, 0.0, 100)  # below τ: quiet
