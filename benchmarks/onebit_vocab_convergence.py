@@ -193,6 +193,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
                 "bytes": per_step.bytes,
                 "d": sum(p.numel() for p in module.parameters()),
                 "frozen_at": None if onebit is None else onebit.optimizer.frozen_at,
+                "change_at_freeze": getattr(onebit and onebit.optimizer, "change_at_freeze", None),
+                "unusable_at_freeze": getattr(onebit and onebit.optimizer, "unusable_at_freeze", None),
                 "diag": per_step.diag,
             }
     write_rank_result(out, rank, results, "rank{rank}.pkl")
@@ -212,6 +214,8 @@ def summarize(res: list[dict], args: argparse.Namespace) -> dict:
             "curve": [round(statistics.fmean(losses[i : i + 10]), 4) for i in range(0, len(losses), 10)],
             "bytes_after_freeze_ratio": statistics.median(after) / fp32 if after else None,
             "d": a["d"],
+            "change_at_freeze": a.get("change_at_freeze"),
+            "unusable_at_freeze": a.get("unusable_at_freeze"),
             "diag": {str(k): v for k, v in a["diag"].items()},
         }
     for key, row in rows.items():

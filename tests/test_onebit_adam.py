@@ -235,6 +235,7 @@ def test_freeze_bias_corrects_v_and_world1_step_matches_formula(decoupled):
     )
     hp = {p: (g["lr"], g["betas"][0], g["eps"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
     assert hp[model[2].weight] == (0.02, 0.7, 1e-6, 0.05)
+    beta2_of = {p: g["betas"][1] for g in opt.param_groups for p in g["params"]}
     x = torch.randn(16, N_FEAT)
     for t in range(1, 5):
         opt.zero_grad()
@@ -248,7 +249,9 @@ def test_freeze_bias_corrects_v_and_world1_step_matches_formula(decoupled):
                 g = p.grad if decoupled else p.grad + wd * p.detach()  # L2: g <- g + wd p
                 w = _weight(opt.state[p]["exp_avg_sq"], eps)  # v̂, frozen at the end of step 3
                 weights.append(w)
-                u_local.append((b1 * opt.state[p]["exp_avg"] + (1 - b1) * g).double() * w)
+                b2 = beta2_of[p]
+                bound = max(1.0, (1 - b1) / math.sqrt(1 - b2))  # Adam's largest step, in units of lr
+                u_local.append(((b1 * opt.state[p]["exp_avg"] + (1 - b1) * g).double() * w).clamp(-bound, bound))
             flat = torch.cat([u.reshape(-1) for u in u_local])
             u_expect = onebit_oracle([flat])  # world of one: C(C(y)) = C(y)
         opt.step()
@@ -502,7 +505,7 @@ def _torch_ddp_checks(rank: int) -> dict:
             params = list(model.parameters())
             w = torch.cat([_weight(opt.state[p]["exp_avg_sq"], 1e-8).reshape(-1) for p in params])
             m_local = torch.cat([(0.9 * opt.state[p]["exp_avg"] + 0.1 * p.grad).reshape(-1) for p in params])
-            u_local = (m_local.double() * w).float()
+            u_local = (m_local.double() * w).clamp(-3.16227766, 3.16227766).float()  # (1 - b1) / sqrt(1 - b2)
             both = [torch.empty_like(u_local) for _ in range(2)]
             dist.all_gather(both, u_local)
             before = [p.detach().clone() for p in params]

@@ -162,3 +162,19 @@ def test_freeze_warns_once_when_the_variance_still_changes(caplog, monkeypatch):
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "still changing" in caplog.records[0].message
     assert not variance_freeze.warn_if_unstable(0.05, None, 0.0, 100)  # below τ: quiet
+
+
+def test_candidates_clip_at_adams_bound_and_keep_nonfinite_values():
+    """u = clip(m w, ±(1-β1)/√(1-β2)) (3.16 for the defaults), w = 0 where √v̂ <= ε; an infinite or NaN gradient
+    still gives a non-finite u (the non-finite verdict is read from the average)."""
+    from lightning_qcomm.optim.adam_math import momentum_candidates
+
+    p = torch.nn.Parameter(torch.zeros(5))
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "decoupled_weight_decay": True}
+    state = {p: {"exp_avg": torch.zeros(5), "exp_avg_sq": torch.tensor([1e-4, 1e-4, 0.0, 1e-4, 1e-4])}}
+    p.grad = torch.tensor([1e-3, 1.0, 1.0, float("inf"), float("nan")])
+    u = momentum_candidates([p], state, {p: group})
+    assert u[0].item() == pytest.approx(0.1 * 1e-3 / (1e-2 + 1e-8), rel=1e-6)  # 0.01: inside the bound
+    assert u[1].item() == pytest.approx(0.1 / 0.0316227766, rel=1e-6)  # 10 clipped to 3.16
+    assert u[2].item() == 0.0  # no variance: left out
+    assert not torch.isfinite(u[3:]).any()

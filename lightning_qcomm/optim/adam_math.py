@@ -7,8 +7,9 @@ its param group (lr η, betas (β1, β2), eps ε, weight decay λ, ``decoupled_w
   operations in its order, so fp32 parameters match it bit for bit);
 * ``momentum_grad``: the gradient that enters m after the freeze, in m's dtype (g + λp when not decoupled);
 * ``frozen_weight``: the frozen preconditioner w = 1/(√v̂ + ε), 0 where √v̂ <= ε (no usable variance);
-* ``momentum_candidates``: a bucket's new preconditioned momenta u = (β1 m + (1-β1) g) · w, out of place (m stays as
-  it is until the step, which the overlapped sync needs), the vector the 1-bit average compresses;
+* ``momentum_candidates``: a bucket's new preconditioned momenta u = clip((β1 m + (1-β1) g) · w, ±b), b =
+  ``adam_step_bound``, out of place (m stays as it is until the step, which the overlapped sync needs), the vector
+  the 1-bit average compresses;
 * ``frozen_update_``: the compression-phase update from the averaged u: m <- u (√v̂ + ε),
   p <- p(1 - ηλ) - η/(1-β1^t) u -- AdamW's update with v frozen, p - η m̂/(√v̂ + ε).
 
@@ -19,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -75,12 +77,20 @@ def frozen_weight(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
     return torch.where(root > eps, (root + eps).reciprocal_(), torch.zeros((), dtype=root.dtype, device=root.device))
 
 
+def adam_step_bound(group: dict[str, Any]) -> float:
+    """The largest |m̂/√v̂| Adam's own update reaches (Kingma & Ba 2015, §2.1): (1-β1)/√(1-β2) when that exceeds 1
+    (a gradient after a long silence), else 1. After the freeze u = m/(√v̂ + ε) is clipped to it: a coordinate
+    whose gradient outgrew its frozen v̂ takes at most the step Adam would, and cannot inflate its chunk's scale."""
+    beta1, beta2 = group["betas"]
+    return max(1.0, (1 - beta1) / math.sqrt(1 - beta2))
+
+
 def momentum_candidates(
     params: list[torch.Tensor], state: dict[torch.Tensor, dict[str, Any]], group_of: dict[torch.Tensor, dict[str, Any]]
 ) -> torch.Tensor:
-    """The preconditioned new momenta u = (β1 m + (1-β1) g) · w of ``params`` (m as it is for one with
-    ``requires_grad=False``; w = ``frozen_weight``), concatenated in a new fp32 tensor, without writing m: what the
-    1-bit average compresses (a bucket, in layout order)."""
+    """The preconditioned new momenta u = clip((β1 m + (1-β1) g) · w, ±``adam_step_bound``) of ``params`` (m as it is
+    for one with ``requires_grad=False``; w = ``frozen_weight``), concatenated in a new fp32 tensor, without writing
+    m: what the 1-bit average compresses (a bucket, in layout order)."""
     flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
     offset = 0
     for p in params:
@@ -93,6 +103,8 @@ def momentum_candidates(
             torch.mul(new_m, frozen_weight(st, group), out=out)
         else:
             out.copy_(new_m * frozen_weight(st, group))
+        bound = adam_step_bound(group)
+        out.copy_(torch.where(out.isfinite(), out.clamp(-bound, bound), out))  # non-finite stays non-finite
     return flat
 
 
@@ -106,11 +118,19 @@ def frozen_update_(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
     u = u.view_as(m)
     state["step"] += 1
     w = frozen_weight(state, group)
-    u.masked_fill_(w == 0, 0.0)
+    u.mul_(w != 0)  # 0 there (a non-finite u stays non-finite)
     torch.mul(u, state["exp_avg_sq"].sqrt().add_(eps), out=m)
     if wd != 0 and group["decoupled_weight_decay"]:
         p.mul_(1 - lr * wd)
     p.add_(u.to(p.dtype), alpha=-lr / (1 - beta1 ** state["step"].item()))
 
 
-__all__ = ["adamw_update_", "moment_dtype", "frozen_update_", "frozen_weight", "momentum_candidates", "momentum_grad"]
+__all__ = [
+    "adam_step_bound",
+    "adamw_update_",
+    "moment_dtype",
+    "frozen_update_",
+    "frozen_weight",
+    "momentum_candidates",
+    "momentum_grad",
+]
