@@ -25,7 +25,8 @@ is warned once (``variance_freeze.warn_if_unstable``).
 *preconditioned* momentum u = m · w, w = 1/(√v̂ + ε) where √v̂ > ε and 0 elsewhere (``adam_math.frozen_weight``)::
 
     m <- β1 m + (1-β1) g                           (g <- g + λp first when not decoupled)
-    u <- onebit_all_reduce(m · w)                   (error-compensated, flat fused buckets, all ranks equal)
+    u <- onebit_all_reduce(clip(m · w, ±b))         (b = max(1, (1-β1)/√(1-β2)): Adam's largest step; error-
+                                                     compensated, flat fused buckets, all ranks equal)
     u <- 0 where w = 0;   m <- u (√v̂ + ε)
     p <- p (1 - ηλ) - η/(1-β1^t) · u                = AdamW's p - η m̂ / (√v̂ + ε) with v frozen
 
@@ -33,7 +34,8 @@ v̂ is the same on every rank, so averaging u is averaging m; but each chunk's o
 of Adam's step: it cannot give a coordinate whose v̂ is tiny a step of lr · scale / √v̂ (docs/design.md, "1-bit
 Adam", "Why the preconditioned momentum"). Coordinates with √v̂ <= ε had no usable gradient in the warm-up (a
 vocabulary row never seen, an attention key bias): they stay where they are, as DeepSpeed's ``exp_avg_mask``
-would keep them, found from v̂. The bytes are those of the momentum: ≈ 1 bit per element.
+would keep them, found from v̂. The clip keeps a coordinate whose gradient outgrew its frozen v̂ at the step Adam
+would at most take, and out of its chunk's scale. The bytes are those of the momentum: ≈ 1 bit per element.
 The momentum keeps its bias correction 1/(1-β1^t) (t keeps counting). Parameters without a gradient on this rank
 in a step contribute g = 0 (every rank must take part in the collective); parameters that never had a gradient
 during warm-up have no v and are not updated after the freeze (warned once). A parameter with
