@@ -178,3 +178,21 @@ def test_candidates_clip_at_adams_bound_and_keep_nonfinite_values():
     assert u[1].item() == pytest.approx(0.1 / 0.0316227766, rel=1e-6)  # 10 clipped to 3.16
     assert u[2].item() == 0.0  # no variance: left out
     assert not torch.isfinite(u[3:]).any()
+
+
+def test_error_buffers_of_the_raw_momentum_restart_at_zero(caplog):
+    """Buffers saved without the ``momentum_space`` mark (residuals of m, the earlier version) are not applied."""
+    from lightning_qcomm.optim import OneBitAdam
+
+    model = _embedding_model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    _train(model, opt, 4, 50, torch.Generator().manual_seed(0))
+    saved = opt.rank_state_dict()
+    assert saved["momentum_space"] == "preconditioned" and any(t.abs().sum() > 0 for t in saved["worker_error"])
+    old = {k: v for k, v in saved.items() if k != "momentum_space"}
+    with caplog.at_level("WARNING", logger="lightning_qcomm.optim.onebit_adam"):
+        opt.load_rank_state_dict(old)
+    assert "restart at zero" in caplog.text
+    assert opt._sync.worker_error is None  # made as zeros at the next sync
+    _train(model, opt, 1, 50, torch.Generator().manual_seed(1))
+    assert opt._sync.worker_error is not None

@@ -102,6 +102,7 @@ class OneBitAdamCheckpoint:
                 "OneBitAdam: the saved 1-bit error buffers are residuals of the raw momentum (saved by an earlier "
                 "version), not of the preconditioned one this version averages; they restart at zero"
             )
+            self._sync.worker_error = self._sync.server_error = None  # zeros at the next sync
             return
         try:
             self._sync.load_rank_state_dict(state)
