@@ -178,6 +178,12 @@ def onebit_oracle(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(out)[:d]
 
 
+def _weight(vhat: torch.Tensor, eps: float) -> torch.Tensor:
+    """docs/design.md ("1-bit Adam"): the frozen preconditioner w = 1/(sqrt(v̂) + eps) where sqrt(v̂) > eps, else 0."""
+    root = vhat.double().sqrt()
+    return torch.where(root > eps, 1.0 / (root + eps), torch.zeros_like(root))
+
+
 # ---------------------------------------------------------------------------------------------- single process
 def _groups(model):
     """Two groups; the second has its own lr, betas and eps (and no weight decay)."""
@@ -229,6 +235,7 @@ def test_freeze_bias_corrects_v_and_world1_step_matches_formula(decoupled):
     )
     hp = {p: (g["lr"], g["betas"][0], g["eps"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
     assert hp[model[2].weight] == (0.02, 0.7, 1e-6, 0.05)
+    beta2_of = {p: g["betas"][1] for g in opt.param_groups for p in g["params"]}
     x = torch.randn(16, N_FEAT)
     for t in range(1, 5):
         opt.zero_grad()
@@ -236,29 +243,30 @@ def test_freeze_bias_corrects_v_and_world1_step_matches_formula(decoupled):
         if t == 4:  # first compressed step: build the expectation from the formulas before stepping
             params = list(model.parameters())
             before = [p.detach().clone() for p in params]
-            m_local = []
+            u_local, weights = [], []
             for p in params:
-                _, b1, _, wd = hp[p]
+                _, b1, eps, wd = hp[p]
                 g = p.grad if decoupled else p.grad + wd * p.detach()  # L2: g <- g + wd p
-                m_local.append(b1 * opt.state[p]["exp_avg"] + (1 - b1) * g)
-            flat = torch.cat([m.reshape(-1) for m in m_local])
-            m_expect = onebit_oracle([flat])  # world of one: C(C(y)) = C(y)
+                w = _weight(opt.state[p]["exp_avg_sq"], eps)  # v̂, frozen at the end of step 3
+                weights.append(w)
+                b2 = beta2_of[p]
+                bound = max(1.0, (1 - b1) / math.sqrt(1 - b2))  # Adam's largest step, in units of lr
+                u_local.append(((b1 * opt.state[p]["exp_avg"] + (1 - b1) * g).double() * w).clamp(-bound, bound))
+            flat = torch.cat([u.reshape(-1) for u in u_local])
+            u_expect = onebit_oracle([flat])  # world of one: C(C(y)) = C(y)
         opt.step()
         assert opt.frozen == (t >= 3)
-    got = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params])
-    torch.testing.assert_close(got.double(), m_expect, rtol=1e-6, atol=1e-7)
-    # p <- p(1 - lr wd) - lr / (1 - b1^4) * m / (sqrt(v̂) + eps)   (no (1 - lr wd) factor in the L2 mode),
-    # with the m the optimizer holds (checked against the oracle above): an update of size ~p0 that cancels
-    # p0 would otherwise turn m's allowed 1e-6 relative error into an absolute error above atol
+    # m <- u (sqrt(v̂) + eps) where w > 0, else 0;  p <- p(1 - lr wd) - lr / (1 - b1^4) * u (no decay factor in L2 mode)
     off = 0
-    for p, p0 in zip(params, before):
+    for p, p0, w in zip(params, before, weights):
         lr, b1, eps, wd = hp[p]
-        m = got[off : off + p.numel()].view_as(p)
+        u = u_expect[off : off + p.numel()].view_as(p) * (w > 0)
         off += p.numel()
-        vhat = opt.state[p]["exp_avg_sq"]
+        m_expect = u * (opt.state[p]["exp_avg_sq"].double().sqrt() + eps)
+        torch.testing.assert_close(opt.state[p]["exp_avg"].double(), m_expect, rtol=1e-6, atol=1e-7)
         decay = (1 - lr * wd) if decoupled else 1.0
-        expect = p0 * decay - lr / (1 - b1**4) * m / (vhat.sqrt() + eps)
-        torch.testing.assert_close(p.detach(), expect, rtol=1e-5, atol=1e-7)
+        expect = p0.double() * decay - lr / (1 - b1**4) * u
+        torch.testing.assert_close(p.detach().double(), expect, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -495,9 +503,11 @@ def _torch_ddp_checks(rank: int) -> dict:
         loss.backward()
         if step == 3:  # first compressed step: the oracle, from both ranks' local momenta
             params = list(model.parameters())
+            w = torch.cat([_weight(opt.state[p]["exp_avg_sq"], 1e-8).reshape(-1) for p in params])
             m_local = torch.cat([(0.9 * opt.state[p]["exp_avg"] + 0.1 * p.grad).reshape(-1) for p in params])
-            both = [torch.empty_like(m_local) for _ in range(2)]
-            dist.all_gather(both, m_local)
+            u_local = (m_local.double() * w).clamp(-3.16227766, 3.16227766).float()  # (1 - b1) / sqrt(1 - b2)
+            both = [torch.empty_like(u_local) for _ in range(2)]
+            dist.all_gather(both, u_local)
             before = [p.detach().clone() for p in params]
             _CALLS.clear()
         opt.step()
@@ -510,16 +520,17 @@ def _torch_ddp_checks(rank: int) -> dict:
                 n = sum(params[i].numel() for i in b)
                 expect_m.append(onebit_oracle([x[off : off + n] for x in both]))
                 off += n
-            expect_m = torch.cat(expect_m)
+            expect_u = torch.cat(expect_m) * (w > 0)
+            expect_m = expect_u / torch.where(w > 0, w, 1.0)  # u (sqrt(v̂) + eps), 0 where w = 0
             got = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params]).double()
             oracle_err = float((got - expect_m).abs().max() / expect_m.abs().max())
             off, errs = 0, []
             for p, p0 in zip(params, before):
-                m = expect_m[off : off + p.numel()].view_as(p).float()
+                u = expect_u[off : off + p.numel()].view_as(p)
                 off += p.numel()
                 wd = 0.05
-                expect = p0 * (1 - 1e-2 * wd) - 1e-2 / (1 - 0.9**4) * m / (opt.state[p]["exp_avg_sq"].sqrt() + 1e-8)
-                errs.append(float((p.detach() - expect).abs().max()))
+                expect = p0.double() * (1 - 1e-2 * wd) - 1e-2 / (1 - 0.9**4) * u
+                errs.append(float((p.detach().double() - expect).abs().max()))
             param_err = max(errs)
     out["calls"], out["records"] = calls, records
     out["n_buckets"] = len(opt._sync.buckets)

@@ -1,16 +1,17 @@
 """OneBitAdam's per-parameter arithmetic (optim layer; the math is in ``optim.onebit_adam``'s module doc).
 
-Three functions of one parameter p, its state (``step``, ``exp_avg`` = m, ``exp_avg_sq`` = v or the frozen v̂) and
+Functions of one parameter p, its state (``step``, ``exp_avg`` = m, ``exp_avg_sq`` = v or the frozen v̂) and
 its param group (lr η, betas (β1, β2), eps ε, weight decay λ, ``decoupled_weight_decay``):
 
 * ``adamw_update_``: the warm-up step, exactly torch's AdamW/Adam (``torch.optim.adam._single_tensor_adam``'s
   operations in its order, so fp32 parameters match it bit for bit);
 * ``momentum_grad``: the gradient that enters m after the freeze, in m's dtype (g + λp when not decoupled);
-* ``momentum_candidates``: a bucket's new momenta, out of place (overlap: m must stay as it is until the step);
-* ``frozen_update_``: the compression-phase update with the averaged m, p <- p(1 - ηλ) - η/(1-β1^t) m/(√v̂ + ε).
-
-The compression phase's m <- β1 m + (1-β1) g is ``m.lerp_(g, 1 - β1)`` inline, or ``torch.lerp(m, g, 1 - β1)`` when
-the new m must not overwrite the old one yet (overlap): the same kernel, the same values.
+* ``frozen_weight``: the frozen preconditioner w = 1/(√v̂ + ε), 0 where √v̂ <= ε (no usable variance);
+* ``momentum_candidates``: a bucket's new preconditioned momenta u = clip((β1 m + (1-β1) g) · w, ±b), b =
+  ``adam_step_bound``, out of place (m stays as it is until the step, which the overlapped sync needs), the vector
+  the 1-bit average compresses;
+* ``frozen_update_``: the compression-phase update from the averaged u: m <- u (√v̂ + ε),
+  p <- p(1 - ηλ) - η/(1-β1^t) u -- AdamW's update with v frozen, p - η m̂/(√v̂ + ε).
 
 Example::
 
@@ -19,9 +20,16 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+
+
+def moment_dtype(p: torch.Tensor) -> torch.dtype:
+    """fp32 moments for fp16/bf16 parameters (a variance frozen from fp16 statistics would be coarse or zero), else
+    the parameter's dtype."""
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 def adamw_update_(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
@@ -58,40 +66,71 @@ def momentum_grad(p: torch.Tensor, m: torch.Tensor, group: dict[str, Any]) -> to
     return grad
 
 
+def frozen_weight(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
+    """w = 1/(√v̂ + ε) where √v̂ > ε, else 0, in v̂'s dtype: the frozen preconditioner of the compression phase.
+
+    A coordinate with √v̂ <= ε (no gradient, or one below ε, through all of the warm-up: a vocabulary row never seen,
+    an attention key bias whose gradient is zero up to rounding) has no usable variance; w = 0 leaves it out of the
+    1-bit average and keeps it where it is (DeepSpeed's ``exp_avg_mask``, chosen from v̂ itself)."""
+    eps = group["eps"]
+    root = state["exp_avg_sq"].sqrt()
+    return torch.where(root > eps, (root + eps).reciprocal_(), torch.zeros((), dtype=root.dtype, device=root.device))
+
+
+def adam_step_bound(group: dict[str, Any]) -> float:
+    """The largest |m̂/√v̂| Adam's own update reaches (Kingma & Ba 2015, §2.1): (1-β1)/√(1-β2) when that exceeds 1
+    (a gradient after a long silence), else 1. After the freeze u = m/(√v̂ + ε) is clipped to it: a coordinate
+    whose gradient outgrew its frozen v̂ takes at most the step Adam would, and cannot inflate its chunk's scale."""
+    beta1, beta2 = group["betas"]
+    return max(1.0, (1 - beta1) / math.sqrt(1 - beta2))
+
+
 def momentum_candidates(
     params: list[torch.Tensor], state: dict[torch.Tensor, dict[str, Any]], group_of: dict[torch.Tensor, dict[str, Any]]
 ) -> torch.Tensor:
-    """The new momenta β1 m + (1-β1) g of ``params`` (m as it is for one with ``requires_grad=False``), concatenated
-    in a new fp32 tensor, without writing m: what the inline step's ``m.lerp_`` followed by the fused bucket copy
-    would hold (fp32 momenta are written straight into their slice: one pass fewer)."""
+    """The preconditioned new momenta u = clip((β1 m + (1-β1) g) · w, ±``adam_step_bound``) of ``params`` (m as it is
+    for one with ``requires_grad=False``; w = ``frozen_weight``), concatenated in a new fp32 tensor, without writing
+    m: what the 1-bit average compresses (a bucket, in layout order)."""
     flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
     offset = 0
     for p in params:
-        m = state[p]["exp_avg"].detach()
+        st, group = state[p], group_of[p]
+        m = st["exp_avg"].detach()
         out = flat[offset : offset + p.numel()].view_as(m)
         offset += p.numel()
-        if not p.requires_grad:
-            out.copy_(m)
-            continue
-        group = group_of[p]
-        grad = momentum_grad(p, m, group)
+        new_m = m if not p.requires_grad else torch.lerp(m, momentum_grad(p, m, group), 1 - group["betas"][0])
         if m.dtype == torch.float32:
-            torch.lerp(m, grad, 1 - group["betas"][0], out=out)
+            torch.mul(new_m, frozen_weight(st, group), out=out)
         else:
-            out.copy_(torch.lerp(m, grad, 1 - group["betas"][0]))
+            out.copy_(new_m * frozen_weight(st, group))
+        bound = adam_step_bound(group)
+        out.copy_(torch.where(out.isfinite(), out.clamp(-bound, bound), out))  # non-finite stays non-finite
     return flat
 
 
-def frozen_update_(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-    """The compression-phase update of ``p`` with its (averaged) m and frozen v̂; counts the step."""
+def frozen_update_(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], u: torch.Tensor) -> None:
+    """The compression-phase update of ``p`` from its averaged preconditioned momentum ``u`` (any shape of p's size);
+    counts the step. Where w = 0 (``frozen_weight``) u is set to 0. Then m <- u · (√v̂ + ε) (0 there) and
+    p <- p (1 - ηλ) - η/(1-β1^t) · u, i.e. AdamW's p - η m̂ / (√v̂ + ε) with v frozen."""
     beta1 = group["betas"][0]
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    m = state["exp_avg"]
+    u = u.view_as(m)
     state["step"] += 1
+    w = frozen_weight(state, group)
+    u.mul_(w != 0)  # 0 there (a non-finite u stays non-finite)
+    torch.mul(u, state["exp_avg_sq"].sqrt().add_(eps), out=m)
     if wd != 0 and group["decoupled_weight_decay"]:
         p.mul_(1 - lr * wd)
-    # recomputed each step (two cheap passes) rather than cached: a cache would cost another d floats
-    denom = state["exp_avg_sq"].sqrt().add_(eps)
-    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** state["step"].item()))
+    p.add_(u.to(p.dtype), alpha=-lr / (1 - beta1 ** state["step"].item()))
 
 
-__all__ = ["adamw_update_", "frozen_update_", "momentum_candidates", "momentum_grad"]
+__all__ = [
+    "adam_step_bound",
+    "adamw_update_",
+    "moment_dtype",
+    "frozen_update_",
+    "frozen_weight",
+    "momentum_candidates",
+    "momentum_grad",
+]

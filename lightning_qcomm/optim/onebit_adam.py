@@ -17,20 +17,31 @@ training that is the all-reduced average, which the DDP hook provides::
 **Freeze**: at the end of step ``freeze_step`` (or earlier, see auto-freeze) v is replaced in place
 by its bias-corrected value v̂ = v / (1-β2^t) and never updated again (``state["exp_avg_sq"]`` holds
 v̂ from then on). Using v̂ keeps the step size continuous across the switch; DeepSpeed drops both
-bias corrections, which after a short warm-up (1-β2^100 ≈ 0.095) would multiply the step by ~3.
+bias corrections, which after a short warm-up (1-β2^100 ≈ 0.095) would multiply the step by ~3. At the freeze
+r (below) over the last ``auto_freeze_interval`` steps is measured; r >= τ (``auto_freeze_threshold``, else 0.1)
+is warned once (``variance_freeze.warn_if_unstable``).
 
-**Compression phase**: no gradient all-reduce; g is this rank's local gradient::
+**Compression phase**: no gradient all-reduce; g is this rank's local gradient. The 1-bit average carries the
+*preconditioned* momentum u = m · w, w = 1/(√v̂ + ε) where √v̂ > ε and 0 elsewhere (``adam_math.frozen_weight``)::
 
     m <- β1 m + (1-β1) g                           (g <- g + λp first when not decoupled)
-    m <- onebit_all_reduce(m)                       (error-compensated, flat fused buckets, all ranks equal)
-    p <- p (1 - ηλ) - η/(1-β1^t) · m / (√v̂ + ε)
+    u <- onebit_all_reduce(clip(m · w, ±b))         (b = max(1, (1-β1)/√(1-β2)): Adam's largest step; error-
+                                                     compensated, flat fused buckets, all ranks equal)
+    u <- 0 where w = 0;   m <- u (√v̂ + ε)
+    p <- p (1 - ηλ) - η/(1-β1^t) · u                = AdamW's p - η m̂ / (√v̂ + ε) with v frozen
 
-The momentum keeps its bias correction 1/(1-β1^t) (t keeps counting; it tends to 1), so the update is
-AdamW with v frozen. Parameters without a gradient on this rank in a step contribute g = 0 (every rank
-must take part in the collective); parameters that never had a gradient during warm-up have no v and
-are not updated after the freeze (warned once). A parameter with ``requires_grad=False`` is skipped as
-torch's AdamW skips it: its m, v̂, step and value stay as they are (its m still enters the 1-bit
-average, read-only, so the bucket layout does not change; the flag must be the same on every rank).
+v̂ is the same on every rank, so averaging u is averaging m; but each chunk's one 1-bit magnitude is now in units
+of Adam's step: it cannot give a coordinate whose v̂ is tiny a step of lr · scale / √v̂ (docs/design.md, "1-bit
+Adam", "Why the preconditioned momentum"). Coordinates with √v̂ <= ε had no usable gradient in the warm-up (a
+vocabulary row never seen, an attention key bias): they stay where they are, as DeepSpeed's ``exp_avg_mask``
+would keep them, found from v̂. The clip keeps a coordinate whose gradient outgrew its frozen v̂ at the step Adam
+would at most take, and out of its chunk's scale. The bytes are those of the momentum: ≈ 1 bit per element.
+The momentum keeps its bias correction 1/(1-β1^t) (t keeps counting). Parameters without a gradient on this rank
+in a step contribute g = 0 (every rank must take part in the collective); parameters that never had a gradient
+during warm-up have no v and are not updated after the freeze (warned once). A parameter with
+``requires_grad=False`` is skipped as torch's AdamW skips it: its m, v̂, step and value stay as they are (its u
+still enters the 1-bit average, read-only, so the bucket layout does not change; the flag must be the same on
+every rank).
 
 **Overlap** (``overlap=True``, the default; ``comm.onebit_overlap``): from the second compression step on, each
 bucket's new m is formed out of place and its 1-bit average started from the parameters' gradient hooks while
@@ -46,13 +57,11 @@ one 8-byte all-reduce, ledger tag "control"); after ``auto_freeze_patience`` con
 r < τ the variance freezes. ``freeze_step`` stays an upper bound on the warm-up. Costs one extra copy of v
 during warm-up.
 
-**Precision**: for fp16/bf16 parameters (``"16-true"`` / ``"bf16-true"``) m and v are held in fp32 (torch's AdamW
-holds them in the parameter's dtype): a variance frozen from fp16 statistics would be coarse or zero (g²(1-β2) of a
-1e-3 gradient is below fp16's smallest subnormal). For fp32 parameters the warm-up is torch's AdamW bit for bit.
-
-**Memory**: m and v as AdamW (fp32 for fp16/bf16 parameters); after the freeze also this rank's error buffers
-(d fp32 worker + ceil(d_b/N) fp32 server elements per bucket of d_b) and one flat fp32 bucket while it is synced
-(with overlap every bucket's, d fp32 in all, from its launch to the step).
+**Precision**: for fp16/bf16 parameters m and v are held in fp32 (a variance frozen from fp16 statistics would be
+coarse or zero). For fp32 parameters the warm-up is torch's AdamW bit for bit. **Memory**: m and v as AdamW; after
+the freeze also this rank's error buffers (d fp32 worker + ceil(d_b/N) fp32 server elements per bucket of d_b) and
+the flat fp32 buckets while they are synced (d fp32 in all); one copy of v for the last ``auto_freeze_interval``
+warm-up steps (the stability check at the freeze, see "Freeze").
 
 **Non-finite gradients** stay non-finite: NaN/Inf reach m and, through the 1-bit all-reduce, every rank's
 m and p (the error buffers keep their last finite values), as torch's AdamW would make them.
@@ -79,19 +88,22 @@ from torch.optim import Optimizer
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard, all_finite
 from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks
 from lightning_qcomm.comm.onebit_overlap import MomentumOverlap
-from lightning_qcomm.optim.adam_math import adamw_update_, frozen_update_, momentum_candidates, momentum_grad
+from lightning_qcomm.optim.adam_math import adamw_update_, frozen_update_, moment_dtype, momentum_candidates
 from lightning_qcomm.optim.onebit_adam_config import OneBitAdamConfig, check_adam_hparams, check_no_amsgrad
-from lightning_qcomm.optim.variance_freeze import auto_freeze_count, freeze_variance, relative_variance_change
+from lightning_qcomm.optim.onebit_state import OneBitAdamCheckpoint
+from lightning_qcomm.optim.variance_freeze import (
+    auto_freeze_count,
+    freeze_variance,
+    relative_variance_change,
+    tracked_variance_change,
+    unusable_fraction,
+    warn_if_unstable,
+)
 
 log = logging.getLogger(__name__)
 
 
-def _moment_dtype(p: torch.Tensor) -> torch.dtype:
-    """fp32 moments for fp16/bf16 parameters (see "Precision" in the module doc), else the parameter's dtype."""
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
-
-
-class OneBitAdam(Optimizer):
+class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
     """1-bit Adam: AdamW warm-up, then frozen variance and an error-compensated 1-bit momentum all-reduce.
 
     See the module docstring for the exact math. Constructor arguments after ``params`` are typed primitives.
@@ -163,6 +175,8 @@ class OneBitAdam(Optimizer):
         self._layout: list[torch.Tensor] | None = None
         self._pending_rank_state: dict | None = None
         self._warned_stateless = False
+        self.change_at_freeze: float | None = None  # r over the last check interval when v froze (None: not measured)
+        self.unusable_at_freeze: float | None = None  # share of coordinates with √v̂ <= eps when v froze
 
     # ------------------------------------------------------------------ public state
     @property
@@ -218,7 +232,7 @@ class OneBitAdam(Optimizer):
                     raise ValueError("OneBitAdam: sparse gradients are not supported; allowed: dense gradients")
                 state = self.state[p]
                 if len(state) == 0:
-                    dtype = _moment_dtype(p)
+                    dtype = moment_dtype(p)
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=dtype)
@@ -244,14 +258,9 @@ class OneBitAdam(Optimizer):
         elif self._overlap.launcher is not None:
             return self._overlapped_step()
         assert self._layout is not None and self._sync is not None
-        for p in self._layout:
-            if p.requires_grad:  # not trained now (same flag on every rank): m, v̂, step, p untouched
-                m = self.state[p]["exp_avg"]
-                m.lerp_(momentum_grad(p, m, self._group_of[p]), 1 - self._group_of[p]["betas"][0])
-        # momenta in layout order (param_groups order), the order the sync was built with
-        momenta = [self.state[p]["exp_avg"] for p in self._layout]
-        self._sync.sync_(momenta, read_only=[not p.requires_grad for p in self._layout])
-        self._apply_frozen_updates()
+        for b, members in enumerate(self._sync.buckets):  # layout order (param_groups order), as the sync was built
+            self._update_bucket(b, self._sync.reduce_bucket_(b, self._momentum_candidates(members)))
+        self._warn_stateless()
         # from the next step on, where overlap applies (collective the first time: every rank is at this step)
         self._overlap.start(self._sync, self._layout, self._momentum_candidates, self.process_group)
         return True
@@ -265,32 +274,38 @@ class OneBitAdam(Optimizer):
             finite = all_finite(averaged)
             if not self.nonfinite.verdict(finite, self.num_steps, "the averaged 1-bit momentum"):
                 return False
-        momenta = [self.state[p]["exp_avg"] for p in self._layout]
-        read_only = [not p.requires_grad for p in self._layout]
         for b, flat in enumerate(averaged):
-            self._sync.scatter_bucket_(b, flat, momenta, read_only)
-        self._apply_frozen_updates()
+            self._update_bucket(b, flat)
+        self._warn_stateless()
         return True
 
     def _momentum_candidates(self, members: list[int]) -> torch.Tensor:
         assert self._layout is not None
         return momentum_candidates([self._layout[i] for i in members], self.state, self._group_of)
 
-    def _apply_frozen_updates(self) -> None:
+    def _update_bucket(self, b: int, flat: torch.Tensor) -> None:
+        """m and p of bucket ``b``'s members from its averaged preconditioned momenta (not those with
+        ``requires_grad=False``: m, v̂, step and p stay)."""
+        assert self._layout is not None and self._sync is not None
+        members = self._sync.buckets[b]
+        for i, u in zip(members, torch.split(flat, [self._sync.numels[i] for i in members])):
+            p = self._layout[i]
+            if p.requires_grad:
+                frozen_update_(p, self.state[p], self._group_of[p], u)
+
+    def _warn_stateless(self) -> None:
+        if self._warned_stateless:
+            return
         in_layout = set(self._layout or ())
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p not in in_layout:
-                    if p.grad is not None and not self._warned_stateless:
-                        self._warned_stateless = True
-                        log.warning(
-                            "OneBitAdam: a parameter of shape %s got a gradient after the freeze but none during "
-                            "warm-up (no variance); it is not updated",
-                            tuple(p.shape),
-                        )
-                    continue
-                if p.requires_grad:
-                    frozen_update_(p, self.state[p], group)
+        for p in (p for g in self.param_groups for p in g["params"]):
+            if p not in in_layout and p.grad is not None:
+                self._warned_stateless = True
+                log.warning(
+                    "OneBitAdam: a parameter of shape %s got a gradient after the freeze but none during warm-up "
+                    "(no variance); it is not updated",
+                    tuple(p.shape),
+                )
+                return
 
     def _all_ranks_finite(self, finite: bool) -> bool:
         """After the freeze each rank checks its own local gradient, so the ranks agree before m moves; during
@@ -302,7 +317,9 @@ class OneBitAdam(Optimizer):
     # ------------------------------------------------------------------ freezing
     def _maybe_freeze(self) -> None:
         cfg = self.config
-        if cfg.auto_freeze_threshold is not None and self.num_steps % cfg.auto_freeze_interval == 0:
+        if cfg.auto_freeze_threshold is None and self.num_steps == max(1, cfg.freeze_step - cfg.auto_freeze_interval):
+            relative_variance_change(self.param_groups, self.state)  # the reference of the check at the freeze
+        elif cfg.auto_freeze_threshold is not None and self.num_steps % cfg.auto_freeze_interval == 0:
             self.last_variance_change = self._variance_change()
             self.auto_below, stable = auto_freeze_count(cfg, self.auto_below, self.last_variance_change)
             if stable:
@@ -326,88 +343,18 @@ class OneBitAdam(Optimizer):
         return torch.device("cpu")
 
     def freeze(self) -> None:
-        """Freeze v now (v <- v̂, bias-corrected); the next step is a compression-phase step. Idempotent."""
+        """Freeze v now (v <- v̂, bias-corrected); the next step is a compression-phase step. Idempotent. Warns once
+        when the variance still changed by r >= τ over the last check interval (``variance_freeze.warn_if_unstable``)."""
         if self.frozen:
             return
+        cfg = self.config
+        checked_now = cfg.auto_freeze_threshold is not None and self.num_steps % cfg.auto_freeze_interval == 0
+        r = self.last_variance_change if checked_now else tracked_variance_change(self.param_groups, self.state)
         freeze_variance(self.param_groups, self.state)
         self.frozen_at = self.num_steps
+        self.change_at_freeze, self.unusable_at_freeze = r, unusable_fraction(self.param_groups, self.state)
         log.info("OneBitAdam: variance frozen after %d warm-up steps; momentum now travels 1-bit", self.num_steps)
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state plus ``"onebit"``: step count, freeze step, auto-freeze counters, config."""
-        sd = super().state_dict()
-        sd["onebit"] = {
-            "num_steps": self.num_steps,
-            "frozen_at": self.frozen_at,
-            "auto_below": self.auto_below,
-            "last_variance_change": self.last_variance_change,
-            "freeze_step": self.config.freeze_step,
-        }
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a OneBitAdam (or torch Adam/AdamW) state; 1-bit error buffers reset unless a rank state follows.
-
-        A state without ``"onebit"`` (plain Adam/AdamW) resumes at the largest per-parameter step count and
-        freezes at once if that is already >= ``freeze_step``.
-        """
-        check_no_amsgrad(state_dict.get("param_groups", []), "OneBitAdam.load_state_dict")
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("onebit", None)
-        saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
-        saved_state = state_dict.get("state", {})
-        super().load_state_dict(state_dict)  # casts every floating state tensor to its parameter's dtype
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):  # torch's own id -> parameter mapping
-            for key in ("exp_avg", "exp_avg_sq", "exp_avg_sq_ref"):
-                value = saved_state.get(pid, {}).get(key)
-                if value is not None and p in self.state and _moment_dtype(p) != p.dtype:
-                    self.state[p][key] = value.to(device=p.device, dtype=_moment_dtype(p))
-        for group in self.param_groups:  # Adam/AdamW groups lack our key; keep their semantics
-            group.setdefault("decoupled_weight_decay", False)
-        self._overlap.close()  # its launcher belongs to the old layout
-        self._sync, self._layout = None, None
-        if extra is not None:
-            self.num_steps = int(extra["num_steps"])
-            self.frozen_at = None if extra["frozen_at"] is None else int(extra["frozen_at"])
-            self.auto_below = int(extra["auto_below"])
-            self.last_variance_change = extra["last_variance_change"]
-        else:
-            steps = [int(s["step"].item()) for s in self.state.values() if "step" in s]
-            self.num_steps = max(steps, default=0)
-            self.frozen_at, self.auto_below, self.last_variance_change = None, 0, None
-            if self.num_steps >= self.config.freeze_step:
-                self.freeze()
-
-    def rank_state_dict(self) -> dict[str, Any]:
-        """This rank's 1-bit error buffers (worker and server, per bucket; CPU copies). Save it per rank."""
-        if self._sync is None:
-            return {"worker_error": None} if self._pending_rank_state is None else self._pending_rank_state
-        return self._sync.rank_state_dict()
-
-    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's error buffers (from ``rank_state_dict`` on the same rank and layout).
-
-        Applied when the momentum layout exists (now, or at the first compression step); if the layout or
-        world size differs (another ``bucket_mb``, other parameters) the buffers restart at zero, with a warning.
-        """
-        if state.get("worker_error") is None:
-            self._pending_rank_state = None
-            return
-        if self._sync is None:
-            self._pending_rank_state = state
-            return
-        self._load_rank_state(state)
-
-    def _load_rank_state(self, state: dict[str, Any]) -> None:
-        assert self._sync is not None and self._layout is not None
-        try:
-            self._sync.load_rank_state_dict(state)
-        except ValueError as err:  # e.g. another bucket_mb: the residuals do not fit this layout
-            log.warning("OneBitAdam: %s; the 1-bit error buffers restart at zero", err)
-            return
-        self._sync.to(self._layout[0].device)
+        warn_if_unstable(r, cfg.auto_freeze_threshold, self.unusable_at_freeze, self.num_steps)
 
 
 __all__ = ["OneBitAdam", "OneBitAdamConfig", "check_adam_hparams"]
