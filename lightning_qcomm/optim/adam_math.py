@@ -78,7 +78,7 @@ def frozen_weight(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
 
 
 def adam_step_bound(group: dict[str, Any]) -> float:
-    """The largest |m̂/√v̂| Adam's own update reaches (Kingma & Ba 2015, §2.1): (1-β1)/√(1-β2) when that exceeds 1
+    """The largest abs(m̂/√v̂) Adam's own update reaches (Kingma & Ba 2015, §2.1): (1-β1)/√(1-β2) when that exceeds 1
     (a gradient after a long silence), else 1. After the freeze u = m/(√v̂ + ε) is clipped to it: a coordinate
     whose gradient outgrew its frozen v̂ takes at most the step Adam would, and cannot inflate its chunk's scale."""
     beta1, beta2 = group["betas"]
