@@ -39,9 +39,8 @@ from lightning.pytorch.utilities import rank_zero_info
 import lightning_qcomm  # noqa: F401  (registers strategy names)
 import lightning_qcomm.callbacks  # noqa: F401  (short callback names)
 import lightning_qcomm.strategies  # noqa: F401  (short strategy names)
-from lightning_qcomm.cli_checks import config_problem
+from lightning_qcomm.cli_checks import CONFIG_FLAGS, config_problem
 
-CONFIG_FLAGS = ("--config", "-c")
 CLASS_KEYS = ("model", "data")
 
 
