@@ -58,13 +58,17 @@ from lightning_qcomm.memory.saved_tensors import SavedBytes
 log = logging.getLogger(__name__)
 
 GRAD_STORAGE = ("fp32", "fp8_e4m3", "fp8_e5m2")
+LOW_COVERAGE = 0.5  # below this share of eligible saved bytes quantized, the first step warns
 
 
 class ActivationQuantization(pl.Callback):
-    """Store saved activations of Linear, LayerNorm/RMSNorm and GELU/SiLU blockwise in ``bits`` bits.
+    """Store the activations a training forward saves blockwise in ``bits`` bits, chosen by the op that saves
+    them: projections (linear, conv, addmm, matmul with a weight), norms, activation functions and the
+    element-wise products around them, whatever module class calls them.
 
-    Attention (SDPA / MultiheadAttention ops, and modules matching ``attention_patterns``) and parameters
-    are never quantized; see ``lightning_qcomm.memory.quantizer`` for the exact rules.
+    Attention (SDPA / MultiheadAttention, softmax, matmuls of two activations; modules matching
+    ``attention_patterns``), losses and parameters are never quantized; see
+    ``lightning_qcomm.memory.op_rules`` for the exact rules.
 
     Args:
         bits: code width (1..8) of quantized activations (the base width for ``layer_aware``/``budget``).
@@ -74,7 +78,8 @@ class ActivationQuantization(pl.Callback):
         min_numel: saved tensors with fewer elements stay in full precision.
         recompute: norms and activations keep only their quantized input and recompute in backward.
         attention_patterns: comma-separated fnmatch patterns (case-insensitive) of module attribute or class
-            names treated as attention, kept in full precision; ``None`` or ``""``: only the attention ops.
+            names whose every save stays in full precision; ``None`` or ``""`` (default): attention is
+            recognised by op only.
         edge_bits: ``layer_aware`` width of the first and last quantized site (bits..8). The first forward
             (which counts the sites) stores every site at 8 bits.
         budget_bits: ``budget`` mean code bits per quantized element (bits..8; None: bits + 1, at most 8).
@@ -100,7 +105,7 @@ class ActivationQuantization(pl.Callback):
         block_size: int = 128,
         min_numel: int = 1024,
         recompute: bool = True,
-        attention_patterns: str | None = "*attn*,*attention*",
+        attention_patterns: str | None = None,
         edge_bits: int = 8,
         budget_bits: float | None = None,
         calibration_steps: int = 1,
@@ -240,13 +245,7 @@ class ActivationQuantization(pl.Callback):
         self.last_step_stats = self.step_stats
         if not self._checked_effect:
             self._checked_effect = True
-            if self.step_stats.quantized_tensors == 0:
-                rank_zero_warn(
-                    f"ActivationQuantization(bits={self.config.bits}): the first training step quantized no saved "
-                    "activation, so the callback has no effect on this model: it quantizes only inputs saved by "
-                    f"nn.Linear / F.linear, LayerNorm / RMSNorm and GELU / SiLU with at least min_numel="
-                    f"{self.config.min_numel} elements outside attention (a conv-only network saves none of these)"
-                )
+            self._warn_low_coverage()
         if self.config.policy == "budget" and self.quantizer.plan is None:
             self._calibrate(trainer)
         every = self.log_every_n_steps or trainer.log_every_n_steps
@@ -255,6 +254,22 @@ class ActivationQuantization(pl.Callback):
         metrics = self.metrics()
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step - 1)  # Lightning's 0-based step index
+
+    def _warn_low_coverage(self) -> None:
+        """Once, after the first training step: say so when under ``LOW_COVERAGE`` of the saved bytes outside
+        attention and losses were quantized (the callback then saves little on this model)."""
+        s = self.step_stats
+        if s.coverage >= LOW_COVERAGE and s.quantized_tensors:
+            return
+        mib = 2.0**20
+        rank_zero_warn(
+            f"ActivationQuantization(bits={self.config.bits}): the first training step quantized "
+            f"{s.coverage:.0%} of the saved activation bytes outside attention and losses "
+            f"({s.quantized_baseline / mib:.1f} of {(s.baseline - s.exact_by_rule) / mib:.1f} MiB), so it saves "
+            "little on this model. It quantizes what projections (linear, conv, addmm, matmul with a weight), norms, "
+            f"activation functions and element-wise products save, at least min_numel={self.config.min_numel} "
+            "elements each; an ActivationQuantizer with record = True lists every save with the reason it was kept"
+        )
 
     def _calibrate(self, trainer: pl.Trainer) -> None:
         """At the end of a budget calibration step: reject it if any rank saw a non-finite gradient, else fix

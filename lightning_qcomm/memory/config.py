@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from lightning_qcomm._checks import check_bool, check_choice, check_float, check_int
 from lightning_qcomm.memory.bit_allocation import POLICIES
 
-DEFAULT_ATTENTION_PATTERNS = ("*attn*", "*attention*")
+DEFAULT_ATTENTION_PATTERNS: tuple[str, ...] = ()  # attention is recognised by op (op_rules)
 
 
 def parse_patterns(
@@ -41,7 +41,8 @@ class ActivationQuantConfig:
     bits: code width of quantized activations (1..8); block_size: elements per (min, unit) scale pair;
     policy: ``uniform`` | ``layer_aware`` | ``budget`` (see ``bit_allocation``); min_numel: smaller saves
     stay exact; recompute: norms and activations hold only their quantized input and recompute;
-    attention_patterns: fnmatch patterns naming attention modules (case-insensitive: stored lowercased);
+    attention_patterns: fnmatch patterns naming modules whose every save stays exact (case-insensitive: stored
+    lowercased; default none: attention is recognised by op, ``op_rules``);
     edge_bits: layer_aware's width of the first and last site (bits..8; the first forward, which counts
     the sites, is all 8-bit); budget_bits: budget's mean code width per quantized element
     (bits..8; None: bits + 1, at most 8); calibration_steps: optimizer steps measured (at 8 bits, about

@@ -1,20 +1,19 @@
-"""Which torch functions the activation quantizer intercepts, and how it reads their arguments (memory adapters).
+"""How the activation quantizer intercepts torch functions, and how it reads their arguments (memory adapters).
 
-``_KINDS`` maps each intercepted function to its kind; ``_QuantMode`` (a ``TorchFunctionMode``) routes
-those calls to the quantizer's ``_handle`` while a forward runs and lets every other call through;
+``_QuantMode`` (a ``TorchFunctionMode``) asks ``op_rules.rule_for`` about every call while a forward runs,
+routes the calls that have a rule to the quantizer's ``_handle`` and lets every other call through;
 ``_bind`` gives the recompute form (fn, params) of a norm or activation call, and ``_norm_r2`` the
 norm's r² for the budget policy (``bit_allocation.norm_r2``).
 
 Example::
 
     with _QuantMode(quantizer):   # inside ActivationQuantizer.begin() ... end()
-        y = F.linear(x, w)        # -> quantizer._handle("linear", F.linear, (x, w), {})
+        y = F.linear(x, w)        # -> quantizer._handle(OpRule("linear", "linear", x=x), F.linear, (x, w), {})
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,21 +21,14 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_qcomm.memory import bit_allocation as alloc
+from lightning_qcomm.memory.op_rules import rule_for
 from lightning_qcomm.memory.recompute import activation_fn, bypass_active, layer_norm_fn, rms_norm_fn
 
 if TYPE_CHECKING:
     from lightning_qcomm.memory.quantizer import ActivationQuantizer
 
-# intercepted functions -> kind
-_KINDS: dict[Callable, str] = {
-    F.linear: "linear",
-    F.layer_norm: "layer_norm",
-    F.rms_norm: "rms_norm",
-    F.gelu: "gelu",
-    F.silu: "silu",
-    F.scaled_dot_product_attention: "attention",
-    F.multi_head_attention_forward: "attention",
-}
+# ops with a recompute form (``recompute_from_stored``): their saves are replaced by the quantized input
+_RECOMPUTE_KINDS = frozenset({"layer_norm", "rms_norm", "gelu", "silu"})
 _NORMS = ("layer_norm", "rms_norm")
 _SIG_LAYER_NORM = inspect.signature(F.layer_norm)
 _SIG_RMS_NORM = inspect.signature(F.rms_norm)
@@ -52,10 +44,12 @@ class _QuantMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = _KINDS.get(func)
-        if kind is None or bypass_active() or not torch.is_grad_enabled():
+        if bypass_active() or not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        return self.owner._handle(kind, func, args, kwargs)
+        rule = rule_for(func, args, kwargs)
+        if rule is None:
+            return func(*args, **kwargs)
+        return self.owner._handle(rule, func, args, kwargs)
 
 
 def _bind(kind: str, func, args: tuple, kwargs: dict):

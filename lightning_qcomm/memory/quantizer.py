@@ -1,28 +1,29 @@
 """ActivationQuantizer: stores the saved activations of a forward pass in b bits (AGoQ LAAQ; docs/design.md).
 
-What it quantizes. Only the *inputs* that these ops save for backward, intercepted with a
-``TorchFunctionMode`` while a forward runs under ``begin()``/``end()`` (or ``forward_context``):
+What it quantizes is decided by the op that saves a tensor (``op_rules``: every torch function call is seen
+by a ``TorchFunctionMode`` while a forward runs under ``begin()``/``end()`` or ``forward_context``):
+projections (linear, conv, addmm, matmul with a weight: the activation operand), norms (the input),
+activation functions, element-wise products and the arithmetic of hand-written norms (every activation
+they save), dropout's mask; whatever module class calls them.
 
-* ``F.linear`` (``nn.Linear``, MLPs): its saved input, through a saved-tensor hook around the call
-  (torch's own backward runs on the restored tensor); the saved weight is parameter-like and kept.
 * ``F.layer_norm`` / ``F.rms_norm`` and ``F.gelu`` / ``F.silu``: with ``recompute`` (default) the op runs
   as ``recompute.recompute_from_stored``, holding only the quantized input and recomputing the op in
-  backward; without it, the same saved-tensor hook as for linear.
-
-Of an intercepted op's saves only its input is quantized: a save of the input's size that *is* the input,
-a view of it or a view/cast chain reaching it (``saved_tensors.derives_from``). Anything else the op saves
-(a computed weight such as ``weight_norm``'s or a merged LoRA ``W + BA``, a norm's statistics) stays exact.
+  backward; every other quantized op keeps torch's own backward, through a saved-tensor hook around the
+  call that stores the save quantized and restores it in backward.
+* Of a projection's or a norm's saves only its input is quantized (``saved_tensors.derives_from``): a
+  computed weight (``weight_norm``'s, a merged LoRA ``W + BA``) or a norm's statistics stay exact.
+* A tensor saved by several ops (the input of the Q, K and V projections) is stored once
+  (``saved_tensors.SharedSaves``).
 
 What it keeps in full precision, whatever the policy:
 
-* attention: every tensor saved by ``F.scaled_dot_product_attention`` and
-  ``F.multi_head_attention_forward`` (Q, K, V, output, log-sum-exp, weights), and everything saved while a
-  module recognised as attention runs: ``nn.MultiheadAttention``, or a non-root module whose attribute
-  name or class name matches one of ``attention_patterns`` (``fnmatch``, case-insensitive; default
-  ``*attn*``, ``*attention*``), so the Q/K/V projection input and the output projection input stay exact.
-  Attention written with plain matmuls is never quantized either (matmul is not an intercepted op).
+* attention: every tensor saved by ``F.scaled_dot_product_attention``, ``F.multi_head_attention_forward``,
+  ``softmax``, and matmuls of two activations (Q·Kᵀ, P·V written by hand); and everything saved while a
+  module matching ``attention_patterns`` runs (``fnmatch`` on the attribute or class name, case-insensitive;
+  default none).
+* losses (``cross_entropy``, ``log_softmax``, ``*_loss``): their saves are probabilities.
 * parameters and views/casts of them, tensors below ``min_numel``, non-floating tensors, leaves and
-  tensors saved by any other op (softmax, log-softmax, embedding, losses): see ``saved_tensors``.
+  tensors saved by any other op (embedding, gather, ...): see ``saved_tensors``.
 
 Each quantized save is a *site*, numbered in forward order; its width comes from the policy's plan
 (``bit_allocation``); its random bits come from ``derive_seed(seed, step, micro, rank, site)``, so runs
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,10 +61,12 @@ from torch import nn
 from lightning_qcomm.codecs import Codec, derive_seed, get_codec
 from lightning_qcomm.memory import bit_allocation as alloc
 from lightning_qcomm.memory.config import ActivationQuantConfig
-from lightning_qcomm.memory.intercept import _bind, _norm_r2, _QuantMode
+from lightning_qcomm.memory.intercept import _RECOMPUTE_KINDS, _bind, _norm_r2, _QuantMode
+from lightning_qcomm.memory.op_rules import OpRule
 from lightning_qcomm.memory.recompute import bypass_active, recompute_from_stored
 from lightning_qcomm.memory.saved_tensors import (
     SavedBytes,
+    SharedSaves,
     derives_from,
     is_parameter_like,
     quantizable_reason,
@@ -79,6 +81,7 @@ from lightning_qcomm.memory.site_plan import (
     agreed_budget_plan,
     plan_from_state,
     plan_state_dict,
+    watch_output,
 )
 
 log = logging.getLogger(__name__)
@@ -133,6 +136,7 @@ class ActivationQuantizer:
         self._outer_pack: Callable | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._site = 0
+        self._shared = SharedSaves()
         self._seed_prefix: tuple[int, ...] = (0, 0, 0)
         self._warned_sites = False
         self._warned_no_api = False
@@ -246,6 +250,7 @@ class ActivationQuantizer:
         self.stats = SavedBytes()
         self.records = []
         self._site = 0
+        self._shared.clear()
         self._seed_prefix = (int(step), int(micro), int(rank))
         self._outer_pack = self._pack_other  # the exact object registered, to recognise our hooks on top
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._outer_pack, restore)
@@ -260,6 +265,7 @@ class ActivationQuantizer:
         self._mode.__exit__(None, None, None)
         self._hooks.__exit__(None, None, None)
         self._mode = self._hooks = None
+        self._shared.clear()  # backward holds what it needs; a new forward starts a new cache
         self.last_site_count = self._site
         if self.calibrating:
             self.calibration_forwards += 1
@@ -285,7 +291,7 @@ class ActivationQuantizer:
         if reason == "parameter":
             self._record(t, op, "kept", reason, param=True)
         else:
-            self.stats.add_kept(tensor_nbytes(t))
+            self.stats.add_kept(tensor_nbytes(t), by_rule=reason in ("attention", "loss"))
             self._record(t, op, "kept", reason)
         return t
 
@@ -307,15 +313,20 @@ class ActivationQuantizer:
         self._record(t, op, "quantized", kind, site=site, bits=bits)
         return site, bits, stored
 
-    def _op_pack(self, op: str, kind: str, x: torch.Tensor, watches: list | None, t: torch.Tensor):
+    def _op_pack(self, op: str, kind: str, x: torch.Tensor | None, watches: list | None, t: torch.Tensor):
         if bypass_active():
             return t
-        reason = quantizable_reason(t, self.config.min_numel)
-        if reason is None and (t.numel() != x.numel() or not derives_from(t, x)):
+        reason = quantizable_reason(t, self.config.min_numel, temporary=kind == "dropout")
+        if reason is None and x is not None and (t.numel() != x.numel() or not derives_from(t, x)):
             reason = "not the op input"
         if reason is not None:
             return self._keep(t, op, reason)
+        shared = self._shared.get(t)
+        if shared is not None:  # the same tensor saved by another op of this forward: one stored copy
+            self._record(t, op, "quantized", "shared", site=shared[0], bits=shared[1])
+            return shared[2]
         site, bits, stored = self._quantize(t, op, kind)
+        self._shared.put(t, (site, bits, stored))
         if watches is not None:
             watches.append(_Watch(site, kind, t.numel(), self._var_sum(stored, bits)))
         return stored
@@ -326,18 +337,18 @@ class ActivationQuantizer:
         top = _TOP_HOOKS(False)
         return top is not None and top[0] is not self._outer_pack
 
-    def _handle(self, kind: str, func, args: tuple, kwargs: dict):
+    def _handle(self, rule: OpRule, func, args: tuple, kwargs: dict):
+        """Run one intercepted call with the saved-tensor rule of ``op_rules`` (or recompute a norm /
+        activation from its quantized input)."""
         if self._foreign_hooks_on_top():
             return func(*args, **kwargs)
-        op = getattr(func, "__name__", str(func))
-        if kind == "attention" or self._attention_depth > 0:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._keep_attention(t, op), restore):
+        op, kind, x = rule.op, rule.kind, rule.x
+        if rule.exact is not None or self._attention_depth > 0:
+            reason = rule.exact or "attention"
+            with torch.autograd.graph.saved_tensors_hooks(partial(self._keep_exact, op, reason), restore):
                 return func(*args, **kwargs)
-        x = args[0] if args else kwargs.get("input")
-        if not isinstance(x, torch.Tensor):
-            return func(*args, **kwargs)
         collect = self.config.policy == "budget" and self.plan is None
-        if kind != "linear" and self.config.recompute:
+        if kind in _RECOMPUTE_KINDS and self.config.recompute:
             bound = _bind(kind, func, args, kwargs)
             if bound is not None and quantizable_reason(x, self.config.min_numel) is None:
                 fn, params = bound
@@ -357,37 +368,24 @@ class ActivationQuantizer:
             self._watch(y, watches)
         return y
 
-    def _keep_attention(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def _keep_exact(self, op: str, reason: str, t: torch.Tensor) -> torch.Tensor:
         if bypass_active():
             return t
-        return self._keep(t, op, "parameter" if is_parameter_like(t) else "attention")
+        return self._keep(t, op, "parameter" if is_parameter_like(t) else reason)
 
     # ------------------------------------------------------------------ budget calibration
     def _var_sum(self, stored, bits: int) -> float:
         return alloc.rounding_variance_sum(stored.packed.scales, bits, stored.packed.numel, self.config.block_size)
 
     def _watch(self, y: torch.Tensor, watches: list[_Watch]) -> None:
-        """On y's gradient g, add ``alloc.site_coefficient`` (G·r²·V) to each watched site; a non-finite g
-        (fp16 overflow) is skipped and counted in ``nonfinite_grads`` (the caller rejects that step)."""
-        if not isinstance(y, torch.Tensor) or not y.requires_grad:
-            return
-        for w in watches:
-            while len(self.calibration) <= w.site:
-                self.calibration.append(_SiteCalibration())
-            self.calibration[w.site].numel = max(self.calibration[w.site].numel, w.numel)
+        """Budget calibration of ``watches`` from y's gradient (``site_plan.watch_output``)."""
+        watch_output(self.calibration, y, watches, self._on_nonfinite_grad)
 
-        def on_grad(g: torch.Tensor) -> None:
-            energy = alloc.output_grad_energy(g, elementwise=watches[0].kind in ("gelu", "silu"))
-            if not math.isfinite(energy):
-                self.nonfinite_grads += 1
-                if not self._warned_nonfinite:
-                    self._warned_nonfinite = True
-                    log.warning("ActivationQuantizer: non-finite gradient during budget calibration; step rejected")
-                return
-            for w in watches:
-                self.calibration[w.site].coef += alloc.site_coefficient(energy, w.r2, w.var_sum)
-
-        y.register_hook(on_grad)
+    def _on_nonfinite_grad(self) -> None:
+        self.nonfinite_grads += 1
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            log.warning("ActivationQuantizer: non-finite gradient during budget calibration; step rejected")
 
 
 def _top_saved_tensors_hooks():

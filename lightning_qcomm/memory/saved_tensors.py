@@ -21,6 +21,7 @@ What this file owns:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -124,13 +125,14 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def quantizable_reason(t: torch.Tensor, min_numel: int) -> str | None:
+def quantizable_reason(t: torch.Tensor, min_numel: int, temporary: bool = False) -> str | None:
     """Why ``t`` must stay in full precision, or None if it may be quantized.
 
     Rules: a parameter (or a view / cast of one) is never quantized; nor a non-floating tensor (indices,
     masks), a tensor with fewer than ``min_numel`` elements, a tensor that is not an intermediate of the
     autograd graph (no ``grad_fn``, or a view of a tensor without one: inputs, buffers and leaves are held
     by their owners anyway, so a quantized copy would only add memory), or a tensor whose layout overlaps (expanded views).
+    ``temporary``: the save is known to be held by autograd alone (dropout's mask), so the leaf rule is skipped.
     """
     if is_parameter_like(t):
         return "parameter"
@@ -138,7 +140,7 @@ def quantizable_reason(t: torch.Tensor, min_numel: int) -> str | None:
         return "not floating"
     if t.numel() < min_numel:
         return "small"
-    if t.grad_fn is None or (t._base is not None and t._base.grad_fn is None):  # a leaf, or a view of one
+    if not temporary and (t.grad_fn is None or (t._base is not None and t._base.grad_fn is None)):  # a leaf or its view
         return "not an autograd intermediate"
     if not is_dense(t):
         return "overlapping layout"
@@ -181,6 +183,43 @@ def restore(saved: QuantizedActivation | torch.Tensor) -> torch.Tensor:
     return saved.restore() if isinstance(saved, QuantizedActivation) else saved
 
 
+class SharedSaves:
+    """One forward's quantized saves by tensor identity, so a tensor saved by several ops (the input of the
+    Q, K and V projections; a hand-written RMS norm's ``x.pow(2)`` and ``x * rsqrt(...)``) is stored once.
+
+    A save is looked up by its base tensor (``t._base`` for a view, else ``t``; held by weak reference, so a
+    freed tensor whose memory is reused never matches), the base's version counter (an in-place write in
+    between makes a new entry) and the view's offset, shape and strides.
+
+    Example::
+
+        cache = SharedSaves()
+        cache.put(x, stored)
+        assert cache.get(x.view(-1, x.shape[-1])) is None   # another view of x: its own entry
+        assert cache.get(x) is stored
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple] = {}
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        base = t._base if t._base is not None else t
+        return base, (id(base), base._version, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+    def get(self, t: torch.Tensor):
+        base, key = self._key(t)
+        entry = self._entries.get(key)
+        return entry[1] if entry is not None and entry[0]() is base else None
+
+    def put(self, t: torch.Tensor, value) -> None:
+        base, key = self._key(t)
+        self._entries[key] = (weakref.ref(base), value)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
 @dataclass
 class SavedBytes:
     """Bytes of saved activations in one forward pass (parameters excluded).
@@ -198,6 +237,7 @@ class SavedBytes:
     kept_tensors: int = 0
     quantized_numel: int = 0
     quantized_code_bits: int = 0  # Σ numel · bits over the quantized tensors
+    exact_by_rule: int = 0  # bytes kept exact because attention or a loss saved them (op_rules)
 
     @property
     def avg_bits(self) -> float:
@@ -210,10 +250,18 @@ class SavedBytes:
         return self.stored / self.baseline if self.baseline else 1.0
 
     @property
+    def coverage(self) -> float:
+        """Share of the saved bytes outside attention and losses that is quantized (1.0 when there are none):
+        quantized_baseline / (baseline - exact_by_rule)."""
+        eligible = self.baseline - self.exact_by_rule
+        return self.quantized_baseline / eligible if eligible else 1.0
+
+    @property
     def quantized_ratio(self) -> float:
         return self.quantized_stored / self.quantized_baseline if self.quantized_baseline else 1.0
 
-    def add_kept(self, nbytes: int) -> None:
+    def add_kept(self, nbytes: int, by_rule: bool = False) -> None:
+        self.exact_by_rule += nbytes if by_rule else 0
         self.baseline += nbytes
         self.stored += nbytes
         self.kept_tensors += 1

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +42,34 @@ class _Watch:
     numel: int  # elements of the quantized saved tensor (n_l)
     var_sum: float  # V_l of this save
     r2: float = 1.0
+
+
+# kinds whose output gradient is read element by element (bit_allocation.output_grad_energy)
+ELEMENTWISE_KINDS = frozenset({"gelu", "silu", "elementwise", "dropout"})
+
+
+def watch_output(
+    calibration: list[_SiteCalibration], y: torch.Tensor, watches: list[_Watch], on_nonfinite: Callable[[], None]
+) -> None:
+    """On y's gradient g, add ``alloc.site_coefficient`` (G·r²·V) to each watched site of ``calibration``
+    (grown to hold them); a non-finite g (fp16 overflow) adds nothing and calls ``on_nonfinite``."""
+    if not isinstance(y, torch.Tensor) or not y.requires_grad or not watches:
+        return
+    for w in watches:
+        while len(calibration) <= w.site:
+            calibration.append(_SiteCalibration())
+        calibration[w.site].numel = max(calibration[w.site].numel, w.numel)
+    elementwise = watches[0].kind in ELEMENTWISE_KINDS
+
+    def on_grad(g: torch.Tensor) -> None:
+        energy = alloc.output_grad_energy(g, elementwise=elementwise)
+        if not math.isfinite(energy):
+            on_nonfinite()
+            return
+        for w in watches:
+            calibration[w.site].coef += alloc.site_coefficient(energy, w.r2, w.var_sum)
+
+    y.register_hook(on_grad)
 
 
 def agreed_budget_plan(
