@@ -185,6 +185,8 @@ def dequantize(
         else:  # e5m2 (IEEE-like): exponent 31 is Inf (mantissa 0) or NaN
             special = exp_field == 31
             mag = tl.where(special, tl.where(mant == 0, _INF, _NAN), mag)
-        val = tl.where((c & 0x80) != 0, -mag, mag)
+        # the sign by its bit, not -mag: Triton <= 3.6 lowers unary minus to 0 - x, which turns -0.0 into +0.0
+        sign = (c & 0x80).to(tl.int32) << 24
+        val = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         val = val * p0 * p1
     return val
