@@ -87,7 +87,7 @@ def _build(model: str, batch: int, seed: int = 0, hf_size: str = "cpu"):
         size = SIZES[hf_size]
         net = _Logits(build_model(model, hf_size))
         seq, vocab = size["seq"], size["vocab"][model]
-        tokens = zipf_bigram_tokens(vocab, batch * 8 * (seq + 1), seed=seed).view(-1, seq + 1)
+        tokens = zipf_bigram_tokens(vocab, batch * 64 * (seq + 1), seed=seed).view(-1, seq + 1)
         data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
         loader = torch.utils.data.DataLoader(
             data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(seed)

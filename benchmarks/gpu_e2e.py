@@ -35,6 +35,7 @@ SIZES = {
     # activation_memory.py: GPT-2-small's dimensions at a CPU's token count, and AGoQ's LLaMA setting
     "cpu": dict(layers=12, width=768, heads=12, ffn=2048, batch=2, seq=256, vocab={"gpt2": 50257, "llama": 32000}),
     "paper": dict(layers=12, width=768, heads=12, ffn=2048, batch=8, seq=2048, vocab={"gpt2": 50257, "llama": 32000}),
+    "cpu_small": dict(layers=4, width=256, heads=4, ffn=688, batch=4, seq=256, vocab={"gpt2": 50257, "llama": 32000}),
     "tiny": dict(layers=2, width=64, heads=4, ffn=128, batch=2, seq=32, vocab={"gpt2": 1000, "llama": 1000}),
 }
 METHODS = {  # name -> (what it is, the row it is compared with)

@@ -143,3 +143,36 @@ def test_qsdp_all_gather_and_reduce_scatter():
         out = torch.empty(WORLD * s)
         ag(out, out[s : 2 * s].normal_(), group)
         rs(torch.empty(s), torch.randn(WORLD * s), group)
+
+
+def test_activation_quantizer_forward_and_backward():
+    """The uniform policy's whole path: every kind of quantized save (projection, addmm, recomputed norm and
+    GELU, a hand-written RMS norm and tanh-GELU, a gated product, dropout), a shared save, attention and the
+    loss kept exact, and the restores in backward."""
+    import torch.nn.functional as F
+
+    from lightning_qcomm.memory import ActivationQuantConfig, ActivationQuantizer
+
+    torch.manual_seed(0)
+    d = 64
+    w = [torch.nn.Parameter(torch.randn(d, d) / d**0.5) for _ in range(4)]
+    norm_w = torch.nn.Parameter(torch.ones(d))
+    x0 = torch.randn(4, 32, d, requires_grad=True)
+    q = ActivationQuantizer(ActivationQuantConfig(bits=4))
+
+    def step():
+        with q.forward_context(step=1):
+            h = F.layer_norm(x0 * 1.0, (d,))
+            qkv = [F.linear(h, wi).view(4, 32, 4, 16).transpose(1, 2) for wi in w[:3]]
+            a = F.scaled_dot_product_attention(*qkv, is_causal=True).transpose(1, 2).reshape(4, 32, d)
+            r = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
+            g = torch.addmm(torch.zeros(d), r.view(-1, d), w[3]).view(4, 32, d)
+            act = 0.5 * g * (1.0 + torch.tanh(0.79788456 * (g + 0.044715 * torch.pow(g, 3.0))))
+            y = F.dropout(F.gelu(act) * r, 0.1)
+            loss = F.cross_entropy(y.flatten(0, 1), torch.zeros(128, dtype=torch.long))
+        loss.backward()
+
+    step()  # the first call may set things up
+    assert q.stats.quantized_tensors >= 8
+    with NoHostSync():
+        step()

@@ -290,7 +290,10 @@ class ActivationQuantizer:
     def _keep(self, t: torch.Tensor, op: str, reason: str) -> torch.Tensor:
         if reason == "parameter":
             self._record(t, op, "kept", reason, param=True)
+        elif self._shared.get(t) is not None:  # held already (exact or quantized): counted once
+            self._record(t, op, "kept", "shared")
         else:
+            self._shared.put(t, (None, None, t))
             self.stats.add_kept(tensor_nbytes(t), by_rule=reason in ("attention", "loss"))
             self._record(t, op, "kept", reason)
         return t
@@ -323,7 +326,7 @@ class ActivationQuantizer:
             return self._keep(t, op, reason)
         shared = self._shared.get(t)
         if shared is not None:  # the same tensor saved by another op of this forward: one stored copy
-            self._record(t, op, "quantized", "shared", site=shared[0], bits=shared[1])
+            self._record(t, op, "quantized" if shared[0] is not None else "kept", "shared", shared[0], shared[1])
             return shared[2]
         site, bits, stored = self._quantize(t, op, kind)
         self._shared.put(t, (site, bits, stored))

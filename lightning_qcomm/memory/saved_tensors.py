@@ -280,6 +280,8 @@ class SavedBytes:
 def count_saved_tensors() -> Iterator[SavedBytes]:
     """Count the bytes autograd saves inside the block without changing anything (a measurement baseline).
 
+    A tensor saved by several ops is counted once (``SharedSaves``), as autograd holds it once.
+
     Example::
 
         with count_saved_tensors() as saved:
@@ -287,9 +289,11 @@ def count_saved_tensors() -> Iterator[SavedBytes]:
         saved.baseline        # bytes autograd holds for backward
     """
     stats = SavedBytes()
+    seen = SharedSaves()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not is_parameter_like(t):
+        if not is_parameter_like(t) and seen.get(t) is None:
+            seen.put(t, True)
             stats.add_kept(tensor_nbytes(t))
         return t
 
