@@ -34,6 +34,7 @@ VOCAB = 32768
 SEQ = 32
 BATCH = 8  # per rank
 TAIL = 8
+DIAGNOSTICS = {"qsdp_w4g8", "qsdp_w8g4", "qsdp_w4g4_b128"}  # with --only only: what W4G4's gap comes from
 
 
 def _port() -> int:
@@ -86,6 +87,10 @@ def _strategy(name: str):
         "hsdp_w8g8": lambda: QSDPStrategy(bits=8, hsdp=True, min_wrap_numel=10_000),
         "quant_ddp": lambda: QuantDDPStrategy(bits=8),
         "local_sgd": lambda: LocalSGDStrategy(sync="constant", period=4),
+        # diagnostics, only with --only: which direction of W4G4 costs, and a quarter of its scale bucket
+        "qsdp_w4g8": lambda: QSDPStrategy(weight_bits=4, grad_bits=8, min_wrap_numel=10_000),
+        "qsdp_w8g4": lambda: QSDPStrategy(weight_bits=8, grad_bits=4, min_wrap_numel=10_000),
+        "qsdp_w4g4_b128": lambda: QSDPStrategy(bits=4, bucket_size=128, min_wrap_numel=10_000),
     }[name]()
 
 
@@ -165,7 +170,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps per epoch (two epochs per run)")
     parser.add_argument("--out", default=None, help="also write the table to this file")
-    parser.add_argument("--only", default=None, help="comma-separated strategies (DDP always runs, the reference)")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated strategies (DDP always runs, the reference); also the diagnostics qsdp_w4g8, "
+        "qsdp_w8g4, qsdp_w4g4_b128",
+    )
     args = parser.parse_args()
     plans = [
         (2, 2, ["ddp", "qsdp_w8g8", "qsdp_w4g4", "quant_ddp", "local_sgd", "ddp_onebit_adam"]),
@@ -173,7 +183,14 @@ def main() -> None:
     ]
     if args.only:
         wanted = {"ddp", *args.only.split(",")}
-        plans = [(w, n, [x for x in names if x in wanted]) for w, n, names in plans]
+        planned = {x for _, _, names in plans for x in names}
+        extra = [x for x in args.only.split(",") if x not in planned]  # diagnostics run on the 2-rank plan
+        unknown = [x for x in extra if x not in DIAGNOSTICS]
+        if unknown:
+            raise ValueError(
+                f"--only {','.join(unknown)}: unknown; allowed: {', '.join(sorted(planned | DIAGNOSTICS))}"
+            )
+        plans = [(w, n, [x for x in names if x in wanted] + (extra if w == 2 else [])) for w, n, names in plans]
         plans = [p for p in plans if len(p[2]) > 1]
     lines = [
         f"torch {torch.__version__}, {sys.platform}, CPU/gloo; Lightning demo Transformer (vocab {VOCAB}, "
