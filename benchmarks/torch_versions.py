@@ -166,6 +166,33 @@ def _rows(result: dict, reference: str, world: int) -> list[str]:
     return rows
 
 
+PLANS = [  # (ranks, ranks per node, strategies); DDP first in each: the reference
+    (2, 2, ["ddp", "qsdp_w8g8", "qsdp_w4g4", "quant_ddp", "local_sgd", "ddp_onebit_adam"]),
+    (4, 2, ["ddp", "hsdp_w8g8"]),
+]
+
+
+def select_plans(only: str | None) -> list[tuple[int, int, list[str]]]:
+    """The runs for ``--only`` (None: every plan): DDP stays in each plan that keeps another strategy, a
+    diagnostic joins the 2-rank plan, and an unknown name raises ValueError with the allowed set.
+
+    Example::
+
+        select_plans("qsdp_w4g4,qsdp_w4g4_b128")   # [(2, 2, ["ddp", "qsdp_w4g4", "qsdp_w4g4_b128"])]
+    """
+    if not only:
+        return [(w, n, list(names)) for w, n, names in PLANS]
+    asked = only.split(",")
+    planned = {x for _, _, names in PLANS for x in names}
+    unknown = [x for x in asked if x not in planned | DIAGNOSTICS]
+    if unknown:
+        raise ValueError(f"--only {','.join(unknown)}: unknown; allowed: {', '.join(sorted(planned | DIAGNOSTICS))}")
+    wanted = {"ddp", *asked}
+    extra = [x for x in asked if x in DIAGNOSTICS]
+    plans = [(w, n, [x for x in names if x in wanted] + (extra if w == 2 else [])) for w, n, names in PLANS]
+    return [p for p in plans if len(p[2]) > 1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps per epoch (two epochs per run)")
@@ -177,21 +204,7 @@ def main() -> None:
         "qsdp_w8g4, qsdp_w4g4_b128",
     )
     args = parser.parse_args()
-    plans = [
-        (2, 2, ["ddp", "qsdp_w8g8", "qsdp_w4g4", "quant_ddp", "local_sgd", "ddp_onebit_adam"]),
-        (4, 2, ["ddp", "hsdp_w8g8"]),
-    ]
-    if args.only:
-        wanted = {"ddp", *args.only.split(",")}
-        planned = {x for _, _, names in plans for x in names}
-        extra = [x for x in args.only.split(",") if x not in planned]  # diagnostics run on the 2-rank plan
-        unknown = [x for x in extra if x not in DIAGNOSTICS]
-        if unknown:
-            raise ValueError(
-                f"--only {','.join(unknown)}: unknown; allowed: {', '.join(sorted(planned | DIAGNOSTICS))}"
-            )
-        plans = [(w, n, [x for x in names if x in wanted] + (extra if w == 2 else [])) for w, n, names in plans]
-        plans = [p for p in plans if len(p[2]) > 1]
+    plans = select_plans(args.only)
     lines = [
         f"torch {torch.__version__}, {sys.platform}, CPU/gloo; Lightning demo Transformer (vocab {VOCAB}, "
         f"{SEQ} tokens x {BATCH} per rank, {args.steps} steps per epoch, 2 epochs; loss = rank 0's mean over the "
