@@ -4,7 +4,10 @@ Lightning's demo ``Transformer`` (``lightning.pytorch.demos``) with a 32,768-tok
 ``Trainer.fit`` on CPU ranks (gloo) started the way torchrun starts them: DDP (the reference), QSDP W8G8 and W4G4,
 QuantDDP, Local SGD and DDP + 1-bit Adam on 2 ranks; DDP and QSDP over HSDP (W8G8 across nodes) on 2 nodes x 2
 ranks. Tokens: the running Python's standard library sources cut into byte pairs (token = 256·b0 + b1 mod 32768;
-the source is mostly ASCII, so most pairs are their own token), next-token prediction, nothing downloaded.
+the source is mostly ASCII, so most pairs are their own token), next-token labels, nothing downloaded. The demo's
+decoder is fed the labels (as ``LightningTransformer`` feeds them) and its causal mask shows position t label t, so
+the loss tends to 0 as the model learns to copy, and a ratio against DDP's gets stricter the longer the run
+(BENCHMARKS.md §11 measures this); the token stream is as long as one epoch, so epoch 2 revisits epoch 1's.
 
 Per strategy, three fits from the same seed: two epochs straight; one epoch then ``trainer.save_checkpoint``; and
 the second epoch resumed from that checkpoint. The table gives rank 0's mean training loss over the last
@@ -34,6 +37,7 @@ VOCAB = 32768
 SEQ = 32
 BATCH = 8  # per rank
 TAIL = 8
+DIAGNOSTICS = {"qsdp_w4g8", "qsdp_w8g4", "qsdp_w4g4_b128"}  # with --only only: what W4G4's gap comes from
 
 
 def _port() -> int:
@@ -86,6 +90,10 @@ def _strategy(name: str):
         "hsdp_w8g8": lambda: QSDPStrategy(bits=8, hsdp=True, min_wrap_numel=10_000),
         "quant_ddp": lambda: QuantDDPStrategy(bits=8),
         "local_sgd": lambda: LocalSGDStrategy(sync="constant", period=4),
+        # diagnostics, only with --only: which direction of W4G4 costs, and a quarter of its scale bucket
+        "qsdp_w4g8": lambda: QSDPStrategy(weight_bits=4, grad_bits=8, min_wrap_numel=10_000),
+        "qsdp_w8g4": lambda: QSDPStrategy(weight_bits=8, grad_bits=4, min_wrap_numel=10_000),
+        "qsdp_w4g4_b128": lambda: QSDPStrategy(bits=4, bucket_size=128, min_wrap_numel=10_000),
     }[name]()
 
 
@@ -161,20 +169,45 @@ def _rows(result: dict, reference: str, world: int) -> list[str]:
     return rows
 
 
+PLANS = [  # (ranks, ranks per node, strategies); DDP first in each: the reference
+    (2, 2, ["ddp", "qsdp_w8g8", "qsdp_w4g4", "quant_ddp", "local_sgd", "ddp_onebit_adam"]),
+    (4, 2, ["ddp", "hsdp_w8g8"]),
+]
+
+
+def select_plans(only: str | None) -> list[tuple[int, int, list[str]]]:
+    """The runs for ``--only`` (None: every plan): DDP stays in each plan that keeps another strategy, a
+    diagnostic joins the 2-rank plan, and an unknown name raises ValueError with the allowed set.
+
+    Example::
+
+        select_plans("qsdp_w4g4,qsdp_w4g4_b128")   # [(2, 2, ["ddp", "qsdp_w4g4", "qsdp_w4g4_b128"])]
+    """
+    if not only:
+        return [(w, n, list(names)) for w, n, names in PLANS]
+    asked = only.split(",")
+    planned = {x for _, _, names in PLANS for x in names}
+    unknown = [x for x in asked if x not in planned | DIAGNOSTICS]
+    if unknown:
+        raise ValueError(f"--only {','.join(unknown)}: unknown; allowed: {', '.join(sorted(planned | DIAGNOSTICS))}")
+    wanted = {"ddp", *asked}
+    extra = [x for x in asked if x in DIAGNOSTICS]
+    plans = [(w, n, [x for x in names if x in wanted] + (extra if w == 2 else [])) for w, n, names in PLANS]
+    return [p for p in plans if len(p[2]) > 1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps per epoch (two epochs per run)")
     parser.add_argument("--out", default=None, help="also write the table to this file")
-    parser.add_argument("--only", default=None, help="comma-separated strategies (DDP always runs, the reference)")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated strategies (DDP always runs, the reference); also the diagnostics qsdp_w4g8, "
+        "qsdp_w8g4, qsdp_w4g4_b128",
+    )
     args = parser.parse_args()
-    plans = [
-        (2, 2, ["ddp", "qsdp_w8g8", "qsdp_w4g4", "quant_ddp", "local_sgd", "ddp_onebit_adam"]),
-        (4, 2, ["ddp", "hsdp_w8g8"]),
-    ]
-    if args.only:
-        wanted = {"ddp", *args.only.split(",")}
-        plans = [(w, n, [x for x in names if x in wanted]) for w, n, names in plans]
-        plans = [p for p in plans if len(p[2]) > 1]
+    plans = select_plans(args.only)
     lines = [
         f"torch {torch.__version__}, {sys.platform}, CPU/gloo; Lightning demo Transformer (vocab {VOCAB}, "
         f"{SEQ} tokens x {BATCH} per rank, {args.steps} steps per epoch, 2 epochs; loss = rank 0's mean over the "
