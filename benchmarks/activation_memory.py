@@ -51,6 +51,8 @@ SETTINGS = {
     "fp32": None,
     "fp32_seed1": None,  # the fp32 run from another seed (init and batch order): run-to-run spread yardstick
     "uniform": {"bits": 4, "policy": "uniform"},
+    # 4-bit with every save inside attention modules (their Q/K/V and output projection inputs) kept exact
+    "uniform_attn_exact": {"bits": 4, "policy": "uniform", "attention_patterns": ("*attn*", "*attention*")},
     "layer_aware": {"bits": 4, "policy": "layer_aware", "edge_bits": 8},
     "budget": {"bits": 4, "policy": "budget", "budget_bits": 5.0},
 }
