@@ -166,7 +166,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
                 strategy = CPUHookDDP(ddp_comm_hook=counting_allreduce_hook)
             else:
                 strategy = CPUHookDDP()
-                onebit = OneBitAdamCallback(freeze_step=args.freeze, **args.cb)
+                cb = dict(args.cb)
+                if name.startswith("onebit_b"):  # onebit_b<B>: one 1-bit scale per block of B elements (0: per chunk)
+                    cb["scale_block"] = int(name[len("onebit_b") :])
+                onebit = OneBitAdamCallback(freeze_step=args.freeze, **cb)
                 callbacks.append(onebit)
             f = args.freeze
             diag = set(range(f - 3, f + 8)) | {f + 20, f + 50, f + 100} if args.diag else set()
@@ -234,7 +237,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--seeds", default="0", help="comma list")
-    ap.add_argument("--variants", default="ddp_adamw,onebit", help="comma list of ddp_adamw, onebit, onebit_exact")
+    ap.add_argument(
+        "--variants",
+        default="ddp_adamw,onebit",
+        help="comma list of ddp_adamw, onebit, onebit_exact, onebit_b<B> (scale_block=B)",
+    )
     ap.add_argument("--cb", default="{}", help="extra OneBitAdamCallback arguments as JSON")
     ap.add_argument("--diag", action="store_true", help="record update sizes per tensor around the freeze")
     ap.add_argument("--out", default=None, help="JSON file to write")
@@ -257,14 +264,14 @@ def main() -> None:
         "seconds": round(time.perf_counter() - start),
         "freeze_step": args.freeze,
     }
-    for key, row in rows.items():
-        br = row["bytes_after_freeze_ratio"]
-        print(
-            f"{key}: loss(last 10) {row['tail']:.4f}  vs AdamW {row['vs_adamw']:.4f}  bytes after freeze "
-            f"{'-' if br is None else f'{br:.4f}'}x fp32  curve {row['curve']}"
-        )
-    if args.out:
+    if args.out:  # before the summary lines: a run's figures are never lost to a print
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    for key, row in rows.items():
+        br, vs = row["bytes_after_freeze_ratio"], row["vs_adamw"]
+        print(
+            f"{key}: loss(last 10) {row['tail']:.4f}  vs AdamW {'-' if vs is None else f'{vs:.4f}'}  bytes after "
+            f"freeze {'-' if br is None else f'{br:.4f}'}x fp32  curve {row['curve']}"
+        )
 
 
 if __name__ == "__main__":

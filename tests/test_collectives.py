@@ -78,19 +78,27 @@ def sign_c(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v < 0, -scale, scale)
 
 
-def oracle_onebit(xs, ews, ess):
-    """One step of the worker/server math for all ranks; returns (out, new e_w per rank, new e_s per rank)."""
+def sign_c_blocks(v: torch.Tensor, block: int | None) -> torch.Tensor:
+    """``sign_c`` of every block of ``block`` consecutive elements of v (the last one shorter); None: of v whole."""
+    if block is None:
+        return sign_c(v)
+    return torch.cat([sign_c(v[i : i + block]) for i in range(0, v.numel(), block)])
+
+
+def oracle_onebit(xs, ews, ess, block=None):
+    """One step of the worker/server math for all ranks; returns (out, new e_w per rank, new e_s per rank).
+    ``block``: one scale per block of that many elements of each chunk (``onebit_all_reduce(block_numel=...)``)."""
     n, d = len(xs), xs[0].numel()
     c = -(-d // n)
     ys = [torch.nn.functional.pad(x + e, (0, n * c - d)) for x, e in zip(xs, ews)]
-    cys = [torch.cat([sign_c(y[j * c : (j + 1) * c]) for j in range(n)]) for y in ys]
+    cys = [torch.cat([sign_c_blocks(y[j * c : (j + 1) * c], block) for j in range(n)]) for y in ys]
     new_ew = [(y - cy)[:d] for y, cy in zip(ys, cys)]
     out, new_es = [], []
     for j in range(n):
         z = torch.stack([cy[j * c : (j + 1) * c] for cy in cys]).sum(dim=0) / n + ess[j]
         valid = max(min(c, d - j * c), 0)
         z[valid:] = 0.0
-        cz = sign_c(z)
+        cz = sign_c_blocks(z, block)
         es = z - cz
         es[valid:] = 0.0
         out.append(cz)
@@ -311,6 +319,51 @@ def check_onebit_oracle(rank, n):
         assert "server_error" in str(exc) and str(c) in str(exc)
     else:
         raise AssertionError("wrong server_error size accepted")
+
+
+def check_onebit_block_oracle(rank, n):
+    """``block_numel`` = B: every block of B elements of a chunk carries its own scale (worker and server), the
+    oracle's math; the ledger counts 4 bytes of scale per block; the ranks must agree on B."""
+    block = 48  # chunks of ceil(1001 / n) elements: several blocks, the last one shorter
+    c = onebit_server_error_numel(D)
+    xs_all = [[make_input(40 + t, r, scale=0.1 + t) for r in range(n)] for t in range(3)]
+    # two scales of magnitude inside one chunk: a per-chunk scale would give the small block the large one's step
+    xs_all = [[torch.cat([x[:block] * 1e-3, x[block:]]) for x in xs] for xs in xs_all]
+    ew, es = torch.zeros(D), torch.zeros(c)
+    o_ew, o_es = [torch.zeros(D) for _ in range(n)], [torch.zeros(c) for _ in range(n)]
+    failures = []
+    ledger = CommLedger()
+    set_ledger(ledger)
+    try:
+        for t, xs in enumerate(xs_all):
+            y_max = float((xs[rank] + ew).abs().max())
+            out = onebit_all_reduce(xs[rank].clone(), ew, es, block_numel=block, check=t == 0)
+            outs = gather_all(out)
+            expect, o_ew, o_es = oracle_onebit(xs, o_ew, o_es, block=block)
+            atol = 8 * torch.finfo(torch.float32).eps * max(y_max, 1.0)
+            try:
+                assert all(torch.equal(o, out) for o in outs), f"step {t}: ranks disagree"
+                assert_close(out, expect, rtol=1e-6, atol=1e-7, msg=f"step {t}: output")
+                assert_close(ew, o_ew[rank], rtol=1e-6, atol=atol, msg=f"step {t}: worker error")
+                assert_close(es, o_es[rank], rtol=1e-6, atol=atol, msg=f"step {t}: server error")
+                assert float(out[:block].abs().max()) < 1e-2 * float(out[block : 2 * block].abs().min())
+            except AssertionError as exc:
+                failures.append(str(exc))
+        main = ledger.cumulative[("all_reduce", "momentum")]
+        per_call = 2 * (n - 1) * ((c + 7) // 8 + 4 * -(-c // block))  # signs + one fp32 scale per block of a chunk
+        if main.calls != 3 or main.wire_bytes != 3 * per_call:
+            failures.append(f"ledger: {main} vs {per_call} wire bytes per call")
+        if wire_bytes_formula("onebit_all_reduce", D, n, onebit_block_numel=block) != per_call:
+            failures.append("wire_bytes_formula disagrees with the ledger")
+    finally:
+        set_ledger(None)
+    assert not failures, failures
+    try:
+        onebit_all_reduce(torch.ones(D), torch.zeros(D), torch.zeros(c), block_numel=4)
+    except ValueError as exc:
+        assert "block_numel=4" in str(exc)
+    else:
+        raise AssertionError("block_numel=4 accepted")
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -636,6 +689,7 @@ CHECKS_2 = [
     check_reduce_scatter_codec,
     check_all_reduce_codec,
     check_onebit_oracle,
+    check_onebit_block_oracle,
     check_onebit_fused_matches_reference,
     check_error_feedback,
     check_error_feedback_low_precision_input,
@@ -650,6 +704,7 @@ CHECKS_3 = [
     check_reduce_scatter_codec,
     check_all_reduce_codec,
     check_onebit_oracle,
+    check_onebit_block_oracle,
     check_onebit_fused_matches_reference,
     check_pieced_transfers,
     check_ledger_bytes,

@@ -367,6 +367,9 @@ def test_freeze_replaces_v_by_bias_corrected_v():
         ({"auto_freeze_patience": -1}, "auto_freeze_patience=-1"),
         ({"bucket_mb": 0}, "bucket_mb=0"),
         ({"bucket_mb": float("inf")}, "bucket_mb=inf"),
+        ({"scale_block": 4}, "scale_block=4"),
+        ({"scale_block": None}, "scale_block=None"),
+        ({"scale_block": 256.0}, "scale_block=256.0"),
         ({"lr": -1.0}, "lr=-1.0"),
         ({"betas": (0.9, 1.0)}, "betas=(0.9, 1.0)"),
         ({"eps": float("nan")}, "eps=nan"),
@@ -378,7 +381,9 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, needle):
     with pytest.raises(ValueError) as err:
         OneBitAdam(_net().parameters(), **kwargs)
     assert needle in str(err.value) and "allowed" in str(err.value)
-    cb_kwargs = {k: v for k, v in kwargs.items() if k.startswith(("freeze", "auto", "bucket"))}
+    cb_kwargs = {
+        k: v for k, v in kwargs.items() if k.startswith(("freeze", "auto", "bucket", "scale")) and v is not None
+    }
     if cb_kwargs:
         with pytest.raises(ValueError) as err:
             OneBitAdamCallback(**cb_kwargs)

@@ -196,3 +196,59 @@ def test_error_buffers_of_the_raw_momentum_restart_at_zero(caplog):
     assert opt._sync.worker_error is None  # made as zeros at the next sync
     _train(model, opt, 1, 50, torch.Generator().manual_seed(1))
     assert opt._sync.worker_error is not None
+
+
+@pytest.mark.parametrize("scale_block", [256, 0], ids=["per_block", "per_chunk"])
+def test_rows_that_stop_receiving_gradients_come_to_rest_with_a_scale_per_block(scale_block):
+    """An embedding of 50 rows of 256 (one 1-bit scale block per row with ``scale_block=256``): all rows train in
+    the warm-up, then only rows 0..9 get gradients. Under Adam with the frozen variance the idle rows' momentum
+    decays by β1 per step, so their step k steps after the freeze is at most lr · b · β1^k (b = Adam's step bound,
+    3.16). With a scale per block they come to rest (error feedback lags a little: the bound allows Adam's step of
+    10 steps earlier, at k = 40). With one scale per chunk (``scale_block=0``) they keep moving by about the active
+    rows' rms step (0.55 lr at k = 40): the sign code gives every element of a chunk the chunk's magnitude, and
+    error feedback evens that out only on average -- the case checks that the bound tells the two apart."""
+    from lightning_qcomm.optim import OneBitAdam
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 256), torch.nn.Linear(256, 5))
+    opt = OneBitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=10, scale_block=scale_block)
+    g = torch.Generator().manual_seed(0)
+    _train(model, opt, 10, 50, g)
+    assert opt.frozen
+    emb = model[0].weight
+    for _ in range(40):
+        before = emb.detach().clone()
+        _train(model, opt, 1, 10, g)
+    rows = ((emb.detach() - before) / 1e-2).pow(2).mean(1).sqrt()  # the 40th step after the freeze, units of lr
+    assert rows[:10].mean() > 0.1  # the active rows still train
+    seen = opt.state[emb]["exp_avg_sq"].sqrt().gt(1e-8).all(1)  # rows with a variance (the others never move)
+    idle = rows[10:][seen[10:]]
+    assert idle.numel() >= 30
+    bound = 3.17 * 0.9**30
+    if scale_block:
+        assert idle.max() <= bound, idle.max()
+    else:
+        assert idle.min() > bound, idle.min()
+
+
+def test_scale_per_block_resumes_exactly():
+    """A state_dict + rank_state_dict round trip after the freeze, with ``scale_block=256``: the resumed run ends
+    bit-identical to the uninterrupted one (the error buffers are residuals of the per-block code)."""
+    from lightning_qcomm.optim import OneBitAdam
+
+    def run(resume_at=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 256), torch.nn.Linear(256, 5))
+        make = lambda: OneBitAdam(model.parameters(), lr=1e-2, freeze_step=5, scale_block=256)  # noqa: E731
+        opt, g = make(), torch.Generator().manual_seed(0)
+        for t in range(16):
+            if t == resume_at:
+                sd, rank_sd = opt.state_dict(), opt.rank_state_dict()
+                assert rank_sd["worker_error"] is not None
+                opt = make()
+                opt.load_state_dict(sd)
+                opt.load_rank_state_dict(rank_sd)
+            _train(model, opt, 1, 50, g)
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(), run(resume_at=10)))

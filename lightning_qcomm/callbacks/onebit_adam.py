@@ -94,6 +94,8 @@ class OneBitAdamCallback(pl.Callback):
             counted), "raise" (FloatingPointError) or "propagate".
         overlap: start each momentum bucket's 1-bit average during backward (default True). With
             ``accumulate_grad_batches`` > 1 or ``gradient_clip_val`` it runs after backward (logged once).
+        scale_block: elements per 1-bit scale after the freeze (an int >= 8, or 0 for one scale per chunk; default
+            OneBitAdam's, see ``OneBitAdamConfig``).
         hierarchical: 1-bit momentum only across nodes, exact inside a node (see the module doc).
         node_size: ranks per node for ``hierarchical`` (None: Lightning's devices per node).
 
@@ -111,6 +113,7 @@ class OneBitAdamCallback(pl.Callback):
         bucket_mb: float | None = None,
         nonfinite: str | None = None,
         overlap: bool | None = None,
+        scale_block: int | None = None,
         hierarchical: bool = False,
         node_size: int | None = None,
     ) -> None:
@@ -129,6 +132,7 @@ class OneBitAdamCallback(pl.Callback):
             bucket_mb=bucket_mb,
             nonfinite=nonfinite,
             overlap=overlap,
+            scale_block=scale_block,
         )
         self.settings = {k: v for k, v in given.items() if v is not None}
         try:

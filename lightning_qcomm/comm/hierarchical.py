@@ -140,12 +140,14 @@ def hierarchical_onebit_all_reduce(
     tag: str = "momentum",
     check: bool = True,
     piece_numel: int | None = None,
+    block_numel: int | None = None,
 ) -> torch.Tensor:
     """1-bit Adam's average over all ranks, compressed only across nodes (module doc), in place on flat ``x``.
 
     x <- all-gather_node( onebit_avg_nodes( (1/L) Σ_node x [shard l] ) ): identical on every rank. The errors
     belong to this rank's shard: ``worker_error`` c = ``shard_numel(x.numel(), L)`` elements, ``server_error``
     ``onebit_server_error_numel(c, groups.inter)``. One node (M = 1): the exact fp32 average, errors untouched.
+    ``block_numel``: elements per 1-bit scale across nodes (``onebit_all_reduce``; None: one per chunk).
 
     Example::
 
@@ -162,7 +164,16 @@ def hierarchical_onebit_all_reduce(
     shard.div_(topo.node_size)  # the node mean: onebit_all_reduce averages these over the M nodes
     if topo.num_nodes > 1:
         kw = {} if piece_numel is None else {"piece_numel": piece_numel}
-        onebit_all_reduce(shard, worker_error, server_error, group=groups.inter, tag=f"{tag}@inter", check=check, **kw)
+        onebit_all_reduce(
+            shard,
+            worker_error,
+            server_error,
+            group=groups.inter,
+            tag=f"{tag}@inter",
+            check=check,
+            block_numel=block_numel,
+            **kw,
+        )
     _intra_all_gather(full, shard, groups, tag)
     x.copy_(full[: x.numel()].view(x.shape))
     return x

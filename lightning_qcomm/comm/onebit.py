@@ -54,6 +54,7 @@ from lightning_qcomm.comm.quantized import quantized_all_reduce
 from lightning_qcomm.comm.side_stream import SideStream
 from lightning_qcomm.comm.sign_collective import (
     DEFAULT_ONEBIT_PIECE_NUMEL,
+    check_block_numel,
     onebit_all_reduce,
     onebit_server_error_numel,
 )
@@ -73,6 +74,8 @@ class OneBitMomentumSync:
         tag: ledger tag of the collectives.
         piece_numel: ``onebit_all_reduce``'s pipelining piece (elements per rank). It decides where each
             server-error element belongs, so it is part of the saved layout.
+        block_numel: elements per 1-bit scale (``onebit_all_reduce``; None: one scale per chunk). It changes
+            the code, not the error buffers' layout: saved buffers load across block sizes.
     """
 
     def __init__(
@@ -82,7 +85,9 @@ class OneBitMomentumSync:
         process_group: dist.ProcessGroup | NodeGroups | None = None,
         tag: str = "momentum",
         piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL,
+        block_numel: int | None = None,
     ) -> None:
+        check_block_numel(block_numel, "OneBitMomentumSync")
         if not numels:
             raise ValueError("numels must name at least one tensor")
         self.numels = [int(n) for n in numels]
@@ -91,6 +96,7 @@ class OneBitMomentumSync:
         self.process_group = process_group
         self.tag = tag
         self.piece_numel = int(piece_numel)
+        self.block_numel = block_numel
         self.worker_error: list[torch.Tensor] | None = None
         self.server_error: list[torch.Tensor] | None = None
         self._checked = [False] * len(self.buckets)
@@ -168,6 +174,7 @@ class OneBitMomentumSync:
             tag=self.tag,
             check=not self._checked[b],
             piece_numel=self.piece_numel,
+            block_numel=self.block_numel,
         )
         self._checked[b] = True
         return flat

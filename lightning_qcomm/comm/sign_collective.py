@@ -39,14 +39,22 @@ from lightning_qcomm.comm.transport import _all_gather_async, _all_to_all_async,
 
 DEFAULT_ONEBIT_PIECE_NUMEL = 1 << 18  # min elements per rank per pipelined piece (32 KB of signs per rank)
 
-_SIGN1: Codec | None = None
+_SIGN1: dict[int | None, Codec] = {}
 
 
-def _sign_codec() -> Codec:
-    global _SIGN1
-    if _SIGN1 is None:
-        _SIGN1 = get_codec("sign1", bits=1, bucket_size=None)
-    return _SIGN1
+def _sign_codec(block_numel: int | None = None) -> Codec:
+    """The sign1 codec with one scale per chunk (``block_numel`` None) or per block of ``block_numel`` elements."""
+    if block_numel not in _SIGN1:
+        _SIGN1[block_numel] = get_codec("sign1", bits=1, bucket_size=block_numel)
+    return _SIGN1[block_numel]
+
+
+def check_block_numel(block_numel: int | None, where: str = "onebit_all_reduce") -> None:
+    """ValueError naming ``where`` unless ``block_numel`` is None or an int >= 8 (one scale per that many elements)."""
+    if block_numel is not None and (
+        not isinstance(block_numel, int) or isinstance(block_numel, bool) or block_numel < 8
+    ):
+        raise ValueError(f"{where}(block_numel={block_numel!r}): allowed None (one scale per chunk) or an int >= 8")
 
 
 def onebit_pieces(numel: int, world_size: int, piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL) -> list[tuple[int, int]]:
@@ -82,8 +90,8 @@ class _ReferencePhases:
     """The three per-piece steps through the sign1 codec's encode/decode (the spec). New residuals go to
     temporary buffers and enter the error buffers at the end where finite (``_update_error``)."""
 
-    def __init__(self, worker_error: torch.Tensor, server_error: torch.Tensor, world: int, device) -> None:
-        self.sign, self.world = _sign_codec(), world
+    def __init__(self, worker_error: torch.Tensor, server_error: torch.Tensor, world: int, device, sign: Codec) -> None:
+        self.sign, self.world = sign, world
         self.worker_error, self.server_error = worker_error, server_error
         self.flat_es = server_error.detach().reshape(-1)
         self.new_ew = torch.empty(worker_error.numel(), dtype=torch.float32, device=device)
@@ -172,7 +180,7 @@ def _run_pieces(
 ) -> int:
     """``onebit_all_reduce``'s pieces, pipelined; returns the payload bytes of one chunk summed over pieces.
     x is read whole (phase 1) before it is written (phase 3)."""
-    sign = _sign_codec()
+    sign = phases.sign
     flat_x = x.detach().reshape(-1)
     flat_ew = worker_error.detach().reshape(-1)
     out_flat = _fp32_output(x)
@@ -213,13 +221,15 @@ def onebit_all_reduce(
     tag: str = "momentum",
     check: bool = True,
     piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL,
+    block_numel: int | None = None,
 ) -> torch.Tensor:
     """Error-compensated 1-bit average over ranks (docs/design.md, "1-bit all-reduce"), in place on a flat fused buffer.
 
     The buffer is cut into pieces of N*m elements (``onebit_pieces``, m = ``piece_numel``); each piece,
     of length n, runs the algorithm below on its own, with chunks of c = ceil(n/N) elements.
     C(v) = (||v||_2 / sqrt(len v)) * sign(v), sign(0) = +1, applied per chunk (the ``sign1`` codec with one
-    bucket per chunk; the zero tail padding of the last chunk counts in its length). With e_w =
+    bucket per chunk; the zero tail padding of the last chunk counts in its length), or, with ``block_numel`` = B,
+    per block of B consecutive elements of each chunk (the last block shorter): one fp32 scale per block. With e_w =
     ``worker_error`` (d elements) and e_s = ``server_error`` (this rank's chunk of every piece, in piece
     order: ceil(d/N) elements, see ``onebit_server_error_numel``)::
 
@@ -230,9 +240,10 @@ def onebit_all_reduce(
 
     Pieces are pipelined as in ``quantized_all_reduce`` (async all-to-all per piece; each piece's
     all-gather issued once its all-to-all is done). Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1)
-    bytes of scales per piece (1/32 of an fp32 ring all-reduce). The error buffers move on only where
-    the new residual is finite.
-    Ledger: all_reduce, collective = sum_k N*P_k with P_k = ceil(c_k/8) + 4, payload sum_k (N+1)*P_k,
+    bytes of scales per piece (1/32 of an fp32 ring all-reduce); with blocks, 4 bytes per B elements more
+    (1/32 · (1 + 32/B)). The error buffers move on only where the new residual is finite.
+    Ledger: all_reduce, collective = sum_k N*P_k with P_k = ceil(c_k/8) + 4 (+ 4 ceil(c_k/B) instead of 4
+    with blocks), payload sum_k (N+1)*P_k,
     baseline 4*d.
 
     Example::
@@ -244,6 +255,8 @@ def onebit_all_reduce(
     _check_tensor("worker_error", worker_error)
     _check_tensor("server_error", server_error)
     _check_piece_numel(piece_numel)
+    check_block_numel(block_numel)
+    sign = _sign_codec(block_numel)
     rank, world = _rank_world(group)
     d = x.numel()
     if worker_error.numel() != d:
@@ -261,13 +274,14 @@ def onebit_all_reduce(
             tag,
             numel=d,
             dtype=x.dtype,
-            codec=None,
+            codec=None if block_numel is None else sign,
             aux=piece_numel,
             device=x.device,
         )
     pieces = onebit_pieces(d, world, piece_numel)
-    fused = (
-        worker_error.dtype == torch.float32
+    fused = (  # the fused CPU kernels code one scale per chunk
+        block_numel is None
+        and worker_error.dtype == torch.float32
         and server_error.dtype == torch.float32
         and worker_error.is_contiguous()
         and server_error.is_contiguous()
@@ -278,7 +292,7 @@ def onebit_all_reduce(
     if fused:
         phases = _FusedPhases(worker_error, server_error, world)
     else:
-        phases = _ReferencePhases(worker_error, server_error, world, x.device)
+        phases = _ReferencePhases(worker_error, server_error, world, x.device, sign)
     total_p = _run_pieces(x, worker_error, phases, group, rank, world, pieces)
     get_ledger().record(
         "all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag
@@ -286,4 +300,10 @@ def onebit_all_reduce(
     return x
 
 
-__all__ = ["DEFAULT_ONEBIT_PIECE_NUMEL", "onebit_all_reduce", "onebit_pieces", "onebit_server_error_numel"]
+__all__ = [
+    "DEFAULT_ONEBIT_PIECE_NUMEL",
+    "check_block_numel",
+    "onebit_all_reduce",
+    "onebit_pieces",
+    "onebit_server_error_numel",
+]

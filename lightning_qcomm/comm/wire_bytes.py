@@ -24,6 +24,7 @@ def wire_bytes_formula(
     itemsize: int = FP32_BYTES,
     piece_numel: int = DEFAULT_PIECE_NUMEL,
     onebit_piece_numel: int | None = None,
+    onebit_block_numel: int | None = None,
 ) -> float:
     """Ledger wire estimate (bytes this rank sends) of one call, for benchmarks and docs.
 
@@ -31,7 +32,8 @@ def wire_bytes_formula(
     "all_reduce" or "onebit_all_reduce" (numel = d). Excludes the consistency check's 8*8*N bytes. The
     all-reduce is pieced as on CPU; a CUDA tensor goes as one piece (``piece_numel=numel`` gives its bytes).
     With P = payload bytes of one chunk: all_gather / reduce_scatter (N-1)·P; all_reduce and the 1-bit
-    all-reduce 2(N-1)·Σ_k P_k over pieces k; fp32 all_reduce 2(N-1)/N · itemsize · d.
+    all-reduce 2(N-1)·Σ_k P_k over pieces k; fp32 all_reduce 2(N-1)/N · itemsize · d. ``onebit_block_numel``: the
+    1-bit all-reduce's ``block_numel`` (one fp32 scale per that many elements of a chunk; None: one per chunk).
 
     Example::
 
@@ -39,7 +41,7 @@ def wire_bytes_formula(
     """
     n = world_size
     if collective == "onebit_all_reduce":
-        sign = _sign_codec()
+        sign = _sign_codec(onebit_block_numel)
         pieces = onebit_pieces(
             numel, n, DEFAULT_ONEBIT_PIECE_NUMEL if onebit_piece_numel is None else onebit_piece_numel
         )

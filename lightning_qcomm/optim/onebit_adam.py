@@ -89,7 +89,12 @@ from lightning_qcomm.comm.nonfinite import NonFiniteGuard, all_finite
 from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks
 from lightning_qcomm.comm.onebit_overlap import MomentumOverlap
 from lightning_qcomm.optim.adam_math import adamw_update_, frozen_update_, moment_dtype, momentum_candidates
-from lightning_qcomm.optim.onebit_adam_config import OneBitAdamConfig, check_adam_hparams, check_no_amsgrad
+from lightning_qcomm.optim.onebit_adam_config import (
+    DEFAULT_SCALE_BLOCK,
+    OneBitAdamConfig,
+    check_adam_hparams,
+    check_no_amsgrad,
+)
 from lightning_qcomm.optim.onebit_state import OneBitAdamCheckpoint
 from lightning_qcomm.optim.variance_freeze import (
     auto_freeze_count,
@@ -113,8 +118,8 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
             ``decoupled_weight_decay`` are honoured).
         lr, betas, eps, weight_decay: as torch.optim.AdamW (weight decay is decoupled by default).
         decoupled_weight_decay: True = AdamW (p <- p(1 - lr·wd)); False = Adam's L2 term (g <- g + wd·p).
-        freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience, bucket_mb, nonfinite, overlap:
-            see ``OneBitAdamConfig``.
+        freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience, bucket_mb, nonfinite, overlap,
+        scale_block: see ``OneBitAdamConfig``.
         process_group: the data-parallel group of the momentum all-reduce (None: default group). The
             Lightning callback sets it from the DDP module (``set_process_group``).
 
@@ -140,6 +145,7 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
         nonfinite: str = "skip",
         overlap: bool = True,
         process_group: dist.ProcessGroup | None = None,
+        scale_block: int = DEFAULT_SCALE_BLOCK,
     ) -> None:
         check_adam_hparams(lr, betas, eps, weight_decay)
         if not isinstance(decoupled_weight_decay, bool):
@@ -152,6 +158,7 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
             bucket_mb,
             nonfinite,
             overlap,
+            scale_block,
         )
         self.nonfinite = NonFiniteGuard(nonfinite, "OneBitAdam", agree=self._all_ranks_finite)
         defaults = dict(
@@ -245,7 +252,10 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
         self._layout = params
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._sync = OneBitMomentumSync(
-            [p.numel() for p in params], self.config.bucket_numel, process_group=self.process_group
+            [p.numel() for p in params],
+            self.config.bucket_numel,
+            process_group=self.process_group,
+            block_numel=self.config.block_numel,
         )
         if self._pending_rank_state is not None:
             pending, self._pending_rank_state = self._pending_rank_state, None

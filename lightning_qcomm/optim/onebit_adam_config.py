@@ -20,6 +20,7 @@ from typing import Any
 from lightning_qcomm.comm.nonfinite import check_policy
 
 FP32_BYTES = 4
+DEFAULT_SCALE_BLOCK = 0  # elements per 1-bit scale (0: one per chunk)
 
 
 def _is_number(x: Any) -> bool:
@@ -43,6 +44,9 @@ class OneBitAdamConfig:
             extra all-reduce; see ``optim.onebit_adam``, "Overlap").
         overlap: start each momentum bucket's 1-bit average during backward, as soon as its gradients are
             final (``comm.onebit_overlap``), instead of after it. Needs one backward per optimizer step.
+        scale_block: B, elements per 1-bit scale (an int >= 8; default ``DEFAULT_SCALE_BLOCK``): each block of B
+            consecutive momentum elements travels as signs and its own fp32 rms, 1 + 32/B bits per element. 0: one
+            scale per chunk of a bucket (up to 2^18 elements per rank and piece), the original 1-bit Adam code.
     """
 
     freeze_step: int = 100
@@ -52,6 +56,7 @@ class OneBitAdamConfig:
     bucket_mb: float = 32.0
     nonfinite: str = "skip"
     overlap: bool = True
+    scale_block: int = DEFAULT_SCALE_BLOCK
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -71,10 +76,18 @@ class OneBitAdamConfig:
         check_policy("OneBitAdam", self.nonfinite)
         if not isinstance(self.overlap, bool):
             raise bad("overlap", self.overlap, "True or False")
+        s = self.scale_block
+        if not isinstance(s, int) or isinstance(s, bool) or not (s == 0 or s >= 8):
+            raise bad("scale_block", s, "0 (one scale per chunk) or an int >= 8")
 
     @property
     def bucket_numel(self) -> int:
         return max(1, int(self.bucket_mb * 1024 * 1024 / FP32_BYTES))
+
+    @property
+    def block_numel(self) -> int | None:
+        """``scale_block`` as the collective takes it (None: one scale per chunk)."""
+        return self.scale_block or None
 
 
 def check_adam_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "OneBitAdam") -> None:
@@ -103,4 +116,4 @@ def check_no_amsgrad(groups: Any, where: str) -> None:
             )
 
 
-__all__ = ["OneBitAdamConfig", "check_adam_hparams", "check_no_amsgrad"]
+__all__ = ["DEFAULT_SCALE_BLOCK", "OneBitAdamConfig", "check_adam_hparams", "check_no_amsgrad"]
