@@ -259,6 +259,16 @@ def check_all_reduce_codec(rank, n):
     assert_same_on_all_ranks(x.float())
 
 
+def _assert_onebit_step(t, out, outs, expect, errors, oracle_errors, y_max):
+    """One step of ``onebit_all_reduce`` against the oracle: the ranks agree, the output matches, and so do the
+    worker and server errors (e = y - C(y) is a difference of operands of size <= max abs(y): a few fp32 ulps)."""
+    atol = 8 * torch.finfo(torch.float32).eps * max(y_max, 1.0)
+    assert all(torch.equal(o, out) for o in outs), f"step {t}: ranks disagree"
+    assert_close(out, expect, rtol=1e-6, atol=1e-7, msg=f"step {t}: output")
+    for got, want, what in zip(errors, oracle_errors, ("worker", "server")):
+        assert_close(got, want, rtol=1e-6, atol=atol, msg=f"step {t}: {what} error")
+
+
 def check_onebit_oracle(rank, n):
     c = onebit_server_error_numel(D)
     assert c == -(-D // n)
@@ -271,13 +281,8 @@ def check_onebit_oracle(rank, n):
         out = onebit_all_reduce(xs[rank].clone(), ew, es)
         outs = gather_all(out)
         expect, o_ew, o_es = oracle_onebit(xs, o_ew, o_es)
-        # e = y - C(y) is a difference of operands of size <= max|y|: allow a few fp32 ulps of that
-        atol = 8 * torch.finfo(torch.float32).eps * max(y_max, 1.0)
         try:
-            assert all(torch.equal(o, out) for o in outs), f"step {t}: ranks disagree"
-            assert_close(out, expect, rtol=1e-6, atol=1e-7, msg=f"step {t}: output")
-            assert_close(ew, o_ew[rank], rtol=1e-6, atol=atol, msg=f"step {t}: worker error")
-            assert_close(es, o_es[rank], rtol=1e-6, atol=atol, msg=f"step {t}: server error")
+            _assert_onebit_step(t, out, outs, expect, (ew, es), (o_ew[rank], o_es[rank]), y_max)
         except AssertionError as exc:
             failures.append(str(exc))
     assert not failures, failures
@@ -340,12 +345,8 @@ def check_onebit_block_oracle(rank, n):
             out = onebit_all_reduce(xs[rank].clone(), ew, es, block_numel=block, check=t == 0)
             outs = gather_all(out)
             expect, o_ew, o_es = oracle_onebit(xs, o_ew, o_es, block=block)
-            atol = 8 * torch.finfo(torch.float32).eps * max(y_max, 1.0)
             try:
-                assert all(torch.equal(o, out) for o in outs), f"step {t}: ranks disagree"
-                assert_close(out, expect, rtol=1e-6, atol=1e-7, msg=f"step {t}: output")
-                assert_close(ew, o_ew[rank], rtol=1e-6, atol=atol, msg=f"step {t}: worker error")
-                assert_close(es, o_es[rank], rtol=1e-6, atol=atol, msg=f"step {t}: server error")
+                _assert_onebit_step(t, out, outs, expect, (ew, es), (o_ew[rank], o_es[rank]), y_max)
                 assert float(out[:block].abs().max()) < 1e-2 * float(out[block : 2 * block].abs().min())
             except AssertionError as exc:
                 failures.append(str(exc))
