@@ -60,23 +60,6 @@ MODELS = ("bench", "bytegpt", "gpt2", "llama")
 HF_MODELS = ("gpt2", "llama")
 
 
-class _Logits:
-    """A Hugging Face causal LM called as ``net(x) -> logits`` (the other models' interface)."""
-
-    def __new__(cls, hf):
-        import torch
-
-        class Wrapped(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.hf = hf
-
-            def forward(self, x):
-                return self.hf(input_ids=x).logits
-
-        return Wrapped()
-
-
 def _build(model: str, batch: int, seed: int = 0, hf_size: str = "cpu"):
     """(nn.Module, DataLoader of (x, y) batches on CPU) for ``model``, deterministic given ``seed``."""
     import torch
@@ -86,8 +69,16 @@ def _build(model: str, batch: int, seed: int = 0, hf_size: str = "cpu"):
         from gpu_e2e import SIZES, build_model
         from onebit_vocab_convergence import zipf_bigram_tokens
 
+        class Logits(torch.nn.Module):  # the HF model called as net(x) -> logits, like the other models
+            def __init__(self, hf: torch.nn.Module) -> None:
+                super().__init__()
+                self.hf = hf
+
+            def forward(self, x):
+                return self.hf(input_ids=x).logits
+
         size = SIZES[hf_size]
-        net = _Logits(build_model(model, hf_size))
+        net = Logits(build_model(model, hf_size))
         seq, vocab = size["seq"], size["vocab"][model]
         tokens = zipf_bigram_tokens(vocab, batch * 64 * (seq + 1), seed=seed).view(-1, seq + 1)
         data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])

@@ -27,8 +27,6 @@ from lightning_qcomm.memory.recompute import activation_fn, bypass_active, layer
 if TYPE_CHECKING:
     from lightning_qcomm.memory.quantizer import ActivationQuantizer
 
-# ops with a recompute form (``recompute_from_stored``): their saves are replaced by the quantized input
-_RECOMPUTE_KINDS = frozenset({"layer_norm", "rms_norm", "gelu", "silu"})
 _NORMS = ("layer_norm", "rms_norm")
 _SIG_LAYER_NORM = inspect.signature(F.layer_norm)
 _SIG_RMS_NORM = inspect.signature(F.rms_norm)

@@ -15,15 +15,14 @@ module class calls them):
   - an *element-wise* op: activation functions (``gelu``, ``silu``, ``relu``, ``tanh``, ``sigmoid``, ...),
     the products and quotients around them (``mul``, ``div``, ``addcmul``, ...), and the pieces of norms
     written as Python arithmetic (``pow``, ``rsqrt``, ``sqrt``, ``var``, ``mean`` of a square...): every
-    floating save that is an activation.
+    floating save that is an activation;
+  - dropout: its saved mask, a temporary float tensor of 0 and 1/(1-p) on CPU (two values per block, which
+    min-max blocks store to within a rounding of the scale; CUDA's fused dropout saves a bool mask, kept).
 
 * **exact by rule**: attention (``scaled_dot_product_attention``, ``multi_head_attention_forward``,
   ``softmax``, and a matmul whose operands are both activations: Q·Kᵀ and P·V written by hand), and losses
   (``cross_entropy``, ``log_softmax``, ``nll_loss``, any ``*_loss``): their saves feed gradients whose
   error would not average out (probabilities, log-probabilities).
-
-  - dropout: its saved mask, a temporary float tensor of 0 and 1/(1-p) on CPU (two values per block, which
-    min-max blocks store to within a rounding of the scale; CUDA's fused dropout saves a bool mask, kept).
 
 * **exact, not covered**: every other op (embedding, gather, cumprod, ...).
 
@@ -38,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,8 +45,8 @@ import torch
 
 from lightning_qcomm.memory.saved_tensors import is_parameter_like
 
-# the function's own kernel path (recompute or saved-tensor hook) in ActivationQuantizer._handle
-_RECOMPUTABLE = {"layer_norm": "layer_norm", "rms_norm": "rms_norm", "gelu": "gelu", "silu": "silu"}
+# ops with a recompute form (``recompute.recompute_from_stored``): the site kind is the op's name
+RECOMPUTABLE = frozenset({"layer_norm", "rms_norm", "gelu", "silu"})
 # projections whose operands have fixed roles: name -> index of the activation input
 _PROJECTIONS = {
     "linear": 0,
@@ -83,6 +83,7 @@ _ATTENTION = frozenset(
 )
 _LOSSES = frozenset({"cross_entropy", "log_softmax", "nll_loss", "kl_div", "binary_cross_entropy"})
 _REVERSED = frozenset({"rmul", "rtruediv", "rdiv", "rpow", "rmatmul", "rsub", "radd"})
+_IN_PLACE_DUNDER = frozenset("i" + n for n in ELEMENTWISE | _MATMULS)  # __imul__, __imatmul__, ...
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,14 @@ class OpRule:
     x: torch.Tensor | None = None
 
 
+@functools.cache
 def op_name(func: Callable) -> str:
-    """``torch.Tensor.__rmul__`` -> ``mul``, ``torch.Tensor.mul_`` -> ``mul``, ``F.linear`` -> ``linear``."""
+    """``torch.Tensor.__rmul__`` -> ``mul``, ``torch.Tensor.mul_`` -> ``mul``, ``F.linear`` -> ``linear``
+    (cached per function: it runs for every torch call of a quantized forward)."""
     name = getattr(func, "__name__", "")
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
-        if name in _REVERSED or (name.startswith("i") and name[1:] in ELEMENTWISE | _MATMULS):
+        if name in _REVERSED or name in _IN_PLACE_DUNDER:
             name = name[1:]
     elif name.endswith("_") and not name.startswith("_"):
         name = name[:-1]
@@ -129,12 +132,12 @@ def rule_for(func: Callable, args: tuple, kwargs: dict) -> OpRule | None:
         return OpRule(name, exact="attention")
     if name in _LOSSES or name.endswith("_loss"):
         return OpRule(name, exact="loss")
-    if name in _RECOMPUTABLE or name in _NORMS or name in _PROJECTIONS:
+    if name in RECOMPUTABLE or name in _NORMS or name in _PROJECTIONS:
         i = _PROJECTIONS.get(name, 0)
         x = args[i] if len(args) > i else kwargs.get("input")
         if not isinstance(x, torch.Tensor):
             return None
-        kind = _RECOMPUTABLE.get(name) or ("norm" if name in _NORMS else "linear")
+        kind = name if name in RECOMPUTABLE else "norm" if name in _NORMS else "linear"
         return OpRule(name, kind=kind, x=x)
     if name in _MATMULS:
         operands = _tensors(args)
@@ -151,4 +154,4 @@ def rule_for(func: Callable, args: tuple, kwargs: dict) -> OpRule | None:
     return None
 
 
-__all__ = ["ELEMENTWISE", "OpRule", "op_name", "rule_for"]
+__all__ = ["ELEMENTWISE", "RECOMPUTABLE", "OpRule", "op_name", "rule_for"]

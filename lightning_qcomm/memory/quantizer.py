@@ -61,8 +61,8 @@ from torch import nn
 from lightning_qcomm.codecs import Codec, derive_seed, get_codec
 from lightning_qcomm.memory import bit_allocation as alloc
 from lightning_qcomm.memory.config import ActivationQuantConfig
-from lightning_qcomm.memory.intercept import _RECOMPUTE_KINDS, _bind, _norm_r2, _QuantMode
-from lightning_qcomm.memory.op_rules import OpRule
+from lightning_qcomm.memory.intercept import _bind, _norm_r2, _QuantMode
+from lightning_qcomm.memory.op_rules import RECOMPUTABLE, OpRule
 from lightning_qcomm.memory.recompute import bypass_active, recompute_from_stored
 from lightning_qcomm.memory.saved_tensors import (
     SavedBytes,
@@ -351,7 +351,7 @@ class ActivationQuantizer:
             with torch.autograd.graph.saved_tensors_hooks(partial(self._keep_exact, op, reason), restore):
                 return func(*args, **kwargs)
         collect = self.config.policy == "budget" and self.plan is None
-        if kind in _RECOMPUTE_KINDS and self.config.recompute:
+        if kind in RECOMPUTABLE and self.config.recompute:
             bound = _bind(kind, func, args, kwargs)
             if bound is not None and quantizable_reason(x, self.config.min_numel) is None:
                 fn, params = bound
