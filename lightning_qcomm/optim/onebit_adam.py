@@ -118,8 +118,8 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
             ``decoupled_weight_decay`` are honoured).
         lr, betas, eps, weight_decay: as torch.optim.AdamW (weight decay is decoupled by default).
         decoupled_weight_decay: True = AdamW (p <- p(1 - lr·wd)); False = Adam's L2 term (g <- g + wd·p).
-        freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience, bucket_mb, nonfinite, overlap,
-        scale_block: see ``OneBitAdamConfig``.
+        freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience: see ``OneBitAdamConfig``.
+        bucket_mb, nonfinite, overlap, scale_block: see ``OneBitAdamConfig``.
         process_group: the data-parallel group of the momentum all-reduce (None: default group). The
             Lightning callback sets it from the DDP module (``set_process_group``).
 
