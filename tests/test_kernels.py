@@ -5,7 +5,7 @@ Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a kernel, i.e. when
 this process. So one subprocess (this file run as a script, with the variable set) goes through every
 case on CPU tensors and reports per codec; the tests below assert on that report:
 
-- encode: packed codes bit-identical to ``Codec.encode_reference`` (the ops' CPU kernel replaced by their CUDA
+- encode: packed codes and wire scales bit-identical to ``Codec.encode_reference`` / ``bucket_scales`` (the ops' CPU kernel replaced by their CUDA
   kernel, so ``codec.encode`` runs what the dispatcher runs for CUDA tensors and the kernels get exactly the
   per-bucket parameters the reference gets), for every codec and bit width,
   default and odd bucket sizes (buckets straddling the 8-element packing groups), lengths that are not
@@ -97,6 +97,15 @@ def _worker() -> dict:
 
     to_kernels = ToKernels()
 
+    def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Equal bits, NaN where NaN (a NaN's payload is not compared)."""
+        fin = ~torch.isnan(a)
+        return (
+            a.shape == b.shape
+            and torch.equal(fin, ~torch.isnan(b))
+            and torch.equal(a[fin].view(torch.int32), b[fin].view(torch.int32))
+        )
+
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
 
@@ -117,6 +126,8 @@ def _worker() -> dict:
                     if not torch.equal(ref.codes, tri.codes):
                         bad = (ref.codes != tri.codes).nonzero().flatten()[:5].tolist()
                         res["code_mismatch"].append(f"bucket={bucket} n={n} seed={seed}: bytes {bad}")
+                    if not same_bits(ref.scales, tri.scales):
+                        res["code_mismatch"].append(f"bucket={bucket} n={n} seed={seed}: wire scales differ")
                 # decode of the (identical) codes, and of every byte pattern, with this input's scales
                 noise = torch.randint(0, 256, ref.codes.shape, generator=gen, dtype=torch.uint8)
                 rnd = Packed(codes=noise, scales=ref.scales, shape=ref.shape, dtype=ref.dtype)
@@ -145,7 +156,9 @@ def _worker() -> dict:
                 tri_dec = codec.decode(ref)
             res["checked"] += 1
             if not (
-                torch.equal(ref.codes, tri.codes) and torch.equal(ref_dec.view(torch.int32), tri_dec.view(torch.int32))
+                torch.equal(ref.codes, tri.codes)
+                and same_bits(ref.scales, tri.scales)
+                and torch.equal(ref_dec.view(torch.int32), tri_dec.view(torch.int32))
             ):
                 res["mismatch"].append(f"bucket={bucket}")
             if not bool(torch.isfinite(tri_dec).all()):

@@ -29,12 +29,17 @@ def fresh(monkeypatch):
         calls["encode"] += 1
         return codec.encode_reference(xf, p, s)
 
-    def dec(codec, codes, p, n):
+    def dec(codec, codes, p, n, wire=False):
         calls["decode"] += 1
-        return codec.decode_reference(codes, p, n)
+        return codec.decode_reference(codes, codec._decode_params(p) if wire else p, n)
+
+    def wire(codec, xf):  # the fused scales kernel's stand-in: the reference's scales and parameters
+        scales = codec.bucket_scales(xf)
+        return scales, codec._encode_params(scales)
 
     monkeypatch.setattr(kernels, "encode", enc)
     monkeypatch.setattr(kernels, "decode", dec)
+    monkeypatch.setattr(kernels, "wire_encode_params", wire)
     return calls
 
 

@@ -264,9 +264,8 @@ def _scales(codec, x: torch.Tensor) -> torch.Tensor:
     (``Codec.scale_statistic``):
 
     - min/max (uniform) and max |x| (qsgdinf, fp8) do not depend on the reduction order, so the codec's
-      own ``_scales`` applied to the stats ((lo, hi) rows, or (amax,) rows) gives the reference's bits;
-      a bucket holding both +0 and -0 where min or max is zero is redone by ``_scales`` on its elements,
-      together with the last bucket (which ``_scales`` treats specially);
+      own ``_scales`` applied to the stats ((lo, hi) rows, or (amax,) rows) gives the reference's bits (a zero
+      min or max becomes +0 there, whatever its sign in the stats);
     - L2-norm codecs (qsgd, nuqsgd, sign1): the norm's rounding depends on torch's summation order, so
       ``_scales`` runs on the bucketed tensor as in the reference; only the finiteness pass is fused.
     """
@@ -280,14 +279,6 @@ def _scales(codec, x: torch.Tensor) -> torch.Tensor:
         stat_counts = counts.clone()
         stat_counts[-1] = 2
         scales = codec._scales(torch.stack([lo, hi], dim=1), stat_counts)
-        redo = (((flags & 2) != 0) & ((lo == 0) | (hi == 0))).nonzero().reshape(-1)
-        if redo.numel():
-            redo = redo[redo != nb - 1]
-            full = x[: (nb - 1) * blen].view(nb - 1, blen)
-            last = torch.nn.functional.pad(x[(nb - 1) * blen :], (0, nb * blen - n)).view(1, blen)
-            sub = torch.cat([full[redo], last])
-            rows = torch.cat([redo, torch.tensor([nb - 1])])
-            scales[rows] = codec._scales(sub, counts[rows])
     elif codec.scale_statistic == "amax":
         scales = codec._scales(amax[:, None], counts)
     else:

@@ -4,8 +4,10 @@ A codec travels through the ops as ``Codec.op_args()`` = ``(codec, bits, bucket_
 by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
 
 - ``encode``, ``decode``, ``decode_into``: CPU ``cpu_fused`` (the C passes on tensors of at least
-  ``FUSED_MIN_NUMEL`` elements, else the reference); CUDA: the per-bucket parameters in torch, the
-  element-wise work in Triton (``lightning_qcomm.kernels``); default (any other device): the torch reference;
+  ``FUSED_MIN_NUMEL`` elements, else the reference); CUDA: Triton (``lightning_qcomm.kernels``): a decode is one
+  launch (decode parameters made from the wire scales in the kernel), an encode of a uniform or FP8 codec two
+  (scales and parameters, then the codes), of the norm codecs the per-bucket parameters in torch and the codes
+  in Triton; default (any other device): the torch reference;
 - ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_uniform_encode``, ``c_uniform_decode``: the C
   kernels (``csrc``), CPU only, on flat contiguous tensors given the per-bucket parameters (the uniform ones: the
   wire scales; what ``cpu_fused`` calls); the encodes'
@@ -108,11 +110,8 @@ def encode_cuda(x, codec: str, bits: int, bucket_size: int | None, stochastic: b
         return encode_reference(x, codec, bits, bucket_size, stochastic, seed)
     from lightning_qcomm import kernels
 
-    def triton_encode(xf, enc_params, s):
-        return kernels.encode(c, xf, enc_params, s)
-
     with triton_probe.on_device(x.device):
-        return c.encode_torch(x.reshape(-1).to(torch.float32), seed, scaling.output_max(x.dtype), triton_encode)
+        return kernels.encode_codec(c, x.reshape(-1).to(torch.float32), seed, scaling.output_max(x.dtype))
 
 
 def decode_cuda(codes, scales, numel: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
@@ -121,8 +120,8 @@ def decode_cuda(codes, scales, numel: int, codec: str, bits: int, bucket_size: i
         return decode_reference(codes, scales, numel, codec, bits, bucket_size, stochastic)
     from lightning_qcomm import kernels
 
-    with triton_probe.on_device(codes.device):
-        return kernels.decode(c, codes, c._decode_params(scales), numel)
+    with triton_probe.on_device(codes.device):  # one launch: the decode parameters are made in the kernel
+        return kernels.decode_codec(c, codes, scales, numel)
 
 
 # ---------------------------------------------------------------------------------------------- fake: shapes

@@ -10,7 +10,7 @@ answer is cached per (codec configuration, device); the check makes its host syn
 Example::
 
     if triton_works(codec, x.device):
-        codes = kernels.encode(codec, xf, enc_params, seed)
+        codes, scales = kernels.encode_codec(codec, xf, seed, out_max)
 """
 
 from __future__ import annotations
@@ -46,10 +46,9 @@ def _check(codec, device: torch.device) -> None:
     out_max = scaling.output_max(x.dtype)
     with on_device(device):
         ref_codes, ref_scales = codec.encode_torch(x, 5, out_max)
-        codes, scales = codec.encode_torch(x, 5, out_max, lambda xf, p, s: kernels.encode(codec, xf, p, s))
-        params = codec._decode_params(scales)
-        ref_out = codec.decode_reference(codes, params, x.numel())
-        out = kernels.decode(codec, codes, params, x.numel())
+        codes, scales = kernels.encode_codec(codec, x, 5, out_max)  # what the ops' CUDA kernels run
+        ref_out = codec.decode_reference(codes, codec._decode_params(scales), x.numel())
+        out = kernels.decode_codec(codec, codes, scales, x.numel())
     if not torch.equal(codes, ref_codes) or not torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32)):
         raise RuntimeError("the Triton encode differs from the torch reference")
     if not torch.equal(out.view(torch.int32), ref_out.view(torch.int32)):

@@ -55,7 +55,10 @@ class UniformCodec(Codec):
         return self._wire_scales(lo, hi)
 
     def _wire_scales(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        """(nb, 2) wire scales (lo, unit) of buckets with min ``lo`` and max ``hi``, flagged where extreme."""
+        """(nb, 2) wire scales (lo, unit) of buckets with min ``lo`` and max ``hi``, flagged where extreme. A zero
+        min or max is +0.0 (``+ 0.0``): which of +0.0 and -0.0 a reduction returns depends on its order, which
+        differs between the torch reference, the C and the Triton kernels."""
+        lo, hi = lo + 0.0, hi + 0.0
         L = self.levels
         unit = (hi - lo) / L
         top = lo + L * unit  # the decode of the largest code, in the decode's own fp32 operations

@@ -232,9 +232,8 @@ static void qc_stats(const float* x, int64_t n, int64_t blen, float* lo, float* 
 /* Uniform codec, the whole of Codec.encode in one call: per-bucket lo/hi over the real elements (as in
    qc_stats), wire scales (lo, unit = (hi - lo) / L), NaN for a bucket with a non-finite element, encode
    params (1, lo, inv = unit > 0 ? 1/unit : 0), then the codes (random counters from off, as in qc_encode).
-   Returns 1 before writing any code if a bucket holds both +0 and -0 and its min or max is a zero (torch's
-   sign of that zero depends on its reduction order), or if a bucket is pre-scaled (UniformCodec._wire_scales:
-   the same fp32 tests): the caller then takes the general path. */
+   A zero min or max is +0 (UniformCodec._wire_scales). Returns 1 before writing any code if a bucket is
+   pre-scaled (UniformCodec._wire_scales: the same fp32 tests): the caller then takes the general path. */
 static int qc_uniform_encode(const cfg_t* c, const float* x, int64_t n, int64_t blen, uint32_t k1, uint32_t k2,
                       int64_t off, float* scales, float* params, uint8_t* out) {
     const uint32_t* xu = (const uint32_t*)x;
@@ -244,14 +243,13 @@ static int qc_uniform_encode(const cfg_t* c, const float* x, int64_t n, int64_t 
     for (int64_t b = 0; b < nb; b++) {
         int64_t i0 = b * blen, i1 = i0 + blen < n ? i0 + blen : n;
         bstats_t st = bucket_stats(xu, i0, i1);
-        float lo = unkey(st.mn), hi = unkey(st.mx);
+        float lo = unkey(st.mn) + 0.0f, hi = unkey(st.mx) + 0.0f; /* a zero min / max is +0 (_wire_scales) */
         if (st.nonfin) {
             scales[2 * b] = scales[2 * b + 1] = qnan;
             params[3 * b] = 1.0f;
             params[3 * b + 1] = params[3 * b + 2] = qnan;
             continue;
         }
-        if ((st.pz & st.nz) && (lo == 0.0f || hi == 0.0f)) return 1;
         float unit = (hi - lo) / L;
         float top = lo + L * unit;
         if (!isfin(top) || unit > 0x1p126f || (hi > lo && unit < 0x1p-126f)) return 1;

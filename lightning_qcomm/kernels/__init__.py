@@ -3,7 +3,9 @@
 ``encode(codec, xf, enc_params, seed)`` and ``decode(codec, codes, dec_params, numel)`` are the fused
 element-wise halves of every codec (random bits, quantize, bit packing and back), bit-identical to
 ``Codec.encode_reference`` / ``Codec.decode_reference``; their constants are the codec's ``kernel_spec()``,
-the same the C kernels read. They are the CUDA kernels of the ops ``qcomm::encode`` / ``decode``
+the same the C kernels read; ``wire_encode_params(codec, xf)`` computes the wire scales and encode parameters of
+the uniform and FP8 codecs in one launch (``fused_scales`` says when). They are the CUDA kernels of the ops
+``qcomm::encode`` / ``decode``
 (``codecs.ops``), used when ``HAS_TRITON``. With ``TRITON_INTERPRET=1`` set before this package is imported (Triton reads it
 when the kernels are decorated), the same kernels run on CPU tensors through Triton's interpreter,
 which is how the tests compare them with the reference.
@@ -20,13 +22,34 @@ except ImportError:  # e.g. macOS / Windows, where triton is not a dependency
 
 if HAS_TRITON:
     from .codec_kernels import decode, encode
+    from .wire_params import fused_scales, wire_encode_params
 else:
 
     def encode(codec, xf, enc_params, seed):  # noqa: D103
         raise ImportError("lightning_qcomm.kernels.encode needs triton, which is not installed")
 
-    def decode(codec, codes, dec_params, numel):  # noqa: D103
+    def decode(codec, codes, dec_params, numel, wire=False):  # noqa: D103
         raise ImportError("lightning_qcomm.kernels.decode needs triton, which is not installed")
 
+    def fused_scales(codec, numel):  # noqa: D103
+        return False
 
-__all__ = ["HAS_TRITON", "decode", "encode"]
+    def wire_encode_params(codec, xf):  # noqa: D103
+        raise ImportError("lightning_qcomm.kernels.wire_encode_params needs triton, which is not installed")
+
+
+def encode_codec(codec, xf, seed: int, out_max: float):
+    """(packed codes, wire scales) of flat fp32 ``xf`` through the kernels, as ``codec.encode_torch(xf, seed,
+    out_max)``: two launches where ``fused_scales`` holds, else the parameters in torch and the codes in one."""
+    if fused_scales(codec, xf.numel()):
+        scales, params = wire_encode_params(codec, xf)
+        return encode(codec, xf, params, seed), scales
+    return codec.encode_torch(xf, seed, out_max, lambda v, p, s: encode(codec, v, p, s))
+
+
+def decode_codec(codec, codes, scales, numel: int):
+    """Flat fp32 values of ``numel`` packed codes given the wire scales, in one launch."""
+    return decode(codec, codes, scales, numel, wire=True)
+
+
+__all__ = ["HAS_TRITON", "decode", "decode_codec", "encode", "encode_codec", "fused_scales", "wire_encode_params"]

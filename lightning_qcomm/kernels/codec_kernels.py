@@ -1,10 +1,12 @@
 """Triton encode / decode kernels for every codec: counter-based random bits, quantize, pack, unpack,
 dequantize, fused so each element is read and written once.
 
-The per-bucket reductions (min/max, norms, amax) stay in torch (``Codec._scales``, ``_encode_params``,
-``_decode_params``); the kernels receive those per-bucket fp32 parameters (P = 1..3 per bucket, not the
-wire's scales_per_bucket) and do only element-wise work, in exactly the order of the torch reference, so
-codes are bit-identical to ``Codec.encode_reference`` and decodes equal ``Codec.decode_reference``.
+The encode kernel receives the per-bucket fp32 parameters (P = 1..3 per bucket, not the wire's
+scales_per_bucket: ``Codec._encode_params``, from ``wire_params.wire_encode_params`` for the uniform and FP8
+codecs, from torch for the norm codecs) and does only element-wise work, in exactly the order of the torch
+reference, so codes are bit-identical to ``Codec.encode_reference``. The decode kernel takes either the decode
+parameters or (``wire=True``) the wire scales, from which it makes them (``wire_params.dec_params``); its
+values equal ``Codec.decode_reference``.
 
 Layout. Program ``pid`` owns ``GROUPS`` groups of 8 consecutive elements, as a (GROUPS, 8) tile.
 Element ``i`` lies in bucket ``i // BUCKET`` (BUCKET = the codec's bucket_size; 0 = one bucket).
@@ -27,6 +29,7 @@ from lightning_qcomm.codecs import packing, registry, rng
 from lightning_qcomm.codecs.kernel_spec import KernelSpec
 
 from .elementwise import dequantize, is_finite, quantize, uniform
+from .wire_params import dec_params
 
 GROUPS_PER_PROGRAM = 128  # 1024 elements per program
 NUM_WARPS = 4
@@ -129,6 +132,7 @@ def _decode_kernel(
     FP8_E4M3FN: tl.constexpr,
     GROUPS: tl.constexpr,
     INT64_INDEX: tl.constexpr,
+    WIRE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if INT64_INDEX:
@@ -151,7 +155,10 @@ def _decode_kernel(
         part = ((byte[:, None, :] << shl[None, :, :]) >> shr[None, :, :]) & ((1 << BITS) - 1)  # (GROUPS, 8, BITS_P2)
         c = tl.sum(part, axis=2)
 
-    p0, p1, p2 = _load_params(params_ptr, idx, inb, P, BUCKET)
+    if WIRE:  # params_ptr holds the wire scales (P of them per bucket): the decode parameters are made here
+        p0, p1, p2 = dec_params(params_ptr, idx, inb, KIND, P, BUCKET, LEVELS)
+    else:
+        p0, p1, p2 = _load_params(params_ptr, idx, inb, P, BUCKET)
     val = dequantize(c, p0, p1, p2, KIND, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FP8_E4M3FN)
     tl.store(out_ptr + idx, val, mask=inb)
 
@@ -249,8 +256,12 @@ def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torc
     return out
 
 
-def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
-    """Flat fp32 values of ``numel`` packed codes, equal to ``codec.decode_reference(codes, dec_params, numel)``."""
+def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int, wire: bool = False) -> torch.Tensor:
+    """Flat fp32 values of ``numel`` packed codes, equal to ``codec.decode_reference(codes, dec_params, numel)``.
+
+    ``wire=True``: ``dec_params`` are the wire scales (num_buckets, scales_per_bucket) and the kernel makes the
+    decode parameters from them (``codec._decode_params``), so the decode is one launch.
+    """
     spec = _spec(codec)
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
@@ -279,6 +290,7 @@ def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> 
         FP8_E4M3FN=codec.kernel_spec().fp8_e4m3fn,
         GROUPS=GROUPS_PER_PROGRAM,
         INT64_INDEX=int64_index,
+        WIRE=wire,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # see encode
     )

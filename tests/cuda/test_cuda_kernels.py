@@ -75,6 +75,33 @@ def test_triton_equals_reference_bit_for_bit(cid, name, bits, opts):
                 assert bool(same.all()), f"{cid} bucket={bucket} n={n} {kind}: decoded bits differ"
 
 
+@pytest.mark.parametrize("cid,name,bits,opts", CODECS, ids=[c[0] for c in CODECS])
+def test_wire_path_equals_reference_bit_for_bit(cid, name, bits, opts):
+    """What the ops run on CUDA: ``kernels.encode_codec`` (the uniform and FP8 scales in one kernel) and
+    ``kernels.decode_codec`` (decode parameters made from the wire scales in the kernel): codes, wire scales and
+    decoded bits equal the CPU reference's."""
+    from lightning_qcomm import kernels
+
+    for bucket in BUCKETS:
+        codec = get_codec(name, bits=bits, bucket_size=bucket, **opts)
+        for n in LENGTHS:
+            for kind in ("plain", "special"):
+                x = _inputs(n, kind)
+                seed = derive_seed(n, bits, 3)
+                enc, scales = _params(codec, x)
+                want = codec.encode_reference(x, enc, seed)
+                codes, got_scales = kernels.encode_codec(codec, x.cuda(), seed, scaling.FLT_MAX)
+                assert torch.equal(codes.cpu(), want), f"{cid} bucket={bucket} n={n} {kind}: codes differ"
+                same = (got_scales.cpu().view(torch.int32) == scales.view(torch.int32)) | (
+                    got_scales.cpu().isnan() & scales.isnan()
+                )
+                assert bool(same.all()), f"{cid} bucket={bucket} n={n} {kind}: wire scales differ"
+                ref = codec.decode_reference(want, codec._decode_params(scales), n)
+                out = kernels.decode_codec(codec, want.cuda(), scales.cuda(), n).cpu()
+                same = (out.view(torch.int32) == ref.view(torch.int32)) | (out.isnan() & ref.isnan())
+                assert bool(same.all()), f"{cid} bucket={bucket} n={n} {kind}: decoded bits differ"
+
+
 def _window_reference(codec, xs, enc, seed, start):
     """Codec.encode_reference's element-wise work for the window xs = x[start : start + len(xs)] of one long
     tensor (start a multiple of the bucket): its buckets' parameters, the uniforms at their global counters."""

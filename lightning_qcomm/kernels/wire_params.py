@@ -1,0 +1,207 @@
+"""Per-bucket work of the codecs in Triton: wire scales and encode parameters in one launch, and the decode
+parameters computed from the wire scales inside the decode kernel.
+
+Encode (uniform and FP8 codecs, buckets of at most ``MAX_BUCKET`` elements): ``_wire_kernel`` reads each bucket
+once, reduces it (min and max, or max ``|x|``), and writes the wire scales (``Codec.bucket_scales``) and the
+encode parameters (``Codec._encode_params``) side by side, so an encode is this launch plus the element-wise one.
+Every formula is the torch reference's, operation for operation and in the same precision (fp64 where the
+reference widens, correctly rounded division ``div_rn`` where it divides in fp32), so the scales are bit for
+bit the reference's:
+
+- uniform: ``unit = (hi - lo) / L``, flagged ``wide`` when ``lo + L unit`` overflows or ``unit > 2^126``,
+  ``tiny`` when ``0 < unit < FLT_MIN``; a flagged bucket travels as ``(lo sigma, -(unit sigma))`` computed in fp64
+  (``codecs.scaling``); parameters ``(sigma, lo, 1 / unit)``;
+- FP8: ``s = amax / fmax`` (one ulp down when ``fmax s`` overflows), ``tiny`` when ``0 < amax < fmax FLT_MIN``;
+  parameters ``(sigma, 1 / s)``.
+
+A bucket holding NaN or +-Inf gets NaN scales (its codes are then 0 and its decode non-finite).
+
+Decode (every codec with kernels): ``dec_params`` turns a bucket's wire scales into the decode parameters
+of ``Codec._decode_params`` -- the flag in the sign of the scale gives ``m`` (1, 2^64 or 2^-64) -- per element,
+so a decode is one launch.
+
+Example::
+
+    scales, params = wire_encode_params(get_codec("uniform", 8), xf)   # one launch (CUDA, or the interpreter)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_qcomm.codecs.kernel_spec import KernelKind
+
+from .elementwise import is_finite
+
+MAX_BUCKET = 8192  # longest bucket one program reduces in registers; longer ones keep the torch reduction
+ROWS_ELEMENTS = 4096  # elements per program of the per-bucket kernel (ROWS buckets of BLOCK)
+FUSED_KINDS = (KernelKind.UNIFORM, KernelKind.FP8)  # scale statistics min/max and max |x|
+FLT_MIN: tl.constexpr = tl.constexpr(2.0**-126)
+WIDE_SIGMA: tl.constexpr = tl.constexpr(2.0**-64)
+TINY_SIGMA: tl.constexpr = tl.constexpr(2.0**64)
+
+_UNIFORM: tl.constexpr = tl.constexpr(int(KernelKind.UNIFORM))
+_QSGD: tl.constexpr = tl.constexpr(int(KernelKind.QSGD))
+_NUQSGD: tl.constexpr = tl.constexpr(int(KernelKind.NUQSGD))
+_SIGN: tl.constexpr = tl.constexpr(int(KernelKind.SIGN))
+
+
+@triton.jit
+def unflag(w):
+    """(magnitude, sigma, m) of a flagged-or-plain wire scale (``scaling.unflag``): a negative scale is flagged,
+    ``|w| >= 1`` wide (sigma 2^-64, m 2^64), else tiny (sigma 2^64, m 2^-64); plain and NaN: 1, 1."""
+    flagged = w < 0
+    mag = tl.where(flagged, 0.0 - w, w)
+    tiny = mag < 1.0
+    sigma = tl.where(flagged, tl.where(tiny, 18446744073709551616.0, 5.421010862427522e-20), 1.0)
+    m = tl.where(flagged, tl.where(tiny, 5.421010862427522e-20, 18446744073709551616.0), 1.0)
+    return mag, sigma, m
+
+
+@triton.jit
+def dec_params(scales_ptr, idx, inb, KIND: tl.constexpr, S: tl.constexpr, BUCKET: tl.constexpr, LEVELS: tl.constexpr):
+    """Each element's decode parameters (p0, p1, p2) from its bucket's ``S`` wire scales, as
+    ``Codec._decode_params``: uniform (lo, unit, m); QSGD (n / s, m); NUQSGD (n, m); sign1 (scale); FP8 (s, m)."""
+    if BUCKET == 0:
+        base = scales_ptr + idx * 0
+    else:
+        base = scales_ptr + (idx // BUCKET) * S
+    w0 = tl.load(base, mask=inb, other=0.0)
+    if KIND == _UNIFORM:
+        w1 = tl.load(base + 1, mask=inb, other=0.0)
+        unit, _s, m = unflag(w1)
+        return w0, unit, m
+    elif KIND == _SIGN:
+        return w0, w0, w0
+    else:
+        mag, _s, m = unflag(w0)
+        if KIND == _QSGD:
+            mag = tl.math.div_rn(mag, tl.full(mag.shape, LEVELS, tl.float32))
+        return mag, m, m
+
+
+@triton.jit
+def _round_down(v64):
+    """The largest fp32 <= v64 (v64 >= 0), as ``scaling.round_down``."""
+    f = v64.to(tl.float32)
+    down = (f.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+    return tl.where(f.to(tl.float64) > v64, down, f)
+
+
+@triton.jit
+def _wire_kernel(
+    x_ptr,
+    scales_ptr,
+    params_ptr,
+    n,
+    nb,
+    KIND: tl.constexpr,
+    BUCKET: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    LEVELS: tl.constexpr,
+    FMAX: tl.constexpr,
+    INT64_INDEX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if INT64_INDEX:
+        pid = pid.to(tl.int64)
+        n = n.to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    idx = rows[:, None] * BUCKET + cols[None, :]
+    valid = (cols[None, :] < BUCKET) & (idx < n)
+    x = tl.load(x_ptr + idx, mask=valid, other=0.0)
+    finite = tl.sum(tl.where(valid & ~is_finite(x), 1, 0), axis=1) == 0
+    live = rows < nb
+    one = tl.full((ROWS,), 1.0, tl.float64)
+    if KIND == _UNIFORM:
+        L = tl.full((ROWS,), LEVELS, tl.float32)
+        lo = tl.min(tl.where(valid, x, float("inf")), axis=1) + 0.0  # + 0.0: one zero, +0.0, whichever came first
+        hi = tl.max(tl.where(valid, x, float("-inf")), axis=1) + 0.0
+        unit = tl.math.div_rn(hi - lo, L)
+        top = lo + L * unit
+        wide = is_finite(lo) & is_finite(hi) & (~is_finite(top) | (unit > 8.507059173023462e37))  # 2^126
+        tiny = (hi > lo) & (unit < FLT_MIN)
+        special = wide | tiny
+        sigma64 = tl.where(wide, WIDE_SIGMA * one, tl.where(tiny, TINY_SIGMA * one, one))
+        lo64 = lo.to(tl.float64)
+        unit_s = (hi.to(tl.float64) - lo64) * sigma64 / (LEVELS * one)  # fp64 division: div.rn
+        unit_s32 = tl.where(wide, _round_down(unit_s / ((1.0 + 2.0**-23) * one)), unit_s.to(tl.float32))
+        w0 = tl.where(special, (lo64 * sigma64).to(tl.float32), lo)
+        w1 = tl.where(special, 0.0 - unit_s32, unit)
+        w0 = tl.where(finite, w0, float("nan"))
+        w1 = tl.where(finite, w1, float("nan"))
+        tl.store(scales_ptr + rows * 2, w0, mask=live)
+        tl.store(scales_ptr + rows * 2 + 1, w1, mask=live)
+        # _encode_params: (sigma, lo, 1 / unit), NaN buckets NaN
+        u, sigma, _m = unflag(w1)
+        inv = tl.where(u > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), u), 0.0)
+        inv = tl.where(is_finite(u), inv, u)
+        tl.store(params_ptr + rows * 3, sigma, mask=live)
+        tl.store(params_ptr + rows * 3 + 1, w0, mask=live)
+        tl.store(params_ptr + rows * 3 + 2, inv, mask=live)
+    else:  # FP8
+        amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
+        s = tl.math.div_rn(amax, tl.full((ROWS,), FMAX, tl.float32))
+        down = (s.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+        s = tl.where(is_finite(FMAX * s) | ~is_finite(s), s, down)
+        a64 = amax.to(tl.float64)
+        tiny = (a64 > 0) & (a64 < FMAX * FLT_MIN * one)
+        w0 = tl.where(tiny, 0.0 - (a64 / (FMAX * one) * (TINY_SIGMA * one)).to(tl.float32), s)
+        w0 = tl.where(finite, w0, float("nan"))
+        tl.store(scales_ptr + rows, w0, mask=live)
+        # _encode_params: (sigma, 1 / s)
+        sm, sigma, _m = unflag(w0)
+        inv = tl.where(sm > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), sm), tl.where(is_finite(sm), 0.0, sm))
+        tl.store(params_ptr + rows * 2, sigma, mask=live)
+        tl.store(params_ptr + rows * 2 + 1, inv, mask=live)
+
+
+def fused_scales(codec, numel: int) -> bool:
+    """Whether ``wire_encode_params`` computes this codec's scales: a uniform or FP8 codec whose buckets hold at
+    most ``MAX_BUCKET`` elements (one bucket of the whole tensor counts as a bucket of ``numel``)."""
+    spec = codec.kernel_spec()
+    return spec.kind in FUSED_KINDS and codec.bucket_len(numel) <= MAX_BUCKET
+
+
+def wire_encode_params(codec, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(wire scales (nb, S), encode parameters (nb, P)) of flat fp32 ``xf``, one launch; bit for bit
+    ``codec.bucket_scales(xf)`` and ``codec._encode_params(...)``. Needs ``fused_scales(codec, xf.numel())``."""
+    n = xf.numel()
+    if not fused_scales(codec, n):
+        raise ValueError(f"codec {codec.name!r} with {codec.bucket_len(n)}-element buckets has no fused scales kernel")
+    spec = codec.kernel_spec()
+    blen = codec.bucket_len(n)
+    nb = codec.num_buckets(n)
+    block = triton.next_power_of_2(blen)
+    rows = max(1, ROWS_ELEMENTS // block)
+    from . import codec_kernels  # its index limit (the tests lower it to force int64 indexing)
+
+    programs = triton.cdiv(nb, rows)
+    int64_index = programs * rows * blen > codec_kernels.INT32_INDEX_LIMIT
+    uniform = spec.kind == KernelKind.UNIFORM
+    scales = torch.empty((nb, codec.scales_per_bucket), dtype=torch.float32, device=xf.device)
+    params = torch.empty((nb, 3 if uniform else 2), dtype=torch.float32, device=xf.device)
+    _wire_kernel[(programs,)](
+        xf,
+        scales,
+        params,
+        n,
+        nb,
+        KIND=int(spec.kind),
+        BUCKET=blen,
+        BLOCK=block,
+        ROWS=rows,
+        LEVELS=spec.levels,
+        FMAX=float(spec.fmax),
+        INT64_INDEX=int64_index,
+        num_warps=4,
+        enable_fp_fusion=False,  # round after each operation, as the reference
+    )
+    return scales, params
+
+
+__all__ = ["FUSED_KINDS", "MAX_BUCKET", "dec_params", "fused_scales", "unflag", "wire_encode_params"]

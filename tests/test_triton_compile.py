@@ -1,0 +1,94 @@
+"""The codec kernels compile for a GPU (sm_90, Hopper) ahead of time, with no GPU here, and round as the reference.
+
+The interpreter runs the kernels on CPU tensors with numpy's arithmetic; the GPU runs what Triton compiles. So
+every kernel configuration the ops launch (each codec kind; encode, decode from parameters and from the wire
+scales, the per-bucket scales kernel; int32 and int64 indexing) is compiled to PTX here with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``, and the PTX is checked for the operations
+that would break bit-equality with the torch reference: fp32 division that is not correctly rounded
+(``div.full`` / ``div.approx``, what Triton emits for ``/`` on fp32), approximate square roots and fused
+multiply-adds (``enable_fp_fusion=False``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from lightning_qcomm.codecs import get_codec  # noqa: E402
+from lightning_qcomm.kernels import codec_kernels, wire_params  # noqa: E402
+
+CODECS = {
+    "uniform8": ("uniform", 8, {}),
+    "uniform3": ("uniform", 3, {"stochastic": False}),
+    "qsgd4": ("qsgd", 4, {}),
+    "nuqsgd4": ("nuqsgd", 4, {}),
+    "sign1": ("sign1", 1, {}),
+    "fp8_e4m3": ("fp8_e4m3", 8, {}),
+    "fp8_e5m2_stochastic": ("fp8_e5m2", 8, {"rounding": "stochastic"}),
+}
+FORBIDDEN = re.compile(r"\b(div\.full|div\.approx|sqrt\.approx|(fma|mad)(\.\w+)*\.f(32|64))\b")  # float ops only
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _compile(fn, signature: dict, constexprs: dict) -> str:
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs), target=TARGET, options={"enable_fp_fusion": False})
+    return kernel.asm["ptx"]
+
+
+def _check(ptx: str) -> None:
+    bad = sorted({m.group(0) for m in FORBIDDEN.finditer(ptx)})
+    assert not bad, f"PTX holds {bad}"
+
+
+@pytest.mark.parametrize("int64", [False, True], ids=["int32", "int64"])
+@pytest.mark.parametrize("cid", list(CODECS))
+def test_element_kernels_compile_for_sm90(cid, int64):
+    name, bits, opts = CODECS[cid]
+    codec = get_codec(name, bits, **opts)
+    spec = codec_kernels._spec(codec)
+    ks = codec.kernel_spec()
+    common = {**spec, "GROUPS": codec_kernels.GROUPS_PER_PROGRAM, "INT64_INDEX": int64}
+    enc = _compile(
+        codec_kernels._encode_kernel,
+        {"x_ptr": "*fp32", "params_ptr": "*fp32", "out_ptr": "*u8", "n": "i32", "k1": "i32", "k2": "i32"},
+        {**common, "P": ks.enc_params, "STOCHASTIC": ks.stochastic, "FMAX": float(ks.fmax)},
+    )
+    _check(enc)
+    for wire, p in ((False, ks.dec_params), (True, codec.scales_per_bucket)):
+        dec = _compile(
+            codec_kernels._decode_kernel,
+            {"codes_ptr": "*u8", "params_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
+            {**common, "P": p, "FP8_E4M3FN": ks.fp8_e4m3fn, "WIRE": wire},
+        )
+        _check(dec)
+
+
+@pytest.mark.parametrize("int64", [False, True], ids=["int32", "int64"])
+@pytest.mark.parametrize("cid", ["uniform8", "uniform3", "fp8_e4m3", "fp8_e5m2_stochastic"])
+def test_scales_kernel_compiles_for_sm90(cid, int64):
+    name, bits, opts = CODECS[cid]
+    codec = get_codec(name, bits, **opts)
+    ks = codec.kernel_spec()
+    assert wire_params.fused_scales(codec, 4096)
+    ptx = _compile(
+        wire_params._wire_kernel,
+        {"x_ptr": "*fp32", "scales_ptr": "*fp32", "params_ptr": "*fp32", "n": "i32", "nb": "i32"},
+        {
+            "KIND": int(ks.kind),
+            "BUCKET": 512,
+            "BLOCK": 512,
+            "ROWS": wire_params.ROWS_ELEMENTS // 512,
+            "LEVELS": ks.levels,
+            "FMAX": float(ks.fmax),
+            "INT64_INDEX": int64,
+        },
+    )
+    _check(ptx)
+    assert "div.rn.f32" in ptx  # the correctly rounded division the reference does
