@@ -57,6 +57,10 @@ def _worker() -> dict:
     from lightning_qcomm.codecs import get_codec, ops, rng, scaling
     from lightning_qcomm.kernels import codec_kernels, wire_params
 
+    lib = torch.library.Library("qcomm", "IMPL")  # CPU tensors take the ops' CUDA kernels (Triton) from here on
+    lib.impl("encode", ops.encode_cuda, "CPU", allow_override=True)
+    lib.impl("decode", ops.decode_cuda, "CPU", allow_override=True)
+
     class Launches(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
@@ -93,7 +97,7 @@ def _worker() -> dict:
     for p in patches:
         p.start()
     x = torch.randn(3000, generator=torch.Generator().manual_seed(0))
-    report = {}
+    report = {"rows": _rows_cases(), "all_reduce": _all_reduce_launches(Launches, triton_launches)}
     for name, bits, opts in FUSED_ENCODE + OTHER:
         codec = get_codec(name, bits, **opts)
         args = codec.op_args()
@@ -112,9 +116,83 @@ def _worker() -> dict:
     return report
 
 
+def _rows_cases() -> dict:
+    """``row_batch.encode_rows`` through the rows kernels against each row's own reference encode, bit for bit."""
+    import torch
+
+    from lightning_qcomm.codecs import derive_seed, get_codec, ops
+    from lightning_qcomm.comm import row_batch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_codecs import extreme_values
+
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    for name, bits, opts in FUSED_ENCODE:
+        for bucket, n in ((512, 1037), (37, 300)):
+            codec = get_codec(name, bits, bucket, **opts)
+            rows = torch.randn(5, n, generator=gen) * 3
+            rows[1, 7] = float("nan")
+            ext = extreme_values()
+            rows[2, : min(n, ext.numel())] = ext[: min(n, ext.numel())]
+            rows[3, 40:80] = 0.0
+            rows[3, 50:60] = -0.0
+            seeds = [derive_seed(9, 1, j) for j in range(5)]
+            assert ops.rows_kernel(codec, rows), "the rows kernels must take these rows"
+            got = row_batch.encode_rows(codec, rows, seeds)
+            want = torch.stack([codec.encode(rows[j], seed=s).to_bytes() for j, s in enumerate(seeds)])
+            out[f"{_key(name, bits, opts)}_b{bucket}"] = torch.equal(got, want)
+    for name, bits, opts in FUSED_ENCODE + OTHER:  # the rows decode kernel, every codec with kernels
+        for bucket, n in ((512, 1037), (37, 300)):
+            codec = get_codec(name, bits, None if name == "sign1" else bucket, **opts)
+            rows = torch.randn(4, n, generator=gen)
+            rows[1, 5] = float("inf")
+            wire = torch.stack([codec.encode(rows[j], seed=j).to_bytes() for j in range(4)])
+            assert ops.rows_kernel(codec, wire, encode=False), "the rows decode kernel must take these payloads"
+            got = row_batch.decode_rows(codec, wire, n)
+            want = torch.stack([codec.decode(codec.from_bytes(wire[j], (n,), torch.float32)) for j in range(4)])
+            same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+            out[f"decode_{_key(name, bits, opts)}_b{bucket}"] = bool(same.all())
+    return out
+
+
+def _all_reduce_launches(Launches, triton_launches) -> dict:
+    """Launches of one quantized all-reduce (uniform-8, 2^15 + 37 elements) on the fake process group at N = 2,
+    4, 8, every codec call on the ops' CUDA kernels; and the same with the rows kernels switched off (the torch
+    hooks of ``row_batch``): {"rows kernels" | "torch rows": {N: (triton, torch ops, collectives)}}."""
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_qcomm.codecs import get_codec, ops
+    from lightning_qcomm.comm import quantized_all_reduce
+
+    codec = get_codec("uniform", 8, 512)
+    res = {}
+    for label, rows_kernel in (("rows kernels", ops.rows_kernel), ("torch rows", lambda c, r, encode=True: False)):
+        res[label] = {}
+        with mock.patch.object(ops, "rows_kernel", rows_kernel):
+            for world in (2, 4, 8):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+                x = torch.randn(2**15 + 37, generator=torch.Generator().manual_seed(world))
+                ef = torch.zeros_like(x)
+                quantized_all_reduce(x, codec, op="avg", error_feedback=ef, seed=3, check=False)  # warm-up
+                triton_launches.clear()
+                with Launches() as mode:
+                    quantized_all_reduce(x, codec, op="avg", error_feedback=ef, seed=3, check=False)
+                coll = [o for o in mode.torch_ops if o.startswith(("allgather", "alltoall", "allreduce", "_c10d"))]
+                res[label][world] = (len(triton_launches), len(mode.torch_ops) - len(coll), len(coll))
+    dist.destroy_process_group()
+    return res
+
+
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", LIGHTNING_QCOMM_CPU_FUSED="0")
     env.pop("LIGHTNING_QCOMM_DISABLE_TRITON", None)
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=300
@@ -149,6 +227,26 @@ def test_norm_codecs_launches_reported(report, capsys):
         assert enc["triton"] == ["encode"], enc
         with capsys.disabled():
             print(f"\n{_key(*case)}: encode {1 + len(enc['torch'])} launches (1 Triton + {len(enc['torch'])} torch)")
+
+
+def test_rows_kernels_equal_each_rows_own_encode(report):
+    """R rows (NaN, extreme values, mixed zeros among them) coded in one go by the rows kernels: row j is
+    ``codec.encode(rows[j], seed_j).to_bytes()``, bit for bit, for every uniform and FP8 configuration; and R
+    payloads of every codec with kernels decoded in one launch equal each payload's own decode, bit for bit."""
+    assert len(report["rows"]) == 2 * len(FUSED_ENCODE) + 2 * len(FUSED_ENCODE + OTHER)
+    assert all(report["rows"].values()), report["rows"]
+
+
+def test_all_reduce_launches_flat_in_world_size(report, capsys):
+    """One quantized all-reduce on the CUDA code path: the launches do not grow with N, and the rows kernels
+    take a fraction of the torch rows' launches."""
+    fused, before = report["all_reduce"]["rows kernels"], report["all_reduce"]["torch rows"]
+    with capsys.disabled():
+        for label, counts in report["all_reduce"].items():
+            print(f"\nquantized_all_reduce uniform-8, {label}: N -> (Triton, torch ops, collectives) {counts}")
+    total = {w: sum(c) for w, c in fused.items()}
+    assert total["8"] <= total["2"], total
+    assert all(sum(fused[w]) * 4 <= sum(before[w]) for w in fused), (fused, before)
 
 
 if __name__ == "__main__":

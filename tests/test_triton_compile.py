@@ -2,7 +2,7 @@
 
 The interpreter runs the kernels on CPU tensors with numpy's arithmetic; the GPU runs what Triton compiles. So
 every kernel configuration the ops launch (each codec kind; encode, decode from parameters and from the wire
-scales, the per-bucket scales kernel; int32 and int64 indexing) is compiled to PTX here with
+scales, the per-bucket scales kernel; one tensor and the rows forms; int32 and int64 indexing) is compiled to PTX here with
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``, and the PTX is checked for the operations
 that would break bit-equality with the torch reference: fp32 division that is not correctly rounded
 (``div.full`` / ``div.approx``, what Triton emits for ``/`` on fp32), approximate square roots and fused
@@ -47,9 +47,10 @@ def _check(ptx: str) -> None:
     assert not bad, f"PTX holds {bad}"
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["flat", "rows"])
 @pytest.mark.parametrize("int64", [False, True], ids=["int32", "int64"])
 @pytest.mark.parametrize("cid", list(CODECS))
-def test_element_kernels_compile_for_sm90(cid, int64):
+def test_element_kernels_compile_for_sm90(cid, int64, rows):
     name, bits, opts = CODECS[cid]
     codec = get_codec(name, bits, **opts)
     spec = codec_kernels._spec(codec)
@@ -57,15 +58,17 @@ def test_element_kernels_compile_for_sm90(cid, int64):
     common = {**spec, "GROUPS": codec_kernels.GROUPS_PER_PROGRAM, "INT64_INDEX": int64}
     enc = _compile(
         codec_kernels._encode_kernel,
-        {"x_ptr": "*fp32", "params_ptr": "*fp32", "out_ptr": "*u8", "n": "i32", "k1": "i32", "k2": "i32"},
-        {**common, "P": ks.enc_params, "STOCHASTIC": ks.stochastic, "FMAX": float(ks.fmax)},
+        {"x_ptr": "*fp32", "params_ptr": "*fp32", "out_ptr": "*u8", "n": "i32", "k1": "i32", "k2": "i32"}
+        | {"keys_ptr": "*i32", "out_stride": "i32", "nb_row": "i32"},
+        {**common, "P": ks.enc_params, "STOCHASTIC": ks.stochastic, "FMAX": float(ks.fmax), "ROWS": rows},
     )
     _check(enc)
-    for wire, p in ((False, ks.dec_params), (True, codec.scales_per_bucket)):
+    for wire, p in ((rows, ks.dec_params if not rows else codec.scales_per_bucket), (True, codec.scales_per_bucket)):
         dec = _compile(
             codec_kernels._decode_kernel,
-            {"codes_ptr": "*u8", "params_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
-            {**common, "P": p, "FP8_E4M3FN": ks.fp8_e4m3fn, "WIRE": wire},
+            {"codes_ptr": "*u8", "params_ptr": "*u8" if rows else "*fp32", "out_ptr": "*fp32", "n": "i32"}
+            | {"row_stride": "i32", "scale_off": "i32"},
+            {**common, "P": p, "FP8_E4M3FN": ks.fp8_e4m3fn, "WIRE": wire, "ROWS": rows},
         )
         _check(dec)
 
@@ -79,7 +82,14 @@ def test_scales_kernel_compiles_for_sm90(cid, int64):
     assert wire_params.fused_scales(codec, 4096)
     ptx = _compile(
         wire_params._wire_kernel,
-        {"x_ptr": "*fp32", "scales_ptr": "*fp32", "params_ptr": "*fp32", "n": "i32", "nb": "i32"},
+        {
+            "x_ptr": "*fp32",
+            "scales_ptr": "*fp32",
+            "params_ptr": "*fp32",
+            "nb": "i32",
+            "row_len": "i32",
+            "nb_row": "i32",
+        },
         {
             "KIND": int(ks.kind),
             "BUCKET": 512,

@@ -124,6 +124,39 @@ def decode_cuda(codes, scales, numel: int, codec: str, bits: int, bucket_size: i
         return kernels.decode_codec(c, codes, scales, numel)
 
 
+def rows_kernel(c, rows: torch.Tensor, encode: bool = True) -> bool:
+    """Whether the rows kernels code the (R, n) ``rows`` (or, ``encode=False``, decode payloads of that many
+    rows) of codec ``c``: a CUDA tensor (or any, with the kernels interpreted), a registered codec with kernels and
+    Triton working for it there (``_triton_for``); to encode also a uniform or FP8 codec whose buckets the
+    scales kernel reduces."""
+    from lightning_qcomm import kernels
+
+    if not kernels.HAS_TRITON or not registry.is_registered(c) or not registry.has_kernels(c):
+        return False
+    if not (rows.is_cuda or kernels.codec_kernels._is_interpreted()):
+        return False
+    return (not encode or kernels.fused_scales(c, rows.shape[1])) and _triton_for(c, rows.device)
+
+
+def decode_rows_kernel(c, wire: torch.Tensor, n: int) -> torch.Tensor:
+    """(R, n) fp32 values of the payloads ``wire`` (R, ``c.nbytes(n)``), row j
+    ``c.decode(c.from_bytes(wire[j], (n,), fp32))``, in one launch. Only where ``rows_kernel(c, ..., False)``."""
+    from lightning_qcomm import kernels
+
+    with triton_probe.on_device(wire.device):
+        return kernels.decode_rows(c, wire, n)
+
+
+def encode_rows_kernel(c, rows: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+    """(R, ``c.nbytes(n)``) uint8 payloads of the rows of ``rows``, row j ``c.encode(rows[j], seed_j).to_bytes()``
+    bit for bit (``keys``: the seeds' (R, 2) int32 key words; None for a deterministic codec): three launches
+    whatever R (``kernels.encode_rows_codec``). Only where ``rows_kernel(c, rows)``."""
+    from lightning_qcomm import kernels
+
+    with triton_probe.on_device(rows.device):
+        return kernels.encode_rows_codec(c, rows, keys)
+
+
 # ---------------------------------------------------------------------------------------------- fake: shapes
 def _encode_fake(x, codec: str, bits: int, bucket_size: int | None, stochastic: bool, seed: int):
     c = registry.codec_for_op(codec, bits, bucket_size, stochastic)

@@ -28,7 +28,10 @@ Rows of whole, byte-aligned buckets can also travel as one flat tensor: ``encode
 one seed, the random counter running on across rows), or on the fused CPU path row by row,
 ``encode_flat_row_into`` (row j of it from row j alone: no contiguous copy of all rows).
 
-This is a stopgap in the comm layer until the codecs offer it: see ``docs/design.md`` (the codec op that
+On CUDA the uniform and FP8 codecs take the codec layer's Triton rows kernels instead (``codecs.ops.rows_kernel``):
+every row's scales in one launch, every row's codes in another, straight into the payloads.
+
+For the other codecs this is a stopgap in the comm layer until the codecs offer it: see ``docs/design.md`` (the codec op that
 takes a (rows, n) tensor and a tensor of per-row seeds).
 
 Example::
@@ -55,6 +58,7 @@ from lightning_qcomm.codecs import (
     SignCodec,
     UniformCodec,
     cpu_fused,
+    ops,
     packing,
     rng,
     scaling,
@@ -126,6 +130,8 @@ def decode_rows(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
     r = wire.shape[0]
     if r == 1:
         return codec.decode(codec.from_bytes(wire[0], (n,), torch.float32)).view(1, n)
+    if n < _INT32_COUNTERS and ops.rows_kernel(codec, wire, encode=False):  # CUDA: all rows in one launch
+        return ops.decode_rows_kernel(codec, wire, n)
     flat = row_bucketed(codec, n)
     b, nb, padded = _layout(codec, n)
     if _fused_rows(codec, wire, n) and not (padded == n and n % 8 == 0):
@@ -281,6 +287,8 @@ def encode_rows(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch
         raise ValueError(f"seeds must hold one seed per row ({r}), got {len(seeds)}")
     if r == 1:
         return codec.encode(rows[0], seed=seeds[0]).to_bytes().view(1, -1)
+    if n < _INT32_COUNTERS and ops.rows_kernel(codec, rows):  # CUDA: every row in three launches
+        return ops.encode_rows_kernel(codec, rows, _row_keys(seeds, rows.device) if codec.stochastic else None)
     if rows_one_by_one(codec, rows):
         return _per_row(codec, rows, seeds)
     if type(codec) not in _BATCHED or n >= _INT32_COUNTERS:

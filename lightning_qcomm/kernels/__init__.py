@@ -21,7 +21,7 @@ except ImportError:  # e.g. macOS / Windows, where triton is not a dependency
     HAS_TRITON = False
 
 if HAS_TRITON:
-    from .codec_kernels import decode, encode
+    from .codec_kernels import decode, decode_rows, encode, encode_rows
     from .wire_params import fused_scales, wire_encode_params
 else:
 
@@ -30,6 +30,12 @@ else:
 
     def decode(codec, codes, dec_params, numel, wire=False):  # noqa: D103
         raise ImportError("lightning_qcomm.kernels.decode needs triton, which is not installed")
+
+    def decode_rows(codec, wire, n):  # noqa: D103
+        raise ImportError("lightning_qcomm.kernels.decode_rows needs triton, which is not installed")
+
+    def encode_rows(codec, rows, enc_params, keys, out):  # noqa: D103
+        raise ImportError("lightning_qcomm.kernels.encode_rows needs triton, which is not installed")
 
     def fused_scales(codec, numel):  # noqa: D103
         return False
@@ -47,9 +53,38 @@ def encode_codec(codec, xf, seed: int, out_max: float):
     return codec.encode_torch(xf, seed, out_max, lambda v, p, s: encode(codec, v, p, s))
 
 
+def encode_rows_codec(codec, rows, keys):
+    """(R, ``codec.nbytes(n)``) uint8: row j is ``codec.encode(rows[j], seed_j).to_bytes()`` bit for bit, for a codec
+    with ``fused_scales`` and ``keys`` the (R, 2) int32 key words of the seeds (None: a deterministic codec).
+    Two launches (scales and parameters of every row's buckets; the codes of every row, straight into the wire
+    rows) and one copy of the scales behind the codes."""
+    import torch
+
+    from lightning_qcomm.codecs import packing
+
+    r, n = rows.shape
+    xf = rows.detach().to(torch.float32).contiguous()
+    scales, params = wire_encode_params(codec, xf)
+    wire = torch.empty(r, codec.nbytes(n), dtype=torch.uint8, device=rows.device)
+    encode_rows(codec, xf, params, keys, wire)
+    wire[:, packing.packed_nbytes(n, codec.bits) :].copy_(scales.view(r, -1).view(torch.uint8))
+    return wire
+
+
 def decode_codec(codec, codes, scales, numel: int):
     """Flat fp32 values of ``numel`` packed codes given the wire scales, in one launch."""
     return decode(codec, codes, scales, numel, wire=True)
 
 
-__all__ = ["HAS_TRITON", "decode", "decode_codec", "encode", "encode_codec", "fused_scales", "wire_encode_params"]
+__all__ = [
+    "HAS_TRITON",
+    "decode",
+    "decode_codec",
+    "decode_rows",
+    "encode",
+    "encode_codec",
+    "encode_rows",
+    "encode_rows_codec",
+    "fused_scales",
+    "wire_encode_params",
+]

@@ -62,6 +62,9 @@ def _encode_kernel(
     n,
     k1,
     k2,
+    keys_ptr,
+    out_stride,
+    nb_row,
     KIND: tl.constexpr,
     BITS: tl.constexpr,
     BITS_P2: tl.constexpr,
@@ -76,11 +79,20 @@ def _encode_kernel(
     FMAX: tl.constexpr,
     GROUPS: tl.constexpr,
     INT64_INDEX: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if INT64_INDEX:
         pid = pid.to(tl.int64)
         n = n.to(tl.int64)
+    if ROWS:  # rows form: row program_id(1) of an (R, n) tensor is a tensor of its own, with its own key
+        row = tl.program_id(1).to(tl.int64)
+        x_ptr += row * n
+        out_ptr += row * out_stride
+        params_ptr += row * nb_row * P
+        if STOCHASTIC:
+            k1 = tl.load(keys_ptr + 2 * row)
+            k2 = tl.load(keys_ptr + 2 * row + 1)
     g = pid * GROUPS + tl.arange(0, GROUPS)  # group ids (GROUPS,)
     lane = tl.arange(0, 8)
     idx = g[:, None] * 8 + lane[None, :]  # element ids (GROUPS, 8)
@@ -119,6 +131,8 @@ def _decode_kernel(
     params_ptr,
     out_ptr,
     n,
+    row_stride,
+    scale_off,
     KIND: tl.constexpr,
     BITS: tl.constexpr,
     BITS_P2: tl.constexpr,
@@ -133,11 +147,16 @@ def _decode_kernel(
     GROUPS: tl.constexpr,
     INT64_INDEX: tl.constexpr,
     WIRE: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if INT64_INDEX:
         pid = pid.to(tl.int64)
         n = n.to(tl.int64)
+    if ROWS:  # rows form: row program_id(1) is the payload at codes_ptr + row * row_stride, its scales behind
+        row = tl.program_id(1).to(tl.int64)  # the codes at byte scale_off; values into out row `row` (n each)
+        codes_ptr += row * row_stride
+        out_ptr += row * n
     g = pid * GROUPS + tl.arange(0, GROUPS)
     lane = tl.arange(0, 8)
     idx = g[:, None] * 8 + lane[None, :]
@@ -155,8 +174,10 @@ def _decode_kernel(
         part = ((byte[:, None, :] << shl[None, :, :]) >> shr[None, :, :]) & ((1 << BITS) - 1)  # (GROUPS, 8, BITS_P2)
         c = tl.sum(part, axis=2)
 
-    if WIRE:  # params_ptr holds the wire scales (P of them per bucket): the decode parameters are made here
-        p0, p1, p2 = dec_params(params_ptr, idx, inb, KIND, P, BUCKET, LEVELS)
+    if ROWS:
+        p0, p1, p2 = dec_params(codes_ptr + scale_off, idx, inb, KIND, P, BUCKET, LEVELS, True)
+    elif WIRE:  # params_ptr holds the wire scales (P of them per bucket): the decode parameters are made here
+        p0, p1, p2 = dec_params(params_ptr, idx, inb, KIND, P, BUCKET, LEVELS, False)
     else:
         p0, p1, p2 = _load_params(params_ptr, idx, inb, P, BUCKET)
     val = dequantize(c, p0, p1, p2, KIND, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FP8_E4M3FN)
@@ -235,25 +256,85 @@ def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torc
     k1, k2 = rng.seed_to_key(seed)
     out = torch.empty(packing.packed_nbytes(n, spec["BITS"]), dtype=torch.uint8, device=xf.device)
     grid, int64_index = _grid(n)
+    _launch_encode(codec, grid, xf, params, out, n, (_to_i32(k1), _to_i32(k2)), None, 0, 0, int64_index, False)
+    return out
+
+
+def encode_rows(codec, rows: torch.Tensor, enc_params: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> None:
+    """Codes of every row of contiguous fp32 ``rows`` (R, n), each coded as a tensor of its own with the key
+    ``keys[j]`` ((R, 2) int32 words of ``rng.seed_to_key``; None for a deterministic codec), into
+    ``out[j, :packed_nbytes(n)]`` of the (R, S) uint8 ``out``; ``enc_params``: (R * buckets per row, P). One launch."""
+    r, n = rows.shape
+    _check_device(rows, "rows")
+    nb_row = codec.num_buckets(n)
+    params = enc_params.to(device=rows.device, dtype=torch.float32).contiguous()
+    if keys is None and codec.kernel_spec().stochastic:
+        raise ValueError(f"codec {codec.name!r} is stochastic: encode_rows needs the rows' keys")
+    keys_ok = keys is None or tuple(keys.shape) == (r, 2)
+    if params.shape[0] != r * nb_row or not keys_ok or out.dim() != 2 or out.shape[0] != r:
+        raise ValueError(
+            f"rows {tuple(rows.shape)}: enc_params must have {r * nb_row} rows (got {tuple(params.shape)}), keys "
+            f"shape ({r}, 2) (got {None if keys is None else tuple(keys.shape)}), out R rows (got {tuple(out.shape)})"
+        )
+    (programs,), int64_index = _grid(n)
+    _launch_encode(codec, (programs, r), rows, params, out, n, (0, 0), keys, out.stride(0), nb_row, int64_index, True)
+
+
+def decode_rows(codec, wire: torch.Tensor, n: int) -> torch.Tensor:
+    """(R, n) fp32 values of the R payloads (codes, then the scales' bytes) of ``wire`` (R, ``codec.nbytes(n)``)
+    uint8, row j equal to ``codec.decode(codec.from_bytes(wire[j], (n,), fp32))``. One launch."""
+    spec = _spec(codec)
+    _check_device(wire, "wire")
+    r, p = wire.shape
+    if p != codec.nbytes(n) or wire.dtype != torch.uint8:
+        raise ValueError(f"wire must be (R, {codec.nbytes(n)}) uint8 for rows of {n} elements, got {tuple(wire.shape)}")
+    wire = wire.contiguous()
+    out = torch.empty(r, n, dtype=torch.float32, device=wire.device)
+    (programs,), int64_index = _grid(n)
+    _decode_kernel[(programs, r)](
+        wire,
+        wire,  # unused: the rows form reads the scales behind each row's codes
+        out,
+        n,
+        p,
+        packing.packed_nbytes(n, spec["BITS"]),
+        **spec,
+        P=codec.scales_per_bucket,
+        FP8_E4M3FN=codec.kernel_spec().fp8_e4m3fn,
+        GROUPS=GROUPS_PER_PROGRAM,
+        INT64_INDEX=int64_index,
+        WIRE=True,
+        ROWS=True,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+def _launch_encode(codec, grid, xf, params, out, n, k, keys, out_stride, nb_row, int64_index, rows) -> None:
+    spec = _spec(codec)
     _encode_kernel[grid](
         xf,
         params,
         out,
         n,
-        _to_i32(k1),
-        _to_i32(k2),
+        k[0],
+        k[1],
+        keys if keys is not None else params,  # read only by the rows form of a stochastic codec
+        out_stride,
+        nb_row,
         **spec,
         P=params.shape[1],
         STOCHASTIC=codec.kernel_spec().stochastic,
         FMAX=float(codec.kernel_spec().fmax),
         GROUPS=GROUPS_PER_PROGRAM,
         INT64_INDEX=int64_index,
+        ROWS=rows,
         num_warps=NUM_WARPS,
         # No FMA contraction: (x - lo) * inv + u and friends must round after each operation, as the torch
         # reference does, or a code can differ by one where the sum lands exactly on an integer.
         enable_fp_fusion=False,
     )
-    return out
 
 
 def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int, wire: bool = False) -> torch.Tensor:
@@ -285,12 +366,15 @@ def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int, wir
         params,
         out,
         numel,
+        0,
+        0,
         **spec,
         P=params.shape[1],
         FP8_E4M3FN=codec.kernel_spec().fp8_e4m3fn,
         GROUPS=GROUPS_PER_PROGRAM,
         INT64_INDEX=int64_index,
         WIRE=wire,
+        ROWS=False,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # see encode
     )

@@ -61,16 +61,41 @@ def unflag(w):
 
 
 @triton.jit
-def dec_params(scales_ptr, idx, inb, KIND: tl.constexpr, S: tl.constexpr, BUCKET: tl.constexpr, LEVELS: tl.constexpr):
-    """Each element's decode parameters (p0, p1, p2) from its bucket's ``S`` wire scales, as
-    ``Codec._decode_params``: uniform (lo, unit, m); QSGD (n / s, m); NUQSGD (n, m); sign1 (scale); FP8 (s, m)."""
-    if BUCKET == 0:
-        base = scales_ptr + idx * 0
+def _load_scale(ptr, k, mask, BYTES: tl.constexpr):
+    """fp32 scale number ``k`` at ``ptr``: an fp32 pointer, or (``BYTES``) a byte pointer to little-endian fp32
+    values at any alignment (the scales behind the codes of a payload)."""
+    if BYTES:
+        b = ptr + k * 4
+        v = tl.load(b, mask=mask, other=0).to(tl.int32)
+        v = v | (tl.load(b + 1, mask=mask, other=0).to(tl.int32) << 8)
+        v = v | (tl.load(b + 2, mask=mask, other=0).to(tl.int32) << 16)
+        v = v | (tl.load(b + 3, mask=mask, other=0).to(tl.int32) << 24)
+        return v.to(tl.float32, bitcast=True)
     else:
-        base = scales_ptr + (idx // BUCKET) * S
-    w0 = tl.load(base, mask=inb, other=0.0)
+        return tl.load(ptr + k, mask=mask, other=0.0)
+
+
+@triton.jit
+def dec_params(
+    scales_ptr,
+    idx,
+    inb,
+    KIND: tl.constexpr,
+    S: tl.constexpr,
+    BUCKET: tl.constexpr,
+    LEVELS: tl.constexpr,
+    BYTES: tl.constexpr,
+):
+    """Each element's decode parameters (p0, p1, p2) from its bucket's ``S`` wire scales, as
+    ``Codec._decode_params``: uniform (lo, unit, m); QSGD (n / s, m); NUQSGD (n, m); sign1 (scale); FP8 (s, m).
+    ``BYTES``: ``scales_ptr`` points at the scales' bytes (``_load_scale``)."""
+    if BUCKET == 0:
+        k = idx * 0
+    else:
+        k = (idx // BUCKET) * S
+    w0 = _load_scale(scales_ptr, k, inb, BYTES)
     if KIND == _UNIFORM:
-        w1 = tl.load(base + 1, mask=inb, other=0.0)
+        w1 = _load_scale(scales_ptr, k + 1, inb, BYTES)
         unit, _s, m = unflag(w1)
         return w0, unit, m
     elif KIND == _SIGN:
@@ -95,8 +120,9 @@ def _wire_kernel(
     x_ptr,
     scales_ptr,
     params_ptr,
-    n,
     nb,
+    row_len,
+    nb_row,
     KIND: tl.constexpr,
     BUCKET: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -108,11 +134,13 @@ def _wire_kernel(
     pid = tl.program_id(0)
     if INT64_INDEX:
         pid = pid.to(tl.int64)
-        n = n.to(tl.int64)
-    rows = pid * ROWS + tl.arange(0, ROWS)
+        row_len = row_len.to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)  # bucket q is bucket q % nb_row of row q // nb_row (of row_len)
     cols = tl.arange(0, BLOCK)
-    idx = rows[:, None] * BUCKET + cols[None, :]
-    valid = (cols[None, :] < BUCKET) & (idx < n)
+    first = (rows % nb_row) * BUCKET
+    count = tl.minimum(row_len - first, BUCKET)
+    idx = ((rows // nb_row) * row_len + first)[:, None] + cols[None, :]
+    valid = (cols[None, :] < count[:, None]) & (rows[:, None] < nb)
     x = tl.load(x_ptr + idx, mask=valid, other=0.0)
     finite = tl.sum(tl.where(valid & ~is_finite(x), 1, 0), axis=1) == 0
     live = rows < nb
@@ -169,19 +197,21 @@ def fused_scales(codec, numel: int) -> bool:
 
 def wire_encode_params(codec, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(wire scales (nb, S), encode parameters (nb, P)) of flat fp32 ``xf``, one launch; bit for bit
-    ``codec.bucket_scales(xf)`` and ``codec._encode_params(...)``. Needs ``fused_scales(codec, xf.numel())``."""
-    n = xf.numel()
+    ``codec.bucket_scales(xf)`` and ``codec._encode_params(...)``. Needs ``fused_scales(codec, xf.numel())``.
+    An (R, n) ``xf`` is R tensors of n elements (buckets restart at each row): (R * nb, S) and (R * nb, P)."""
+    r, n = (1, xf.numel()) if xf.dim() == 1 else xf.shape
     if not fused_scales(codec, n):
         raise ValueError(f"codec {codec.name!r} with {codec.bucket_len(n)}-element buckets has no fused scales kernel")
     spec = codec.kernel_spec()
     blen = codec.bucket_len(n)
-    nb = codec.num_buckets(n)
+    nb_row = codec.num_buckets(n)
+    nb = r * nb_row
     block = triton.next_power_of_2(blen)
     rows = max(1, ROWS_ELEMENTS // block)
     from . import codec_kernels  # its index limit (the tests lower it to force int64 indexing)
 
     programs = triton.cdiv(nb, rows)
-    int64_index = programs * rows * blen > codec_kernels.INT32_INDEX_LIMIT
+    int64_index = r * n + rows * blen > codec_kernels.INT32_INDEX_LIMIT
     uniform = spec.kind == KernelKind.UNIFORM
     scales = torch.empty((nb, codec.scales_per_bucket), dtype=torch.float32, device=xf.device)
     params = torch.empty((nb, 3 if uniform else 2), dtype=torch.float32, device=xf.device)
@@ -189,8 +219,9 @@ def wire_encode_params(codec, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         xf,
         scales,
         params,
-        n,
         nb,
+        n,
+        nb_row,
         KIND=int(spec.kind),
         BUCKET=blen,
         BLOCK=block,
