@@ -1,0 +1,252 @@
+"""Device launches on the CUDA code path, counted on CPU tensors: codec encode/decode, a quantized all-reduce,
+and a training step with activation quantization.
+
+On a GPU every eager torch op and every Triton kernel is a launch; a step that launches thousands is bound by
+the host. Here the codec ops' CUDA kernels (``codecs.ops.encode_cuda`` / ``decode_cuda``) are registered for CPU
+tensors and the Triton kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by this script for
+its own process before anything imports Triton), in their accelerator form (``scaling._HOST_BRANCHES = False``,
+the fused C path off), so the counts are those of a CUDA tensor:
+
+* Triton launches, by wrapping the kernels (the interpreter's own tensor copies inside a launch are not counted);
+* torch launches: aten ops seen by a ``TorchDispatchMode``, except allocations and views (``LAUNCH_FREE``); a codec
+  op (``qcomm::*``) is opened: the ops its kernel runs are counted, not the op;
+* collectives (fake process group: one process, any world size).
+
+    python benchmarks/launch_counts.py                  # the three tables (about a minute)
+    python benchmarks/launch_counts.py --json out.json
+
+``cuda_path_on_cpu`` and ``Launches`` are what tests/test_fused_launches.py counts with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+if __name__ == "__main__":  # before torch or triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# aten ops that allocate or make views: no kernel launch on a GPU
+LAUNCH_FREE = frozenset(
+    "empty empty_strided empty_like new_empty view _unsafe_view reshape as_strided alias detach t unsqueeze "
+    "squeeze expand slice select lift_fresh".split()
+)
+COLLECTIVE_PREFIXES = ("allgather", "alltoall", "allreduce", "_allgather", "reduce_scatter", "broadcast")
+
+
+class Launches(TorchDispatchMode):
+    """Counts the torch launches (``torch_ops``), collectives apart (``collectives``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.torch_ops: list[str] = []
+        self.collectives: list[str] = []
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.pop()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "qcomm":  # no launch itself: its kernel reopens this mode (``_opened``)
+            return func(*args, **(kwargs or {}))
+        if name.startswith(COLLECTIVE_PREFIXES):
+            self.collectives.append(name)
+        elif name not in LAUNCH_FREE:
+            self.torch_ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+_ACTIVE: list[Launches] = []
+
+
+def _opened(kernel):
+    """A codec op's kernel that runs under the active ``Launches`` (the dispatcher pops a mode while the op runs,
+    so without this the ops inside a codec op would not be seen)."""
+
+    def run(*args, **kwargs):
+        if not _ACTIVE:
+            return kernel(*args, **kwargs)
+        mode = _ACTIVE[-1]
+        with mode:
+            _ACTIVE.pop()  # entered again only to be seen by torch, not to be counted twice on exit
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                _ACTIVE.append(mode)
+
+    return run
+
+
+class _Counted:
+    def __init__(self, kernel, name: str, log: list[str]) -> None:
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):  # the interpreter's own tensor copies are not launches
+            with _disable_current_modes():
+                return launch(*args, **kwargs)
+
+        return run
+
+
+@contextlib.contextmanager
+def cuda_path_on_cpu() -> Iterator[list[str]]:
+    """CPU tensors take the codec ops' CUDA kernels (Triton, interpreted) while active; yields the list the
+    Triton launches are appended to (kernel names: "encode", "decode", "wire")."""
+    from unittest import mock
+
+    from lightning_qcomm.codecs import ops, scaling
+    from lightning_qcomm.kernels import codec_kernels, wire_params
+
+    if not codec_kernels._is_interpreted():
+        raise RuntimeError("set TRITON_INTERPRET=1 before lightning_qcomm.kernels is imported")
+    log: list[str] = []
+    fused_switch = os.environ.get("LIGHTNING_QCOMM_CPU_FUSED")
+    os.environ["LIGHTNING_QCOMM_CPU_FUSED"] = "0"  # CPU tensors stand for CUDA ones: no fused C path
+    lib = torch.library.Library("qcomm", "IMPL")
+    lib.impl("encode", _opened(ops.encode_cuda), "CPU", allow_override=True)
+    lib.impl("decode", _opened(ops.decode_cuda), "CPU", allow_override=True)
+    lib.impl("decode_into", _opened(ops.decode_into_reference), "CPU", allow_override=True)
+    patches = [
+        mock.patch.object(codec_kernels, "_encode_kernel", _Counted(codec_kernels._encode_kernel, "encode", log)),
+        mock.patch.object(codec_kernels, "_decode_kernel", _Counted(codec_kernels._decode_kernel, "decode", log)),
+        mock.patch.object(wire_params, "_wire_kernel", _Counted(wire_params._wire_kernel, "wire", log)),
+        mock.patch.object(scaling, "_HOST_BRANCHES", False),
+    ]
+    try:
+        for p in patches:
+            p.start()
+        yield log
+    finally:
+        for p in reversed(patches):
+            p.stop()
+        lib._destroy()
+        if fused_switch is None:
+            os.environ.pop("LIGHTNING_QCOMM_CPU_FUSED")
+        else:
+            os.environ["LIGHTNING_QCOMM_CPU_FUSED"] = fused_switch
+
+
+def count(fn, log: list[str]) -> dict:
+    """Launches of one call of ``fn`` after a warm-up call: {"triton", "torch", "collectives", "total"}."""
+    fn()
+    log.clear()
+    with Launches() as mode:
+        fn()
+    c = {"triton": len(log), "torch": len(mode.torch_ops), "collectives": len(mode.collectives)}
+    return {**c, "total": sum(c.values())}
+
+
+CODECS = [("uniform", 8, {}), ("fp8_e4m3", 8, {}), ("qsgd", 4, {}), ("nuqsgd", 4, {}), ("qsgdinf", 4, {})]
+CODECS += [("sign1", 1, {})]
+
+
+def codec_rows(log: list[str], codecs=CODECS) -> list[dict]:
+    """Launches of one encode and one decode of 2^14 elements per (name, bits, options) codec."""
+    from lightning_qcomm.codecs import get_codec, ops, rng
+
+    x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(0))
+    rows = []
+    for name, bits, opts in codecs:
+        codec = get_codec(name, bits, **opts)
+        args = codec.op_args()
+        codes, scales = ops.encode_cuda(x, *args, rng.signed_seed(3))
+        enc = count(lambda a=args: ops.encode_cuda(x, *a, rng.signed_seed(3)), log)
+        dec = count(lambda a=args, c=codes, s=scales: ops.decode_cuda(c, s, x.numel(), *a), log)
+        rows.append({"codec": f"{name}-{bits}", "options": opts, "encode": enc, "decode": dec})
+    return rows
+
+
+def all_reduce_rows(log: list[str], numel: int = (1 << 15) + 37, codecs=("uniform-8", "fp8_e4m3-8", "nuqsgd-4")):
+    """Launches of one quantized all-reduce (error feedback on, buckets of 512) at N = 2, 4, 8."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_qcomm.codecs import get_codec
+    from lightning_qcomm.comm import quantized_all_reduce
+
+    rows = []
+    for label in codecs:
+        name, bits = label.rsplit("-", 1)
+        codec = get_codec(name, int(bits), 512)
+        for world in (2, 4, 8):
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+            x = torch.randn(numel, generator=torch.Generator().manual_seed(world))
+            ef = torch.zeros_like(x)
+            call = partial(quantized_all_reduce, x, codec, op="avg", error_feedback=ef, seed=3, check=False)
+            c = count(call, log)
+            rows.append({"codec": label, "world": world, **c})
+    dist.destroy_process_group()
+    return rows
+
+
+def activation_rows(log: list[str]) -> list[dict]:
+    """One training step (forward, loss, backward) of the bench GPT's "small" preset, batch 2."""
+    import torch.nn.functional as F
+    from bench_model import GPT, MODEL_PRESETS
+
+    from lightning_qcomm.memory import ActivationQuantConfig, ActivationQuantizer
+
+    rows = []
+    for setting in ("fp32", "uniform-4"):
+        torch.manual_seed(0)
+        cfg = MODEL_PRESETS["small"]
+        net = GPT(cfg)
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+        quantizer = None
+        if setting != "fp32":
+            quantizer = ActivationQuantizer(ActivationQuantConfig(bits=4))
+            quantizer.attach(net)
+
+        def step(net=net, quantizer=quantizer, x=x):
+            with quantizer.forward_context(step=0) if quantizer else contextlib.nullcontext():
+                loss = F.cross_entropy(net(x).flatten(0, 1), x.flatten())
+            loss.backward()
+
+        rows.append({"setting": setting, **count(step, log)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    with cuda_path_on_cpu() as log:
+        report = {"codecs": codec_rows(log), "all_reduce": all_reduce_rows(log), "activations": activation_rows(log)}
+    print("| codec | encode: Triton + torch | decode: Triton + torch |\n|---|---|---|")
+    for r in report["codecs"]:
+        e, d = r["encode"], r["decode"]
+        print(f"| {r['codec']} | {e['triton']} + {e['torch']} | {d['triton']} + {d['torch']} |")
+    print("\n| all-reduce (2^15 + 37 fp32) | N | Triton | torch | collectives | total |\n|---|---|---|---|---|---|")
+    for r in report["all_reduce"]:
+        print(f"| {r['codec']} | {r['world']} | {r['triton']} | {r['torch']} | {r['collectives']} | {r['total']} |")
+    print("\n| training step (small GPT) | Triton | torch | total |\n|---|---|---|---|")
+    for r in report["activations"]:
+        print(f"| {r['setting']} | {r['triton']} | {r['torch']} | {r['total']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
