@@ -189,10 +189,16 @@ def _worker() -> dict:
         return problems
 
     report = {}
+    from lightning_qcomm.codecs import triton_probe
+
     for cid, name, bits, opts in CODECS:
         report[cid] = run_case(name, bits, opts)
         report[f"{cid}_extreme"] = run_extreme(name, bits, opts)
         report[f"{cid}_syncs"] = run_sync_guard(name, bits, opts)
+    # every configuration above ran on the kernels: none failed its first-use check (which would have meant the
+    # reference, and comparisons of the reference with itself)
+    report["probe_failures"] = [str(k) for k, ok in triton_probe._verdicts.items() if not ok]
+    report["probed"] = len(triton_probe._verdicts)
     with mock.patch.object(codec_kernels, "INT32_INDEX_LIMIT", 0):  # every launch takes the int64 path
         for cid, name, bits, opts in CODECS:
             if cid in INT64_CASES:
@@ -255,6 +261,10 @@ def test_kernel_codes_depend_on_seed_iff_stochastic(report, cid):
 
     name, bits, opts = next((n, b, o) for i, n, b, o in CODECS if i == cid)
     assert report[cid]["seed_changes_codes"] is get_codec(name, bits, **opts).stochastic
+
+
+def test_every_configuration_ran_on_the_kernels(report):
+    assert report["probed"] >= len(CODECS) and report["probe_failures"] == []
 
 
 def test_has_triton_and_bad_input():

@@ -6,7 +6,8 @@ scales, the per-bucket scales kernel; one tensor and the rows forms; int32 and i
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``, and the PTX is checked for the operations
 that would break bit-equality with the torch reference: fp32 division that is not correctly rounded
 (``div.full`` / ``div.approx``, what Triton emits for ``/`` on fp32), approximate square roots and fused
-multiply-adds (``enable_fp_fusion=False``).
+multiply-adds (``enable_fp_fusion=False``). The element-wise kernels of sign1 and the decode of the fp8 codecs
+are compiled too; ``qsgdinf4`` (the QSGD element-wise kernel) only for the scales kernel.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ CODECS = {
     "qsgd4": ("qsgd", 4, {}),
     "nuqsgd4": ("nuqsgd", 4, {}),
     "sign1": ("sign1", 1, {}),
+    "qsgdinf4": ("qsgdinf", 4, {}),
     "fp8_e4m3": ("fp8_e4m3", 8, {}),
     "fp8_e5m2_stochastic": ("fp8_e5m2", 8, {"rounding": "stochastic"}),
 }
@@ -74,7 +76,7 @@ def test_element_kernels_compile_for_sm90(cid, int64, rows):
 
 
 @pytest.mark.parametrize("int64", [False, True], ids=["int32", "int64"])
-@pytest.mark.parametrize("cid", ["uniform8", "uniform3", "fp8_e4m3", "fp8_e5m2_stochastic"])
+@pytest.mark.parametrize("cid", [c for c in CODECS if c != "sign1"] + ["qsgdinf4"])
 def test_scales_kernel_compiles_for_sm90(cid, int64):
     name, bits, opts = CODECS[cid]
     codec = get_codec(name, bits, **opts)
@@ -98,6 +100,11 @@ def test_scales_kernel_compiles_for_sm90(cid, int64):
             "LEVELS": ks.levels,
             "FMAX": float(ks.fmax),
             "INT64_INDEX": int64,
+            "LOG2": 9,
+            "NORM_L2": codec.scale_statistic is None,
+            "DIVISOR": float(getattr(codec, "_divisor", 1)),
+            "OUT_MAX": 65504.0,
+            "REDO_FLOOR": wire_params.redo_floor(512),
         },
     )
     _check(ptx)

@@ -33,9 +33,9 @@ def fresh(monkeypatch):
         calls["decode"] += 1
         return codec.decode_reference(codes, codec._decode_params(p) if wire else p, n)
 
-    def wire(codec, xf):  # the fused scales kernel's stand-in: the reference's scales and parameters
+    def wire(codec, xf, out_max):  # the fused scales kernel's stand-in: the reference's scales and parameters
         scales = codec.bucket_scales(xf)
-        return scales, codec._encode_params(scales)
+        return scales, codec._encode_params(scales, out_max)
 
     monkeypatch.setattr(kernels, "encode", enc)
     monkeypatch.setattr(kernels, "decode", dec)

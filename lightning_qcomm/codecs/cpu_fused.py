@@ -317,7 +317,9 @@ def _plain_scales_params(codec, x: torch.Tensor, out_max: float) -> tuple[torch.
     n = x.numel()
     blen = codec.bucket_len(n)
     nb = -(-n // blen)
-    norm = _per_row_block(x, nb, blen, lambda rows, o: torch.linalg.vector_norm(rows, ord=2, dim=1))
+    from lightning_qcomm.codecs.qsgd import tree_norm
+
+    norm = _per_row_block(x, nb, blen, lambda rows, o: tree_norm(rows))
     lo, hi = codec.plain_norm_range(blen, out_max)
     ends = torch.aminmax(norm)
     if not (lo <= float(ends.min) and float(ends.max) <= hi):  # NaN: neither holds

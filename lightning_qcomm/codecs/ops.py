@@ -8,7 +8,8 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
   launch (decode parameters made from the wire scales in the kernel), an encode of a uniform or FP8 codec two
   (scales and parameters, then the codes), of the norm codecs the per-bucket parameters in torch and the codes
   in Triton; default (any other device): the torch reference;
-- ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_uniform_encode``, ``c_uniform_decode``: the C
+- ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_tree_norm``, ``c_uniform_encode``,
+  ``c_uniform_decode``: the C
   kernels (``csrc``), CPU only, on flat contiguous tensors given the per-bucket parameters (the uniform ones: the
   wire scales; what ``cpu_fused`` calls); the encodes'
   ``offset`` starts the random counter there (a row of a longer tensor coded on its own, ``comm.row_batch``);
@@ -62,6 +63,7 @@ _lib.define("c_uniform_decode(Tensor codes, Tensor scales, int numel, int bits, 
 _lib.define(
     "c_bucket_stats(Tensor x, int bucket, Tensor(a!) lo, Tensor(b!) hi, Tensor(c!) amax, Tensor(d!) flags) -> ()"
 )
+_lib.define("c_tree_norm(Tensor x, int width, Tensor(a!) out) -> ()")
 _lib.define(
     f"c_uniform_encode(Tensor x, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) scales, Tensor(b!) params, "
     "Tensor(c!) out, int offset=0) -> bool"

@@ -27,6 +27,7 @@ below one gap).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -54,6 +55,32 @@ def redo_floor(row_len: int) -> float:
     return math.sqrt(row_len) * 2.0**-51
 
 
+def _c_tree_norm() -> bool:
+    """Whether the C kernel of ``tree_norm`` is loaded (the fused CPU codecs' library; not switched off)."""
+    from lightning_qcomm.codecs import cpu_fused, native
+
+    return os.environ.get(cpu_fused.ENV_SWITCH) != "0" and native.load() is not None
+
+
+def tree_norm(xb: torch.Tensor) -> torch.Tensor:
+    """fp32 ``||row||_2`` of each row of fp32 ``xb`` in one fixed order, the Triton kernel's: the squares, zero-padded
+    to a power-of-two width, are summed pairwise (columns 2i and 2i + 1, level by level), and the square root is
+    the correctly rounded one (taken in fp64: exact enough that rounding it to fp32 is). Any device and any
+    backend that follows this order gets the same bits (torch's own norm reduces in an order of its choosing)."""
+    if xb.device.type == "cpu" and xb.dtype == torch.float32 and xb.numel() and _c_tree_norm():
+        out = torch.empty(xb.shape[0], dtype=torch.float32)
+        torch.ops.qcomm.c_tree_norm(xb.contiguous(), xb.shape[1], out)  # the same order, in one compiled pass
+        return out
+    sq = xb * xb
+    width = sq.shape[1]
+    pow2 = 1 << max(width - 1, 0).bit_length()
+    if pow2 != width:
+        sq = torch.nn.functional.pad(sq, (0, pow2 - width))
+    while sq.shape[1] > 1:
+        sq = sq[:, 0::2] + sq[:, 1::2]
+    return sq[:, 0].double().sqrt().to(torch.float32)
+
+
 def l2_norm_rows(xb: torch.Tensor) -> torch.Tensor:
     """``||row||_2`` of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares (fp32; inf
     where the norm itself exceeds FLT_MAX). See ``l2_norm_rows64``."""
@@ -63,7 +90,7 @@ def l2_norm_rows(xb: torch.Tensor) -> torch.Tensor:
 def l2_norm_rows64(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32, fp64) ``||row||_2`` of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares.
 
-    One pass of ``torch.linalg.vector_norm`` per row. Rows where that pass may be inaccurate are redone
+    One pass of ``tree_norm`` per row. Rows where that pass may be inaccurate are redone
     as ``amax * ||row / amax||_2``:
 
     - a sum of squares that overflowed (norm inf or NaN: ``|x| > ~1e19``);
@@ -75,7 +102,7 @@ def l2_norm_rows64(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     norm is the fp32 one, except on rescaled rows, where the last product is exact in fp64: finite where
     the fp32 norm overflows, and with all its bits where the fp32 norm is subnormal.
     """
-    norm = torch.linalg.vector_norm(xb, ord=2, dim=1)
+    norm = tree_norm(xb)
     floor = redo_floor(xb.shape[1])
     redo = ~(torch.isfinite(norm) & (norm >= floor))
     norm64 = norm.double()
@@ -83,7 +110,7 @@ def l2_norm_rows64(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Off the CPU, every row is rescaled and the redo rows picked by a select: no host sync.
         amax = xb.abs().amax(dim=1, keepdim=True)
         amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-        unit_norm = torch.linalg.vector_norm(xb / amax, ord=2, dim=1)
+        unit_norm = tree_norm(xb / amax)
         norm = torch.where(redo, unit_norm * amax[:, 0], norm)
         norm64 = torch.where(redo, unit_norm.double() * amax[:, 0].double(), norm64)
     elif bool(redo.any()):
@@ -91,7 +118,7 @@ def l2_norm_rows64(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         sub = xb[rows]
         amax = sub.abs().amax(dim=1, keepdim=True)
         amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-        unit_norm = torch.linalg.vector_norm(sub / amax, ord=2, dim=1)
+        unit_norm = tree_norm(sub / amax)
         norm[rows] = unit_norm * amax[:, 0]
         norm64[rows] = unit_norm.double() * amax[:, 0].double()
     return norm, norm64
@@ -130,7 +157,7 @@ class _NormCodec(Codec):
         raise NotImplementedError
 
     def plain_norm_range(self, bucket_len: int, out_max: float = scaling.FLT_MAX) -> tuple[float, float]:
-        """[lo, hi]: a bucket whose first-pass fp32 L2 norm n (``torch.linalg.vector_norm`` of its row, as
+        """[lo, hi]: a bucket whose first-pass fp32 L2 norm n (``tree_norm`` of its row, as
         ``l2_norm_rows64`` starts) lies in it takes none of the special cases of ``_scales`` and
         ``_encode_params``: no redo (n >= ``redo_floor``, finite), no flag (k FLT_MIN <= n <= 2^126), no level
         cap (n <= out_max / 4: the top level decodes to at most n, below half of out_max as ``_level_cap``'s

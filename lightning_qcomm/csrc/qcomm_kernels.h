@@ -199,6 +199,53 @@ static void qc_encode(const cfg_t* c, const float* x, int64_t n, const float* pa
 static inline int32_t fkey(uint32_t u) { return (int32_t)(u ^ ((uint32_t)((int32_t)u >> 31) & 0x7FFFFFFFu)); }
 static inline float unkey(int32_t k) { return u2f((uint32_t)k ^ ((uint32_t)(k >> 31) & 0x7FFFFFFFu)); }
 
+/* ||row||_2 of each of the `rows` rows of `width` floats at x, in the fixed order of codecs.qsgd.tree_norm: the
+   squares summed pairwise as a binary tree over the row zero-padded to a power of two (a binary counter of
+   partial sums: equal-sized subtrees merge left + right as soon as both exist; at the end the partials merge
+   from the smallest up, which is what the zero subtrees of the padding leave), then the square root rounded
+   once (in double, whose 53 bits make the rounding to float exact). */
+static void qc_tree_norm(const float* x, int64_t rows, int64_t width, float* out) {
+    int64_t pow2 = 1;
+    while (pow2 < width) pow2 <<= 1;
+    if (pow2 <= 8192) { /* the tree itself, level by level, in a zero-padded buffer that stays in L1 */
+        float buf[8192];
+        for (int64_t r = 0; r < rows; r++) {
+            const float* row = x + r * width;
+            for (int64_t j = 0; j < width; j++) buf[j] = row[j] * row[j];
+            for (int64_t j = width; j < pow2; j++) buf[j] = 0.0f;
+            for (int64_t w = pow2; w > 1; w >>= 1)
+                for (int64_t i = 0; i < w / 2; i++) buf[i] = buf[2 * i] + buf[2 * i + 1];
+            out[r] = (float)__builtin_sqrt((double)buf[0]);
+        }
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float* row = x + r * width;
+        float part[64];
+        uint64_t has = 0;
+        for (int64_t j = 0; j < width; j++) {
+            float v = row[j] * row[j];
+            int l = 0;
+            while (has >> l & 1u) {
+                v = part[l] + v;
+                has &= ~(1ull << l);
+                l++;
+            }
+            part[l] = v;
+            has |= 1ull << l;
+        }
+        float acc = 0.0f;
+        int any = 0;
+        for (int l = 0; l < 64; l++) {
+            if (has >> l & 1u) {
+                acc = any ? part[l] + acc : part[l];
+                any = 1;
+            }
+        }
+        out[r] = (float)__builtin_sqrt((double)acc);
+    }
+}
+
 /* One bucket x[i0..i1): min / max as keys, and whether a non-finite value, a +0 or a -0 occurs. */
 typedef struct { int32_t mn, mx; uint32_t nonfin, pz, nz; } bstats_t;
 static inline bstats_t bucket_stats(const uint32_t* xu, int64_t i0, int64_t i1) {

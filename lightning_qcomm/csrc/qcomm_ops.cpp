@@ -114,6 +114,13 @@ void c_bucket_stats(Tensor x, int64_t bucket, Tensor lo, Tensor hi, Tensor amax,
              f32_out(amax, nb, "amax"), u8_out(flags, nb, "flags"));
 }
 
+// codecs.qsgd.tree_norm of each row of the (n / width, width) x.
+void c_tree_norm(Tensor x, int64_t width, Tensor out) {
+    const int64_t n = x.numel();
+    STD_TORCH_CHECK(n > 0 && width > 0 && n % width == 0, "qcomm: x must hold whole rows of width elements");
+    qc_tree_norm(f32(x, n, "x"), n / width, width, f32_out(out, n / width, "out"));
+}
+
 // The uniform codec's whole encode (scales, parameters, codes); false when a bucket needs the general path.
 bool c_uniform_encode(Tensor x, int64_t k1, int64_t k2, QC_SPEC_PARAMS, Tensor scales, Tensor params, Tensor out,
                       int64_t offset) {
@@ -154,6 +161,7 @@ STABLE_TORCH_LIBRARY_IMPL(qcomm, CPU, m) {
     m.impl("c_decode_codes", TORCH_BOX(&c_decode_codes));
     m.impl("c_uniform_decode", TORCH_BOX(&c_uniform_decode));
     m.impl("c_bucket_stats", TORCH_BOX(&c_bucket_stats));
+    m.impl("c_tree_norm", TORCH_BOX(&c_tree_norm));
     m.impl("c_uniform_encode", TORCH_BOX(&c_uniform_encode));
     m.impl("sign_encode_err", TORCH_BOX(&sign_encode_err));
     m.impl("sign_server_sum", TORCH_BOX(&sign_server_sum));

@@ -40,7 +40,7 @@ else:
     def fused_scales(codec, numel):  # noqa: D103
         return False
 
-    def wire_encode_params(codec, xf):  # noqa: D103
+    def wire_encode_params(codec, xf, out_max=None):  # noqa: D103
         raise ImportError("lightning_qcomm.kernels.wire_encode_params needs triton, which is not installed")
 
 
@@ -48,7 +48,7 @@ def encode_codec(codec, xf, seed: int, out_max: float):
     """(packed codes, wire scales) of flat fp32 ``xf`` through the kernels, as ``codec.encode_torch(xf, seed,
     out_max)``: two launches where ``fused_scales`` holds, else the parameters in torch and the codes in one."""
     if fused_scales(codec, xf.numel()):
-        scales, params = wire_encode_params(codec, xf)
+        scales, params = wire_encode_params(codec, xf, out_max)
         return encode(codec, xf, params, seed), scales
     return codec.encode_torch(xf, seed, out_max, lambda v, p, s: encode(codec, v, p, s))
 
@@ -60,11 +60,11 @@ def encode_rows_codec(codec, rows, keys):
     rows) and one copy of the scales behind the codes."""
     import torch
 
-    from lightning_qcomm.codecs import packing
+    from lightning_qcomm.codecs import packing, scaling
 
     r, n = rows.shape
     xf = rows.detach().to(torch.float32).contiguous()
-    scales, params = wire_encode_params(codec, xf)
+    scales, params = wire_encode_params(codec, xf, scaling.output_max(rows.dtype))
     wire = torch.empty(r, codec.nbytes(n), dtype=torch.uint8, device=rows.device)
     encode_rows(codec, xf, params, keys, wire)
     wire[:, packing.packed_nbytes(n, codec.bits) :].copy_(scales.view(r, -1).view(torch.uint8))

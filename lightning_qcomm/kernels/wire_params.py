@@ -32,12 +32,14 @@ import triton
 import triton.language as tl
 
 from lightning_qcomm.codecs.kernel_spec import KernelKind
+from lightning_qcomm.codecs.qsgd import redo_floor
 
 from .elementwise import is_finite
 
+FLT_MAX_PY = torch.finfo(torch.float32).max
 MAX_BUCKET = 8192  # longest bucket one program reduces in registers; longer ones keep the torch reduction
 ROWS_ELEMENTS = 4096  # elements per program of the per-bucket kernel (ROWS buckets of BLOCK)
-FUSED_KINDS = (KernelKind.UNIFORM, KernelKind.FP8)  # scale statistics min/max and max |x|
+FUSED_KINDS = (KernelKind.UNIFORM, KernelKind.FP8, KernelKind.QSGD, KernelKind.NUQSGD)  # all but sign1
 FLT_MIN: tl.constexpr = tl.constexpr(2.0**-126)
 WIDE_SIGMA: tl.constexpr = tl.constexpr(2.0**-64)
 TINY_SIGMA: tl.constexpr = tl.constexpr(2.0**64)
@@ -46,6 +48,7 @@ _UNIFORM: tl.constexpr = tl.constexpr(int(KernelKind.UNIFORM))
 _QSGD: tl.constexpr = tl.constexpr(int(KernelKind.QSGD))
 _NUQSGD: tl.constexpr = tl.constexpr(int(KernelKind.NUQSGD))
 _SIGN: tl.constexpr = tl.constexpr(int(KernelKind.SIGN))
+_FP8: tl.constexpr = tl.constexpr(int(KernelKind.FP8))
 
 
 @triton.jit
@@ -108,6 +111,49 @@ def dec_params(
 
 
 @triton.jit
+def _tree_norm(v, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
+    """``qsgd.tree_norm`` of each row of the (ROWS, BLOCK) tile (BLOCK = 2^LOG2, zeros past a row's end): the
+    squares summed pairwise, columns 2i and 2i + 1 level by level, then the correctly rounded square root."""
+    v = v * v
+    for i in tl.static_range(LOG2):
+        v = tl.sum(tl.reshape(v, [ROWS, BLOCK >> (i + 1), 2]), axis=2)
+    return tl.sqrt(tl.reshape(v, [ROWS]).to(tl.float64)).to(tl.float32)  # fp64: sqrt.rn.f64
+
+
+@triton.jit
+def _finite64(v):
+    return (v - v) == 0
+
+
+@triton.jit
+def _pow2(j):
+    """2^j as fp64, exactly, for integer-valued fp64 j in [-1022, 1023]."""
+    return ((j.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _level_cap(p0, m, KIND: tl.constexpr, TOP: tl.constexpr, OUT_MAX: tl.constexpr):
+    """The norm codecs' ``_level_cap``: the largest level whose decode (factor p0, multiplier m) is <= OUT_MAX,
+    exact in fp64 (QSGD: level l decodes to l p0 m; NUQSGD: index i to 2^(i - TOP) p0 m)."""
+    pm = p0.to(tl.float64) * m.to(tl.float64)
+    if KIND == _QSGD:
+        q = tl.floor(OUT_MAX / pm)
+        q = tl.where(q > TOP, TOP * 1.0, tl.where(q < 0, 0.0, q))  # a clamp that keeps NaN
+        q = tl.where((q < TOP) & ((q + 1) * pm <= OUT_MAX), q + 1, q)
+        q = tl.where(q * pm > OUT_MAX, q - 1, q)
+    else:  # floor(log2(y)) from y's exponent bits and 2^j from j's: exact, unlike a library log2 / exp2
+        y = OUT_MAX / pm
+        j = (((y.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023).to(tl.float64)
+        j = tl.where(y == y, j, y)  # NaN stays NaN
+        j = tl.where(j > 0, 0.0, tl.where(j < -TOP, -TOP * 1.0, j))
+        j = tl.where(_pow2(j) * pm > OUT_MAX, j - 1, j)
+        j = tl.where((j < 0) & (_pow2(j + 1) * pm <= OUT_MAX), j + 1, j)
+        q = j + TOP
+        q = tl.where(q < 0, 0.0, q)
+    return q.to(tl.float32)
+
+
+@triton.jit
 def _round_down(v64):
     """The largest fp32 <= v64 (v64 >= 0), as ``scaling.round_down``."""
     f = v64.to(tl.float32)
@@ -130,6 +176,11 @@ def _wire_kernel(
     LEVELS: tl.constexpr,
     FMAX: tl.constexpr,
     INT64_INDEX: tl.constexpr,
+    LOG2: tl.constexpr,
+    NORM_L2: tl.constexpr,
+    DIVISOR: tl.constexpr,
+    OUT_MAX: tl.constexpr,
+    REDO_FLOOR: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if INT64_INDEX:
@@ -143,7 +194,7 @@ def _wire_kernel(
     valid = (cols[None, :] < count[:, None]) & (rows[:, None] < nb)
     x = tl.load(x_ptr + idx, mask=valid, other=0.0)
     finite = tl.sum(tl.where(valid & ~is_finite(x), 1, 0), axis=1) == 0
-    live = rows < nb
+    live_row = rows < nb
     one = tl.full((ROWS,), 1.0, tl.float64)
     if KIND == _UNIFORM:
         L = tl.full((ROWS,), LEVELS, tl.float32)
@@ -162,16 +213,16 @@ def _wire_kernel(
         w1 = tl.where(special, 0.0 - unit_s32, unit)
         w0 = tl.where(finite, w0, float("nan"))
         w1 = tl.where(finite, w1, float("nan"))
-        tl.store(scales_ptr + rows * 2, w0, mask=live)
-        tl.store(scales_ptr + rows * 2 + 1, w1, mask=live)
+        tl.store(scales_ptr + rows * 2, w0, mask=live_row)
+        tl.store(scales_ptr + rows * 2 + 1, w1, mask=live_row)
         # _encode_params: (sigma, lo, 1 / unit), NaN buckets NaN
         u, sigma, _m = unflag(w1)
         inv = tl.where(u > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), u), 0.0)
         inv = tl.where(is_finite(u), inv, u)
-        tl.store(params_ptr + rows * 3, sigma, mask=live)
-        tl.store(params_ptr + rows * 3 + 1, w0, mask=live)
-        tl.store(params_ptr + rows * 3 + 2, inv, mask=live)
-    else:  # FP8
+        tl.store(params_ptr + rows * 3, sigma, mask=live_row)
+        tl.store(params_ptr + rows * 3 + 1, w0, mask=live_row)
+        tl.store(params_ptr + rows * 3 + 2, inv, mask=live_row)
+    elif KIND == _FP8:
         amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
         s = tl.math.div_rn(amax, tl.full((ROWS,), FMAX, tl.float32))
         down = (s.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
@@ -180,12 +231,40 @@ def _wire_kernel(
         tiny = (a64 > 0) & (a64 < FMAX * FLT_MIN * one)
         w0 = tl.where(tiny, 0.0 - (a64 / (FMAX * one) * (TINY_SIGMA * one)).to(tl.float32), s)
         w0 = tl.where(finite, w0, float("nan"))
-        tl.store(scales_ptr + rows, w0, mask=live)
+        tl.store(scales_ptr + rows, w0, mask=live_row)
         # _encode_params: (sigma, 1 / s)
         sm, sigma, _m = unflag(w0)
         inv = tl.where(sm > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), sm), tl.where(is_finite(sm), 0.0, sm))
-        tl.store(params_ptr + rows * 2, sigma, mask=live)
-        tl.store(params_ptr + rows * 2 + 1, inv, mask=live)
+        tl.store(params_ptr + rows * 2, sigma, mask=live_row)
+        tl.store(params_ptr + rows * 2 + 1, inv, mask=live_row)
+
+    else:  # QSGD, QSGDinf, NUQSGD: one norm per bucket (_NormCodec._scales, l2_norm_rows64, _encode_params)
+        if NORM_L2:
+            n = _tree_norm(x, ROWS, BLOCK, LOG2)
+            redo = ~(is_finite(n) & (n >= REDO_FLOOR))  # redone as amax * ||x / amax||, exact in fp64
+            amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
+            amax = tl.where(amax > 0, amax, 1.0)
+            unit = _tree_norm(tl.math.div_rn(x, tl.broadcast_to(amax[:, None], x.shape)), ROWS, BLOCK, LOG2)
+            n64 = tl.where(redo, unit.to(tl.float64) * amax.to(tl.float64), n.to(tl.float64))
+            n = tl.where(redo, unit * amax, n)
+        else:
+            n = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
+            n64 = n.to(tl.float64)
+        live = (n64 > 0) & _finite64(n64)
+        wide = live & ((n64 > 8.507059173023462e37) | ~is_finite(n))  # 2^126
+        tiny = live & (n64 < DIVISOR * FLT_MIN * one)
+        sigma64 = tl.where(wide, WIDE_SIGMA * one, tl.where(tiny, TINY_SIGMA * one, one))
+        w0 = tl.where(wide | tiny, 0.0 - (n64 * sigma64).to(tl.float32), n)
+        w0 = tl.where(finite, w0, float("nan"))
+        tl.store(scales_ptr + rows, w0, mask=live_row)
+        nm, sigma, m = unflag(w0)
+        k = tl.full((ROWS,), DIVISOR, tl.float32)
+        rec = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), nm) * k  # torch's k / n: k * (1 / n)
+        p = tl.where(nm > 0, rec, tl.where(is_finite(nm), 0.0, nm))
+        cap = _level_cap(tl.math.div_rn(nm, k), m, KIND, LEVELS, OUT_MAX)
+        tl.store(params_ptr + rows * 3, sigma, mask=live_row)
+        tl.store(params_ptr + rows * 3 + 1, p, mask=live_row)
+        tl.store(params_ptr + rows * 3 + 2, cap, mask=live_row)
 
 
 def fused_scales(codec, numel: int) -> bool:
@@ -195,9 +274,10 @@ def fused_scales(codec, numel: int) -> bool:
     return spec.kind in FUSED_KINDS and codec.bucket_len(numel) <= MAX_BUCKET
 
 
-def wire_encode_params(codec, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def wire_encode_params(codec, xf: torch.Tensor, out_max: float = FLT_MAX_PY) -> tuple[torch.Tensor, torch.Tensor]:
     """(wire scales (nb, S), encode parameters (nb, P)) of flat fp32 ``xf``, one launch; bit for bit
-    ``codec.bucket_scales(xf)`` and ``codec._encode_params(...)``. Needs ``fused_scales(codec, xf.numel())``.
+    ``codec.bucket_scales(xf)`` and ``codec._encode_params(..., out_max)`` (``out_max``: the largest decode the
+    norm codecs' level cap allows, ``scaling.output_max`` of the input's dtype). Needs ``fused_scales``.
     An (R, n) ``xf`` is R tensors of n elements (buckets restart at each row): (R * nb, S) and (R * nb, P)."""
     r, n = (1, xf.numel()) if xf.dim() == 1 else xf.shape
     if not fused_scales(codec, n):
@@ -212,9 +292,8 @@ def wire_encode_params(codec, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
     programs = triton.cdiv(nb, rows)
     int64_index = r * n + rows * blen > codec_kernels.INT32_INDEX_LIMIT
-    uniform = spec.kind == KernelKind.UNIFORM
     scales = torch.empty((nb, codec.scales_per_bucket), dtype=torch.float32, device=xf.device)
-    params = torch.empty((nb, 3 if uniform else 2), dtype=torch.float32, device=xf.device)
+    params = torch.empty((nb, spec.enc_params), dtype=torch.float32, device=xf.device)
     _wire_kernel[(programs,)](
         xf,
         scales,
@@ -229,6 +308,11 @@ def wire_encode_params(codec, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         LEVELS=spec.levels,
         FMAX=float(spec.fmax),
         INT64_INDEX=int64_index,
+        LOG2=block.bit_length() - 1,
+        NORM_L2=codec.scale_statistic is None,
+        DIVISOR=float(getattr(codec, "_divisor", 1)),
+        OUT_MAX=float(out_max),
+        REDO_FLOOR=redo_floor(blen),
         num_warps=4,
         enable_fp_fusion=False,  # round after each operation, as the reference
     )
