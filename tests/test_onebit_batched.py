@@ -48,8 +48,9 @@ def compare_paths(rank: int, world: int) -> list[str]:
     saved = (sign_batched.PATH, scaling._HOST_BRANCHES, os.environ.get(cpu_fused.ENV_SWITCH))
     scaling._HOST_BRANCHES = False
     os.environ[cpu_fused.ENV_SWITCH] = "0"
-    # full pieces only; a 4-element last piece (the last ranks own no real element of it); one piece, short chunks
-    sizes = (3 * world * M, 2 * world * M + 4, world * M - 3)
+    # full pieces only; a 4-element last piece (the last ranks own no real element of it); a last piece of
+    # 13-element chunks (not whole bytes of codes), the last one shorter; one piece
+    sizes = (3 * world * M, 2 * world * M + 4, world * M + 13 * world - 1, world * M - 3)
     try:
         for d in sizes:
             for block in (None, 40):
