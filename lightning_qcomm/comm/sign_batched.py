@@ -105,8 +105,8 @@ def piece_groups(pieces: list[tuple[int, int]], world: int) -> list[PieceGroup]:
     return groups
 
 
-def _whole_bytes(sign: Codec, c: int) -> bool:
-    """Whether rows of c elements need ``_decode_rows``'s shortcut: one scale per chunk, c not a multiple of 8."""
+def _unaligned_rows(sign: Codec, c: int) -> bool:
+    """Whether rows of c elements take ``_decode_rows``'s shortcut: one scale per chunk, c not a multiple of 8."""
     return sign.bucket_size is None and c % 8 != 0 and sign.bits == 1
 
 
@@ -118,7 +118,7 @@ def _decode_rows(sign: Codec, wire: torch.Tensor, c: int) -> torch.Tensor:
     c8 - c of them 0, and decoding is element-wise under the row's one scale: the rows are decoded as buckets of
     c8 elements and the padding cut away, in a handful of ops."""
     p = sign.nbytes(c)
-    if not _whole_bytes(sign, c) or wire.numel() == p:
+    if not _unaligned_rows(sign, c) or wire.numel() == p:
         return decode_rows(sign, wire, c)
     ncode = packing.packed_nbytes(c, 1)
     rows = wire.reshape(-1, p)
@@ -132,7 +132,7 @@ def _decode_rows(sign: Codec, wire: torch.Tensor, c: int) -> torch.Tensor:
 def _decode_rows_into(sign: Codec, wire: torch.Tensor, c: int, out: torch.Tensor) -> None:
     """out (R, c) <- ``_decode_rows(sign, wire, c)``; straight into a contiguous fp32 ``out`` where
     ``row_batch.decode_rows_into`` can."""
-    if _whole_bytes(sign, c) and wire.numel() != sign.nbytes(c):
+    if _unaligned_rows(sign, c) and wire.numel() != sign.nbytes(c):
         out.copy_(_decode_rows(sign, wire, c))
     else:
         decode_rows_into(sign, wire, c, out)
