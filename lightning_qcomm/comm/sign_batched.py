@@ -24,8 +24,9 @@ reference's bit for bit (tests/test_onebit_batched.py); only the number and size
 differ (one all-to-all and one all-gather per group instead of per piece), so every rank must take the same
 path. The error buffers move on where the new residual is finite (``chunked._update_error``).
 
-No value is read on the host: no ``.item()``, no tensor made from Python data, no data-dependent shape. Memory:
-Y and E_w' (d fp32 each) and the payloads (about d/8 bytes, twice) beside the codec's temporaries.
+No value is read on the host: no ``.item()``, no tensor made from Python data, no data-dependent shape. Memory
+beside the codec's temporaries: E_w' and E_s' (d and d/N fp32), Y (d fp32, during the worker phase), the
+decoded received chunks (d fp32, during the server phase) and the payloads (about d/8 bytes, three times).
 
 ``PATH`` selects the form ``onebit_all_reduce`` runs (tests and benchmarks force it):
 
