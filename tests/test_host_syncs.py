@@ -114,6 +114,26 @@ def test_onebit_all_reduce_and_momentum_sync():
         sync.sync_(momenta)
 
 
+@pytest.mark.parametrize("block", [None, 64])
+def test_onebit_all_reduce_batched_accelerator_form(monkeypatch, block):
+    """The form a GPU runs (``comm.sign_batched``: every piece in one batch), forced on CPU tensors: full pieces,
+    a short last piece with padding, fp16 input, a NaN, the momentum sync's buckets."""
+    from lightning_qcomm.comm import sign_batched
+
+    monkeypatch.setattr(sign_batched, "PATH", "batched")
+    x = torch.randn(D)
+    x[11] = float("nan")
+    ew = torch.zeros(D)
+    es = torch.zeros(onebit_server_error_numel(D))
+    sync = OneBitMomentumSync([3000, 2003], bucket_numel=4000, piece_numel=256, block_numel=block)
+    momenta = [torch.randn(3000), torch.randn(2003)]
+    sync._checked = [True] * len(sync.buckets)
+    with NoHostSync():
+        onebit_all_reduce(x, ew, es, check=False, piece_numel=300, block_numel=block)
+        onebit_all_reduce(x.half(), ew, es, check=False, piece_numel=300, block_numel=block)
+        sync.sync_(momenta)
+
+
 def test_ddp_hook_with_error_feedback_and_loss_scale():
     ps = [torch.nn.Parameter(torch.randn(n)) for n in (3000, 10, 2000)]
     scale = torch.tensor(1024.0)

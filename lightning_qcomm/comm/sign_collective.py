@@ -4,7 +4,8 @@ One phase skeleton (``_run_pieces``: pieces, async all-to-all, server step, asyn
 either set of phase kernels: ``_ReferencePhases`` through the ``sign1`` codec's encode/decode (the spec)
 or ``_FusedPhases`` through the fused CPU sign ops (``codecs.cpu_sign.sign_*``), which are bit-identical
 to it. The skeleton alone decides the order of reads, writes and collectives, so both paths issue the
-same collectives with the same bytes.
+same collectives with the same bytes. Off the CPU the pieces run as one batch instead (``comm.sign_batched``:
+the same values, one collective per group of equal pieces, no host sync).
 
 Example::
 
@@ -35,6 +36,7 @@ from lightning_qcomm.comm.chunked import (
     _update_error,
 )
 from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.sign_batched import BatchedPhases, run_batched, selected_path
 from lightning_qcomm.comm.transport import _all_gather_async, _all_to_all_async, _rank_world, _wait
 
 DEFAULT_ONEBIT_PIECE_NUMEL = 1 << 18  # min elements per rank per pipelined piece (32 KB of signs per rank)
@@ -239,7 +241,9 @@ def onebit_all_reduce(
         all:       x <- concat_j C(z_j)[:n], identical on every rank.
 
     Pieces are pipelined as in ``quantized_all_reduce`` (async all-to-all per piece; each piece's
-    all-gather issued once its all-to-all is done). Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1)
+    all-gather issued once its all-to-all is done). Off the CPU (``comm.sign_batched``; ``sign_batched.PATH``
+    selects) all pieces of equal length run as one batch: one all-to-all and one all-gather per group of them,
+    the same values and bytes, a number of torch ops that does not grow with the number of pieces. Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1)
     bytes of scales per piece (1/32 of an fp32 ring all-reduce); with blocks, 4 bytes per B elements more
     (1/32 · (1 + 32/B)). The error buffers move on only where the new residual is finite.
     Ledger: all_reduce, collective = sum_k N*P_k with P_k = ceil(c_k/8) + 4 (+ 4 ceil(c_k/B) instead of 4
@@ -289,11 +293,18 @@ def onebit_all_reduce(
         and server_error.device.type == "cpu"
         and cpu_fused.use_fused(_sign_codec(), x, _chunk_len(pieces[0][1], world))
     )
-    if fused:
-        phases = _FusedPhases(worker_error, server_error, world)
+    path = selected_path(x, fused)
+    if path == "batched":  # every piece in one set of multi-row ops (comm.sign_batched)
+        phases = BatchedPhases(sign, worker_error, server_error, rank, world, x.device)
+        out_flat = _fp32_output(x)
+        total_p = run_batched(x, out_flat, phases, group, pieces)
+        _copy_back(x, out_flat)
     else:
-        phases = _ReferencePhases(worker_error, server_error, world, x.device, sign)
-    total_p = _run_pieces(x, worker_error, phases, group, rank, world, pieces)
+        if path == "fused":
+            phases = _FusedPhases(worker_error, server_error, world)
+        else:
+            phases = _ReferencePhases(worker_error, server_error, world, x.device, sign)
+        total_p = _run_pieces(x, worker_error, phases, group, rank, world, pieces)
     get_ledger().record(
         "all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag
     )

@@ -1,0 +1,185 @@
+"""Kernel-launching aten ops and host syncs per 1-bit Adam optimizer step after the freeze (CPU proxy of a GPU step).
+
+On a GPU every eager op that computes is a kernel launch and every read of a device value on the host
+(``.item()``, ``bool(t)``, a tensor made from Python data, a data-dependent shape) stops the host from queuing
+ahead. This counts both per ``OneBitAdam.step()`` in the compression phase, on CPU tensors in the form a GPU
+runs them (the codec layer's accelerator form, ``scaling._HOST_BRANCHES = False``; the fused CPU kernels off),
+with a ``TorchDispatchMode``:
+
+* **launches**: dispatched aten ops except views and allocations (``empty*``, ``detach``, ``alias``) and the
+  sync ops below; the optimizer's per-parameter step counters are CPU tensors on a GPU too, so a few of these
+  launch nothing there (a proxy, not a profile);
+* **syncs**: the ops ``tests/_sync_guard.py`` refuses (``_local_scalar_dense``, ``nonzero``, ``lift_fresh``, ...),
+  each attributed to the innermost ``lightning_qcomm`` frame that called it.
+
+Parameters: a GPT-2-small-shaped list (tied embeddings, 12 layers, 148 tensors, 124M elements at ``--scale 1``).
+``--scale s`` multiplies the widths (model, vocabulary, context) by s and the momentum bucket and the 1-bit
+pipelining piece by s², so the number of buckets and pieces per step stays that of the full model (475 pieces at
+N = 1). Gradients are random; the world is one process (N = 1, as one GPU), or ``--world N`` on torch's ``fake``
+process group (no data moves). Each form of the 1-bit all-reduce is counted: ``reference`` (the per-piece
+reference phases, what a GPU ran before ``comm.sign_batched``) and ``batched``::
+
+    OMP_NUM_THREADS=1 python benchmarks/onebit_step_ops.py --scale 0.125
+    OMP_NUM_THREADS=1 python benchmarks/onebit_step_ops.py --scale 0.125 --world 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+sys.path.insert(0, os.getcwd())
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+PIECE_NUMEL = 1 << 18  # onebit_all_reduce's default piece (elements per rank)
+BUCKET_MB = 32.0  # OneBitAdam's default bucket
+SYNC_OPS = {
+    "_local_scalar_dense",
+    "is_nonzero",
+    "item",
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "equal",
+    "allclose",
+    "lift_fresh",
+}
+NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "set_"}
+
+
+def gpt2_shapes(scale: float) -> list[tuple[int, ...]]:
+    """Parameter shapes of GPT-2 small (tied embeddings) with the widths scaled by ``scale``."""
+    d, v, t = max(8, round(768 * scale)), max(8, round(50257 * scale)), max(8, round(1024 * scale))
+    layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return [(v, d), (t, d)] + layer * 12 + [(d,), (d,)]
+
+
+class StepCounter(TorchDispatchMode):
+    """Launching ops and host syncs (by op and by calling site) while entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches: Counter[str] = Counter()
+        self.by_layer: Counter[str] = Counter()
+        self.syncs: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name == "index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
+        )
+        if name in SYNC_OPS or bool_index:
+            self.syncs[f"{name} at {_caller()}"] += 1
+        elif not func.is_view and name not in NO_LAUNCH:
+            self.launches[name] += 1
+            self.by_layer[_layer()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _caller() -> str:
+    """file:line function of the innermost frame in lightning_qcomm (or outside it: this script)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "lightning_qcomm" in path and "_python_dispatch" not in path:
+            rel = path[path.rindex("lightning_qcomm") :]
+            return f"{rel}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "outside lightning_qcomm"
+
+
+def _layer() -> str:
+    """Who launched an op: the outermost lightning_qcomm/comm module on the stack (``onebit.py``: the momentum
+    sync and the codecs it calls; ``nonfinite.py``: the gradient check), else ``optim`` (the optimizer's math)."""
+    frame, found = sys._getframe(2), "optim"
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if f"lightning_qcomm{os.sep}comm{os.sep}" in path:
+            found = os.path.basename(path)
+        frame = frame.f_back
+    return found
+
+
+def count(path: str, scale: float, world: int, steps: int, nonfinite: str) -> dict:
+    """Per compressed step: launches, syncs and the pieces of every bucket, with ``sign_batched.PATH = path``."""
+    from lightning_qcomm.comm import onebit_pieces, sign_batched
+    from lightning_qcomm.optim import OneBitAdam
+
+    sign_batched.PATH = path
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in gpt2_shapes(scale)]
+    opt = OneBitAdam(params, lr=1e-4, freeze_step=2, bucket_mb=BUCKET_MB * scale**2, overlap=False, nonfinite=nonfinite)
+
+    def step() -> None:
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt.step()
+
+    for _ in range(3):  # two warm-up steps, then the first compressed step (layout, consistency check)
+        step()
+    piece = max(8, round(PIECE_NUMEL * scale**2))
+    opt._sync.piece_numel = piece  # the full model's pieces per bucket (the check ran on the first call)
+    step()  # steady state: caches warm
+    counter = StepCounter()
+    with counter:
+        for _ in range(steps):
+            step()
+    pieces = sum(len(onebit_pieces(n, world, piece)) for n in opt._sync.bucket_numels)
+    return {
+        "params": sum(p.numel() for p in params),
+        "tensors": len(params),
+        "buckets": len(opt._sync.buckets),
+        "pieces": pieces,
+        "launches": sum(counter.launches.values()) / steps,
+        "by_layer": {k: v / steps for k, v in counter.by_layer.most_common()},
+        "syncs": sum(counter.syncs.values()) / steps,
+        "sync_sites": {k: v / steps for k, v in counter.syncs.most_common()},
+        "top_ops": counter.launches.most_common(8),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="width factor (bucket and piece: its square)")
+    parser.add_argument("--world", type=int, default=1, help="ranks (> 1: torch's fake process group)")
+    parser.add_argument("--steps", type=int, default=2, help="compressed steps counted (averaged)")
+    parser.add_argument("--nonfinite", default="skip", choices=("skip", "raise", "propagate"))
+    parser.add_argument("--paths", default="reference,batched", help="comma-separated sign_batched.PATH values")
+    args = parser.parse_args(argv)
+
+    from lightning_qcomm.codecs import cpu_fused, scaling
+
+    scaling._HOST_BRANCHES = False  # the codec layer as it runs on an accelerator
+    os.environ[cpu_fused.ENV_SWITCH] = "0"  # no fused CPU kernels: the torch ops a GPU runs
+    if args.world > 1:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    rows = {p: count(p, args.scale, args.world, args.steps, args.nonfinite) for p in args.paths.split(",")}
+    first = next(iter(rows.values()))
+    print(
+        f"OneBitAdam compressed step, GPT-2-small shapes x{args.scale}: {first['params'] / 1e6:.2f}M parameters in "
+        f"{first['tensors']} tensors, {first['buckets']} buckets, {first['pieces']} pieces per step, N = {args.world}, "
+        f"nonfinite={args.nonfinite}, torch {torch.__version__}, mean of {args.steps} steps"
+    )
+    print()
+    print("| 1-bit all-reduce form | launching aten ops / step | momentum sync (comm/onebit.py) | host syncs / step |")
+    print("|---|---:|---:|---:|")
+    for p, r in rows.items():
+        print(f"| {p} | {r['launches']:.0f} | {r['by_layer'].get('onebit.py', 0):.0f} | {r['syncs']:.0f} |")
+    for p, r in rows.items():
+        print(f"\n{p}: launches by caller {r['by_layer']}; top ops {r['top_ops']}")
+        for site, n in r["sync_sites"].items():
+            print(f"  sync {n:g}/step: {site}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""The 1-bit all-reduce's pieces as one batch: the accelerator form of ``onebit_all_reduce`` (comm layer).
+
+``onebit_all_reduce`` cuts a bucket of d elements into pieces of n = N*m elements (``onebit_pieces``; N ranks,
+m = ``piece_numel``), the last piece shorter, and runs the error-compensated 1-bit exchange on every piece
+with chunks of c = ceil(n/N) elements. The per-piece reference (``sign_collective._ReferencePhases``) costs a
+fixed set of torch ops per piece: on a GPU, where each op is a kernel launch, a 124M-parameter bucket at N = 1
+is 475 pieces and the host, not the device, bounds the step. Here the pieces are grouped by shape: all K full
+pieces (n = N*m, c = m) are one group and the shorter last piece, if any, a second one. A group of K pieces
+runs every phase as one set of multi-row ops over a (K, N, c) view, so the number of ops per call does not
+depend on K::
+
+    worker:  Y = X + E_w                       (K, N*c)  the pieces' inputs, zero-padded to N*c each
+             S = C(rows of Y)                  (K*N) payloads; E_w' = Y - C(Y)   (first n of each piece)
+             send S as (N, K, P): row j (rank j) holds chunk j of every piece, in piece order
+    server:  Z = (1/N) sum_r C_r + E_s         (K, c)  rank order; E_s = this rank's chunks, piece order
+             Z[:, valid:] = 0                  (valid = real elements of this rank's chunk)
+             payloads C(rows of Z); E_s' = Z - C(Z)   (padding kept 0); all-gather as (N, K, P)
+    all:     X[piece k] = concat_j C(Z_j[k])[:n]
+
+with C the ``sign1`` codec per chunk (or per block of ``block_numel``), ``row_batch.encode_rows`` and
+``decode_rows`` for the rows. Row j of a batched encode is the codec's encode of row j alone, bit for bit, and
+every other step is element-wise, so the values (outputs, E_w, E_s, wire bytes per piece) are the per-piece
+reference's bit for bit (tests/test_onebit_batched.py); only the number and size of the collective calls
+differ (one all-to-all and one all-gather per group instead of per piece), so every rank must take the same
+path. The error buffers move on where the new residual is finite (``chunked._update_error``).
+
+No value is read on the host: no ``.item()``, no tensor made from Python data, no data-dependent shape. Memory
+beside the codec's temporaries: E_w' and E_s' (d and d/N fp32), Y (d fp32, during the worker phase), the
+decoded received chunks (d fp32, during the server phase) and the payloads (about d/8 bytes, three times).
+
+``PATH`` selects the form ``onebit_all_reduce`` runs (tests and benchmarks force it):
+
+* ``"auto"``: the fused CPU kernels where they apply, else this batched form off the CPU, else the reference;
+* ``"batched"``: this form on any device (the accelerator form on CPU tensors);
+* ``"reference"``: the per-piece reference on any device.
+
+Example::
+
+    sign_batched.PATH = "batched"                 # CPU tensors take the accelerator form
+    onebit_all_reduce(m, ew, es, piece_numel=m_per_rank)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_qcomm.codecs import Codec, Packed, packing
+from lightning_qcomm.comm.chunked import _chunk_len, _update_error
+from lightning_qcomm.comm.row_batch import decode_rows, decode_rows_into, encode_rows, row_bucketed
+from lightning_qcomm.comm.transport import _all_gather_async, _all_to_all_async, _wait
+
+PATHS = ("auto", "batched", "reference")
+PATH = "auto"  # module switch: see the module docstring
+
+
+def selected_path(x: torch.Tensor, fused: bool) -> str:
+    """The form ``onebit_all_reduce`` runs for ``x``: ``"fused"``, ``"batched"`` or ``"reference"``.
+
+    ``fused``: whether the fused CPU sign kernels apply to this call. ValueError if ``PATH`` is not in ``PATHS``.
+
+    Example::
+
+        selected_path(torch.zeros(8, device="cuda"), fused=False)   # "batched"
+    """
+    if PATH not in PATHS:
+        raise ValueError(f"sign_batched.PATH={PATH!r}: allowed {PATHS}")
+    if PATH != "auto":
+        return PATH
+    if fused:
+        return "fused"
+    return "batched" if x.device.type != "cpu" else "reference"
+
+
+@dataclass(frozen=True)
+class PieceGroup:
+    """``count`` consecutive pieces of ``numel`` elements each from element ``offset``, chunks of ``chunk``
+    elements; their server-error elements start at ``es_offset`` (``count * chunk`` of them)."""
+
+    offset: int
+    count: int
+    numel: int
+    chunk: int
+    es_offset: int
+
+
+def piece_groups(pieces: list[tuple[int, int]], world: int) -> list[PieceGroup]:
+    """``pieces`` (``onebit_pieces``) merged into groups of consecutive pieces of equal length: at most two, the
+    full pieces and the shorter last one.
+
+    Example::
+
+        piece_groups([(0, 6), (6, 6), (12, 4)], 2)   # [PieceGroup(0, 2, 6, 3, 0), PieceGroup(12, 1, 4, 2, 6)]
+    """
+    groups: list[PieceGroup] = []
+    es = 0
+    for o, n in pieces:
+        c = _chunk_len(n, world)
+        last = groups[-1] if groups else None
+        if last is not None and last.numel == n and last.offset + last.count * n == o:
+            groups[-1] = PieceGroup(last.offset, last.count + 1, n, c, last.es_offset)
+        else:
+            groups.append(PieceGroup(o, 1, n, c, es))
+        es += c
+    return groups
+
+
+def _unaligned_rows(sign: Codec, c: int) -> bool:
+    """Whether rows of c elements take ``_decode_rows``'s shortcut: one scale per chunk, c not a multiple of 8."""
+    return sign.bucket_size is None and c % 8 != 0 and sign.bits == 1
+
+
+def _decode_rows(sign: Codec, wire: torch.Tensor, c: int) -> torch.Tensor:
+    """(R, c) fp32 values of R payloads of c elements (``row_batch.decode_rows``, bit for bit; may be a view).
+
+    With one scale per chunk and c not a multiple of 8, ``decode_rows`` moves every row's codes onto a byte
+    boundary first (some 30 ops). A row's ceil(c/8) code bytes already hold c8 = 8 ceil(c/8) codes, the last
+    c8 - c of them 0, and decoding is element-wise under the row's one scale: the rows are decoded as buckets of
+    c8 elements and the padding cut away, in a handful of ops."""
+    p = sign.nbytes(c)
+    if not _unaligned_rows(sign, c) or wire.numel() == p:
+        return decode_rows(sign, wire, c)
+    ncode = packing.packed_nbytes(c, 1)
+    rows = wire.reshape(-1, p)
+    r, c8 = rows.shape[0], 8 * ncode
+    codes = rows[:, :ncode].contiguous().view(-1)
+    scales = rows[:, ncode:].clone(memory_format=torch.contiguous_format).view(torch.float32).reshape(r, 1)
+    packed = Packed(codes, scales, torch.Size((r * c8,)), torch.float32)
+    return row_bucketed(sign, c8).decode(packed).view(r, c8)[:, :c]
+
+
+def _decode_rows_into(sign: Codec, wire: torch.Tensor, c: int, out: torch.Tensor) -> None:
+    """out (R, c) <- ``_decode_rows(sign, wire, c)``; straight into a contiguous fp32 ``out`` where
+    ``row_batch.decode_rows_into`` can."""
+    if _unaligned_rows(sign, c) and wire.numel() != sign.nbytes(c):
+        out.copy_(_decode_rows(sign, wire, c))
+    else:
+        decode_rows_into(sign, wire, c, out)
+
+
+class BatchedPhases:
+    """The three phases of every group of pieces (module docstring); one instance per call.
+
+    ``x_flat``: the input, read whole by ``worker`` before ``decode`` writes ``out`` (which may be its storage).
+    """
+
+    def __init__(
+        self,
+        sign: Codec,
+        worker_error: torch.Tensor,
+        server_error: torch.Tensor,
+        rank: int,
+        world: int,
+        device: torch.device,
+    ) -> None:
+        self.sign, self.rank, self.world = sign, rank, world
+        self.worker_error, self.server_error = worker_error, server_error
+        self.flat_ew = worker_error.detach().reshape(-1)
+        self.flat_es = server_error.detach().reshape(-1)
+        self.new_ew = torch.empty(self.flat_ew.numel(), dtype=torch.float32, device=device)
+        self.new_es = torch.empty(self.flat_es.numel(), dtype=torch.float32, device=device)
+
+    def worker(self, g: PieceGroup, x_flat: torch.Tensor) -> torch.Tensor:
+        """Payloads of every piece's chunks, (N, K, P) uint8 (row j for rank j); E_w' of the group's elements."""
+        k, n, c, w = g.count, g.numel, g.chunk, self.world
+        span = slice(g.offset, g.offset + k * n)
+        x, ew = x_flat[span].view(k, n), self.flat_ew[span].view(k, n)
+        if n == w * c:
+            y = torch.add(x, ew, out=torch.empty(k, n, dtype=torch.float32, device=x.device))
+        else:  # the pieces' zero padding to N*c
+            y = torch.zeros(k, w * c, dtype=torch.float32, device=x.device)
+            torch.add(x, ew, out=y[:, :n])
+        send = encode_rows(self.sign, y.view(k * w, c), [0] * (k * w))  # (K*N, P)
+        new_ew = self.new_ew[span].view(k, n)
+        if n == w * c:  # C(Y) straight into E_w', then E_w' = Y - C(Y) in place
+            _decode_rows_into(self.sign, send, c, new_ew.view(k * w, c))
+            torch.sub(y, new_ew, out=new_ew)
+        else:
+            decoded = _decode_rows(self.sign, send, c).reshape(k, w * c)
+            torch.sub(y[:, :n], decoded[:, :n], out=new_ew)
+        p = send.shape[1]
+        return send.view(k, w, p).transpose(0, 1).contiguous() if k > 1 else send
+
+    def server(self, g: PieceGroup, recv: torch.Tensor) -> torch.Tensor:
+        """Z of this rank's chunk of every piece from the received (N, K, P) payloads; its (K, P) payloads;
+        E_s' of the group's elements."""
+        k, c, w = g.count, g.chunk, self.world
+        valid = max(min(c, g.numel - self.rank * c), 0)  # real (unpadded) elements of this rank's chunks
+        received = _decode_rows(self.sign, recv, c).reshape(w, k, c)
+        z = received[0].clone()
+        for r in range(1, w):  # in rank order, as the reference sums
+            z += received[r]
+        z.div_(w)
+        z += self.flat_es[g.es_offset : g.es_offset + k * c].view(k, c)
+        if valid < c:
+            z[:, valid:].zero_()
+        mine = encode_rows(self.sign, z, [0] * k)  # (K, P)
+        es = self.new_es[g.es_offset : g.es_offset + k * c].view(k, c)
+        _decode_rows_into(self.sign, mine, c, es)
+        torch.sub(z, es, out=es)
+        if valid < c:
+            es[:, valid:].zero_()
+        return mine
+
+    def decode(self, g: PieceGroup, gathered: torch.Tensor, out_flat: torch.Tensor) -> None:
+        """out[group] <- concat_j C(Z_j[k])[:n] for every piece k, from the gathered (N, K, P) payloads."""
+        k, n, c, w = g.count, g.numel, g.chunk, self.world
+        p = gathered.numel() // (w * k)
+        rows = gathered.view(w, k, p).transpose(0, 1).contiguous() if k > 1 else gathered  # (K, N, P): piece order
+        out = out_flat[g.offset : g.offset + k * n].view(k, n)
+        if n == w * c:
+            _decode_rows_into(self.sign, rows, c, out.view(k * w, c))
+        else:
+            out.copy_(_decode_rows(self.sign, rows, c).reshape(k, w * c)[:, :n])
+
+    def finish(self) -> None:
+        _update_error(self.worker_error, self.new_ew)
+        _update_error(self.server_error, self.new_es)
+
+
+def run_batched(
+    x: torch.Tensor,
+    out_flat: torch.Tensor,
+    phases: BatchedPhases,
+    group,
+    pieces: list[tuple[int, int]],
+) -> int:
+    """``onebit_all_reduce``'s exchange over every group of ``pieces`` (``piece_groups``), pipelined group by
+    group; returns the payload bytes of one chunk summed over the pieces (the reference's count). ``x`` is read
+    whole before ``out_flat`` is written."""
+    world = phases.world
+    flat_x = x.detach().reshape(-1)
+    total_p = 0
+    phase1 = []
+    for g in piece_groups(pieces, world):
+        send = phases.worker(g, flat_x)
+        recv = torch.empty_like(send)
+        phase1.append((g, recv, send, _all_to_all_async(recv.view(-1), send.view(-1), group, world)))
+        total_p += g.count * phases.sign.nbytes(g.chunk)
+    phase2 = []
+    for g, recv, _send, work in phase1:
+        _wait(work)
+        mine = phases.server(g, recv)
+        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)
+        phase2.append((g, gathered, mine, _all_gather_async(gathered, mine.view(-1), group, world)))
+    del phase1
+    for g, gathered, _mine, work in phase2:
+        _wait(work)
+        phases.decode(g, gathered, out_flat)
+    phases.finish()
+    return total_p
+
+
+__all__ = ["PATH", "PATHS", "BatchedPhases", "PieceGroup", "piece_groups", "run_batched", "selected_path"]

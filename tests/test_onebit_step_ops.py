@@ -1,0 +1,28 @@
+"""benchmarks/onebit_step_ops.py at a tiny scale: a compressed 1-bit Adam step's momentum sync launches fewer ops in
+the batched form than in the per-piece reference, makes no host sync, and the counts are per step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import onebit_step_ops  # noqa: E402
+from lightning_qcomm.codecs import cpu_fused, scaling  # noqa: E402
+from lightning_qcomm.comm import sign_batched  # noqa: E402
+
+
+def test_batched_momentum_sync_launches_fewer_ops_and_syncs_nothing(monkeypatch):
+    monkeypatch.setattr(scaling, "_HOST_BRANCHES", False)
+    monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
+    monkeypatch.setattr(sign_batched, "PATH", sign_batched.PATH)  # restored after the benchmark sets it
+    rows = {p: onebit_step_ops.count(p, scale=1 / 32, world=1, steps=1, nonfinite="propagate") for p in PATHS}
+    ref, new = rows["reference"], rows["batched"]  # pieces of 256 elements: whole bytes of codes
+    assert ref["pieces"] == new["pieces"] > 4 * ref["buckets"]  # several pieces per bucket
+    assert new["by_layer"]["onebit.py"] * 4 < ref["by_layer"]["onebit.py"], rows
+    assert new["by_layer"]["optim"] == ref["by_layer"]["optim"]
+    assert not any("lightning_qcomm/comm/" in site for site in new["sync_sites"]), new["sync_sites"]
+
+
+PATHS = ("reference", "batched")
