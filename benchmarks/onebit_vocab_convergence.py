@@ -19,7 +19,8 @@ Variants: ``ddp_adamw`` (DDP's fp32 gradient all-reduce, counted), ``onebit`` (D
 frozen variance alone, without 1-bit compression; a diagnostic, its bytes are not 1-bit's).
 
 Reported: training loss (mean of both ranks) over the last 10 steps, its ratio to DDP+AdamW's, and the ledger's
-wire bytes per step after the freeze over the fp32 ring all-reduce of all parameters. ``--diag`` also records per
+wire bytes per step after the freeze over the fp32 ring all-reduce of all parameters (median and mean over the steps;
+the mean counts the variance refresh every ``variance_refresh`` steps). ``--diag`` also records per
 tensor, on steps around the freeze, the update's RMS and its largest row RMS (dim 0: a token's row of an embedding
 or output layer) in units of lr -- Adam's per-coordinate step is about lr or less.
 
@@ -216,6 +217,7 @@ def summarize(res: list[dict], args: argparse.Namespace) -> dict:
             "tail": statistics.fmean(losses[-10:]),
             "curve": [round(statistics.fmean(losses[i : i + 10]), 4) for i in range(0, len(losses), 10)],
             "bytes_after_freeze_ratio": statistics.median(after) / fp32 if after else None,
+            "bytes_after_freeze_mean_ratio": statistics.fmean(after) / fp32 if after else None,
             "d": a["d"],
             "change_at_freeze": a.get("change_at_freeze"),
             "unusable_at_freeze": a.get("unusable_at_freeze"),
@@ -270,7 +272,8 @@ def main() -> None:
         br, vs = row["bytes_after_freeze_ratio"], row["vs_adamw"]
         print(
             f"{key}: loss(last 10) {row['tail']:.4f}  vs AdamW {'-' if vs is None else f'{vs:.4f}'}  bytes after "
-            f"freeze {'-' if br is None else f'{br:.4f}'}x fp32  curve {row['curve']}"
+            f"freeze {'-' if br is None else f'{br:.4f}'}x fp32 (mean {row['bytes_after_freeze_mean_ratio'] or 0:.4f}x)"
+            f"  curve {row['curve']}"
         )
 
 

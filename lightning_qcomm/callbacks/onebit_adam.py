@@ -96,6 +96,8 @@ class OneBitAdamCallback(pl.Callback):
             ``accumulate_grad_batches`` > 1 or ``gradient_clip_val`` it runs after backward (logged once).
         scale_block: elements per 1-bit scale after the freeze (an int >= 8, or 0 for one scale per chunk; default
             OneBitAdam's, see ``OneBitAdamConfig``).
+        variance_refresh: optimizer steps between two refreshes of the frozen variance after the freeze (an int >= 1,
+            or 0 to keep it frozen; default OneBitAdam's, see ``OneBitAdamConfig``).
         hierarchical: 1-bit momentum only across nodes, exact inside a node (see the module doc).
         node_size: ranks per node for ``hierarchical`` (None: Lightning's devices per node).
 
@@ -114,6 +116,7 @@ class OneBitAdamCallback(pl.Callback):
         nonfinite: str | None = None,
         overlap: bool | None = None,
         scale_block: int | None = None,
+        variance_refresh: int | None = None,
         hierarchical: bool = False,
         node_size: int | None = None,
     ) -> None:
@@ -133,6 +136,7 @@ class OneBitAdamCallback(pl.Callback):
             nonfinite=nonfinite,
             overlap=overlap,
             scale_block=scale_block,
+            variance_refresh=variance_refresh,
         )
         self.settings = {k: v for k, v in given.items() if v is not None}
         try:
