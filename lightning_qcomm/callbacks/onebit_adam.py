@@ -24,7 +24,8 @@ What it does (the math is ``optim.OneBitAdam``, the compressed momentum average 
   move at all, whichever hook is registered; the momentum travels through the 1-bit all-reduce (tag
   "momentum"). DDP then also stops broadcasting buffers (BatchNorm statistics stay per rank), and
   ``gradient_clip_val`` clips each rank's *local* gradient (before it enters the momentum), not the
-  average. Auto-freeze's 8-byte max of the variance change is recorded under tag "control".
+  average. Auto-freeze's 8-byte max of the variance change is recorded under tag "control", the variance
+  refresh's bf16 all-reduce (every ``variance_refresh`` steps after the freeze) under tag "variance".
 * **Checkpoints.** The optimizer's ``state_dict`` (m, frozen v̂, step counts, freeze step) is saved by
   Lightning as usual. Each rank writes its own 1-bit error buffers (about 4·d·(1 + 1/N) bytes, d =
   trainable parameters, only in the compression phase) to its side file next to the checkpoint
