@@ -68,9 +68,16 @@ def _refreshed(param_groups: list[dict], state: Mapping) -> list[tuple[dict, lis
 class VarianceRefresh:
     """Window sums of the local squared gradient and the periodic refresh of the frozen v̂ (see the module doc).
 
+    Invariant: ``sums`` holds, per parameter, the sum of g² over the compressed steps of the current window (the
+    steps since the freeze mod K); it is all zeros right after a refresh.
+
     Args:
         every: K, optimizer steps per window (0: off).
         bucket_numel: most elements per all-reduce piece.
+
+    Example::
+
+        opt.variance_refresh.state_dict(params)    # this rank's window sums, saved by OneBitAdam.rank_state_dict
     """
 
     def __init__(self, every: int, bucket_numel: int) -> None:
