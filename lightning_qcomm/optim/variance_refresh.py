@@ -18,8 +18,9 @@ of that mean square, per param group's β2::
     v̂ <- β2^K v̂ + (1 - β2^K) s;    a <- 0
 
 If g² were constant over the window this is exactly Adam's K updates v <- β2 v + (1-β2) g² (v̂ is already bias-
-corrected). It is chosen over replacing v̂ by s: a vocabulary row that no token of the window touched would get
-v̂ = 0 and stop; the blend keeps its memory as AdamW's v does. s averages local squared gradients, which carry the
+corrected). It is chosen over replacing v̂ by s, by measurement (BENCHMARKS.md §6b: +0.02% of AdamW's loss against
++1.98%): a vocabulary row that no token of the window touched would get v̂ = 0 and stop; the blend keeps its
+memory as AdamW's v does. s averages local squared gradients, which carry the
 per-rank noise, so s >= (mean gradient)² on average: v̂ errs on the larger side, steps on the smaller one. A
 coordinate that had no usable variance at the freeze (w = 0, ``adam_math.frozen_weight``) joins the 1-bit average
 once its refreshed √v̂ > ε. The 1-bit error buffers keep their residuals across a refresh (in units of the old w,
