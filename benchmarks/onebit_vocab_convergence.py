@@ -16,10 +16,13 @@ draws its own stream (seeded by seed and rank); every variant sees the same batc
 
 Variants: ``ddp_adamw`` (DDP's fp32 gradient all-reduce, counted), ``onebit`` (DDP +
 ``OneBitAdamCallback(freeze_step=F)``), ``onebit_exact`` (the same, but the momentum average is exact fp32: the
-frozen variance alone, without 1-bit compression; a diagnostic, its bytes are not 1-bit's).
+frozen variance alone, without 1-bit compression; a diagnostic, its bytes are not 1-bit's), ``onebit_vreplace``
+(a diagnostic of the variance refresh: v̂ is replaced by the window's mean square gradient instead of blended with
+β2^K).
 
 Reported: training loss (mean of both ranks) over the last 10 steps, its ratio to DDP+AdamW's, and the ledger's
-wire bytes per step after the freeze over the fp32 ring all-reduce of all parameters. ``--diag`` also records per
+wire bytes per step after the freeze over the fp32 ring all-reduce of all parameters (median and mean over the steps;
+the mean counts the variance refresh every ``variance_refresh`` steps). ``--diag`` also records per
 tensor, on steps around the freeze, the update's RMS and its largest row RMS (dim 0: a token's row of an embedding
 or output layer) in units of lr -- Adam's per-coordinate step is about lr or less.
 
@@ -106,6 +109,20 @@ def _exact_average(x, worker_error, server_error, group=None, **kw):
     return x
 
 
+def _replace_refresh(self, param_groups, state, process_group=None):
+    """``VarianceRefresh.refresh`` with v̂ <- s (the window's mean square gradient) instead of the β2^K blend."""
+    entries = [
+        (g, [p for p in g["params"] if p.requires_grad and "exp_avg_sq" in state.get(p, {})]) for g in param_groups
+    ]
+    params = [p for _, ps in entries for p in ps]
+    for p in params:
+        self.sums.setdefault(p, torch.zeros_like(state[p]["exp_avg_sq"]))
+    self._average_([self.sums[p] for p in params], process_group)
+    for p in params:
+        state[p]["exp_avg_sq"].copy_(self.sums[p]).div_(self.every)
+        self.sums[p].zero_()
+
+
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -118,6 +135,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     from lightning_qcomm.callbacks.comm_logger import counting_allreduce_hook
     from lightning_qcomm.comm import onebit as onebit_mod
     from lightning_qcomm.comm.ledger import CommLedger, get_ledger, set_ledger
+    from lightning_qcomm.optim.variance_refresh import VarianceRefresh
+
+    blend_refresh = VarianceRefresh.refresh
 
     class CPUHookDDP(DDPStrategy):
         def _register_ddp_hooks(self) -> None:
@@ -162,6 +182,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             callbacks: list = []
             onebit = None
             onebit_mod.onebit_all_reduce = _exact_average if name == "onebit_exact" else args.real_reduce
+            VarianceRefresh.refresh = _replace_refresh if name == "onebit_vreplace" else blend_refresh
             if name == "ddp_adamw":
                 strategy = CPUHookDDP(ddp_comm_hook=counting_allreduce_hook)
             else:
@@ -216,6 +237,7 @@ def summarize(res: list[dict], args: argparse.Namespace) -> dict:
             "tail": statistics.fmean(losses[-10:]),
             "curve": [round(statistics.fmean(losses[i : i + 10]), 4) for i in range(0, len(losses), 10)],
             "bytes_after_freeze_ratio": statistics.median(after) / fp32 if after else None,
+            "bytes_after_freeze_mean_ratio": statistics.fmean(after) / fp32 if after else None,
             "d": a["d"],
             "change_at_freeze": a.get("change_at_freeze"),
             "unusable_at_freeze": a.get("unusable_at_freeze"),
@@ -240,7 +262,7 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="ddp_adamw,onebit",
-        help="comma list of ddp_adamw, onebit, onebit_exact, onebit_b<B> (scale_block=B)",
+        help="comma list of ddp_adamw, onebit, onebit_exact, onebit_vreplace, onebit_b<B> (scale_block=B)",
     )
     ap.add_argument("--cb", default="{}", help="extra OneBitAdamCallback arguments as JSON")
     ap.add_argument("--diag", action="store_true", help="record update sizes per tensor around the freeze")
@@ -270,7 +292,8 @@ def main() -> None:
         br, vs = row["bytes_after_freeze_ratio"], row["vs_adamw"]
         print(
             f"{key}: loss(last 10) {row['tail']:.4f}  vs AdamW {'-' if vs is None else f'{vs:.4f}'}  bytes after "
-            f"freeze {'-' if br is None else f'{br:.4f}'}x fp32  curve {row['curve']}"
+            f"freeze {'-' if br is None else f'{br:.4f}'}x fp32 (mean {row['bytes_after_freeze_mean_ratio'] or 0:.4f}x)"
+            f"  curve {row['curve']}"
         )
 
 

@@ -127,6 +127,8 @@ OUT_OF_RANGE = [
     (LocalSGDStrategy, "bits", 0),
     (OneBitAdamCallback, "freeze_step", 0),
     (OneBitAdamCallback, "bucket_mb", -1.0),
+    (OneBitAdamCallback, "variance_refresh", -1),
+    (OneBitAdam, "variance_refresh", -1),
     (OneBitAdam, "lr", -1.0),
     (OneBitAdam, "eps", -1.0),
     (ActivationQuantization, "bits", 0),

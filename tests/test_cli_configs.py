@@ -159,6 +159,50 @@ def test_strategy_forms_from_yaml(name, cls, module, form, tmp_path, monkeypatch
     )
 
 
+def _onebit_yaml(tmp_path, init_args: dict) -> Path:
+    cfg = {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "strategy": "ddp",
+            "logger": False,
+            "callbacks": [{"class_path": "OneBitAdamCallback", "init_args": init_args}],
+        },
+        "model": "lightning_qcomm.demo.ByteGPT",
+        "data": "lightning_qcomm.demo.StdlibBytes",
+    }
+    path = tmp_path / "onebit.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize(
+    "init_args,expect",
+    [({}, (256, 128)), ({"variance_refresh": 64, "scale_block": 0}, (0, 64)), ({"variance_refresh": 0}, (256, 0))],
+    ids=["defaults", "set", "refresh_off"],
+)
+def test_onebit_adam_settings_from_yaml(init_args, expect, tmp_path, monkeypatch):
+    """``scale_block`` and ``variance_refresh`` reach the callback's OneBitAdam settings from a YAML config."""
+    from lightning_qcomm.callbacks import OneBitAdamCallback
+
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
+    cli = make_cli(["--config", str(_onebit_yaml(tmp_path, {"freeze_step": 5, **init_args}))], run=False)
+    (cb,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, OneBitAdamCallback)]
+    assert (cb.config.scale_block, cb.config.variance_refresh) == expect
+    assert cb.config.freeze_step == 5
+
+
+def test_onebit_adam_bad_variance_refresh_from_yaml_names_class_argument_and_allowed(tmp_path, monkeypatch, capsys):
+    """The CLI exits with status 2 and the callback's ValueError, naming where in the file it is."""
+    monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])
+    with pytest.raises(SystemExit) as exit_info:
+        make_cli(["--config", str(_onebit_yaml(tmp_path, {"variance_refresh": -3}))], run=False)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "trainer.callbacks[0]: OneBitAdamCallback(variance_refresh=-3): allowed 0" in err
+    assert "an int >= 1" in err
+
+
 # ------------------------------------------------------------------------- a user's own model and data
 
 

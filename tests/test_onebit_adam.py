@@ -49,6 +49,7 @@ BATCH = 32  # per rank: 1024 / 2 / 32 = 16 optimizer steps per epoch
 STEPS = 48  # 3 epochs (not a multiple of RESUME_AT: one checkpoint only)
 FREEZE = 16  # warm-up = the first epoch (25%)
 RESUME_AT = 32  # checkpoint at the end of epoch 2 (compression phase)
+REFRESH = 5  # variance_refresh of the checkpointed run: the checkpoint falls one step into a window (32 - 16 = 3·5 + 1)
 LR = 0.01
 
 
@@ -164,17 +165,25 @@ def _c(x: torch.Tensor) -> torch.Tensor:
     return (x.norm() / math.sqrt(x.numel())) * torch.where(x < 0, -1.0, 1.0).double()
 
 
-def onebit_oracle(xs: list[torch.Tensor]) -> torch.Tensor:
-    """Output of the 1-bit all-reduce with zero error buffers, for rank inputs ``xs`` (flat), from the formulas."""
+def _c_blocks(x: torch.Tensor, block: int | None) -> torch.Tensor:
+    """``_c`` of every block of ``block`` consecutive elements of x (the last one shorter); None: of x whole."""
+    if block is None:
+        return _c(x)
+    return torch.cat([_c(x[i : i + block]) for i in range(0, x.numel(), block)])
+
+
+def onebit_oracle(xs: list[torch.Tensor], block: int | None = None) -> torch.Tensor:
+    """Output of the 1-bit all-reduce with zero error buffers, for rank inputs ``xs`` (flat), from the formulas.
+    ``block``: one scale per block of that many elements of each chunk (``scale_block``); None: one per chunk."""
     n, d = len(xs), xs[0].numel()
     c = -(-d // n)
     padded = [torch.cat([x.double(), torch.zeros(n * c - d, dtype=torch.float64)]) for x in xs]
     out = []
     for j in range(n):
-        z = sum(_c(y[j * c : (j + 1) * c]) for y in padded) / n
+        z = sum(_c_blocks(y[j * c : (j + 1) * c], block) for y in padded) / n
         valid = min(c, d - j * c)
         z[max(valid, 0) :] = 0.0
-        out.append(_c(z))
+        out.append(_c_blocks(z, block))
     return torch.cat(out)[:d]
 
 
@@ -223,16 +232,20 @@ def test_warmup_equals_torch_adam_bitwise(reference):
     assert not ours.frozen
 
 
+@pytest.mark.parametrize("scale_block", [None, 0], ids=["default_per_block", "per_chunk"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
-def test_freeze_bias_corrects_v_and_world1_step_matches_formula(decoupled):
-    """World of one, first compressed step against docs/design.md, per group (own lr/betas/eps/wd), both decay modes."""
+def test_freeze_bias_corrects_v_and_world1_step_matches_formula(decoupled, scale_block):
+    """World of one, first compressed step against docs/design.md, per group (own lr/betas/eps/wd), both decay modes;
+    the default code (one scale per block of 256) and the per-chunk one (``scale_block=0``)."""
     torch.manual_seed(0)
     model = _net()
     groups = _groups(model)
     groups[1]["weight_decay"] = 0.05  # both groups decay: the L2 term reaches m in both
+    kw = {} if scale_block is None else {"scale_block": scale_block}
     opt = OneBitAdam(
-        groups, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, decoupled_weight_decay=decoupled, freeze_step=3
+        groups, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, decoupled_weight_decay=decoupled, freeze_step=3, **kw
     )
+    block = 256 if scale_block is None else None
     hp = {p: (g["lr"], g["betas"][0], g["eps"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
     assert hp[model[2].weight] == (0.02, 0.7, 1e-6, 0.05)
     beta2_of = {p: g["betas"][1] for g in opt.param_groups for p in g["params"]}
@@ -253,7 +266,7 @@ def test_freeze_bias_corrects_v_and_world1_step_matches_formula(decoupled):
                 bound = max(1.0, (1 - b1) / math.sqrt(1 - b2))  # Adam's largest step, in units of lr
                 u_local.append(((b1 * opt.state[p]["exp_avg"] + (1 - b1) * g).double() * w).clamp(-bound, bound))
             flat = torch.cat([u.reshape(-1) for u in u_local])
-            u_expect = onebit_oracle([flat])  # world of one: C(C(y)) = C(y)
+            u_expect = onebit_oracle([flat], block)  # world of one: C(C(y)) = C(y)
         opt.step()
         assert opt.frozen == (t >= 3)
     # m <- u (sqrt(v̂) + eps) where w > 0, else 0;  p <- p(1 - lr wd) - lr / (1 - b1^4) * u (no decay factor in L2 mode)
@@ -523,7 +536,7 @@ def _torch_ddp_checks(rank: int) -> dict:
             off, expect_m = 0, []
             for b in opt._sync.buckets:
                 n = sum(params[i].numel() for i in b)
-                expect_m.append(onebit_oracle([x[off : off + n] for x in both]))
+                expect_m.append(onebit_oracle([x[off : off + n] for x in both], block=256))  # the default code
                 off += n
             expect_u = torch.cat(expect_m) * (w > 0)
             expect_m = expect_u / torch.where(w > 0, w, 1.0)  # u (sqrt(v̂) + eps), 0 where w = 0
@@ -692,7 +705,7 @@ def _lightning_checks(rank: int, port: int, outdir: str) -> dict:
 
     pl.seed_everything(0, verbose=False)
     module = _Module()
-    cb, probe = OneBitAdamCallback(freeze_step=FREEZE), _PhaseProbe()
+    cb, probe = OneBitAdamCallback(freeze_step=FREEZE, variance_refresh=REFRESH), _PhaseProbe()
     mc = ModelCheckpoint(dirpath=outdir, filename="onebit", every_n_train_steps=RESUME_AT, save_top_k=-1)
     trainer, ledger = _fit(rank, port, module, [cb, probe, SaveProbe(), mc], enable_checkpointing=True)
     opt = trainer.optimizers[0]
@@ -720,6 +733,9 @@ def _lightning_checks(rank: int, port: int, outdir: str) -> dict:
     out["saved_errors_differ_between_ranks"] = any(
         not torch.equal(a, b) for a, b in zip(both_err[0]["worker_error"], both_err[1]["worker_error"])
     )
+    out["saved_windows_differ_between_ranks"] = any(
+        not torch.equal(a, b) for a, b in zip(both_err[0]["variance_window"], both_err[1]["variance_window"])
+    )
 
     # resume from RESUME_AT: the callback must hand each rank its own buffers back
     seen: dict = {}
@@ -735,7 +751,8 @@ def _lightning_checks(rank: int, port: int, outdir: str) -> dict:
     pl.seed_everything(0, verbose=False)
     module = _Module()
     ckpt = os.path.join(outdir, "onebit.ckpt")
-    _fit(rank, port, module, [OneBitAdamCallback(freeze_step=FREEZE), StartProbe()], ckpt_path=ckpt)
+    cb = OneBitAdamCallback(freeze_step=FREEZE, variance_refresh=REFRESH)
+    _fit(rank, port, module, [cb, StartProbe()], ckpt_path=ckpt)
     out["resume"] = {
         "errors_equal": all(
             torch.equal(a, b) for a, b in zip(seen["rank_state"]["worker_error"], saved["rank_state"]["worker_error"])
@@ -745,6 +762,10 @@ def _lightning_checks(rank: int, port: int, outdir: str) -> dict:
         ),
         "frozen": (seen["frozen_at"], seen["num_steps"]) == (saved["frozen_at"], saved["num_steps"]),
         "v_equal": all(torch.equal(a, b) for a, b in zip(seen["v"], saved["v"])),
+        "window_equal": all(
+            torch.equal(a, b)
+            for a, b in zip(seen["rank_state"]["variance_window"], saved["rank_state"]["variance_window"])
+        ),
         "sync_off": seen["sync_off"],
         "params": [p.detach().clone() for p in module.parameters()],
     }
@@ -920,10 +941,12 @@ def test_nan_gradient_on_one_rank_stays_nonfinite_on_both_when_propagated(result
         t = r["torch"]
         assert t["nan_momentum_nonfinite"] and t["nan_param_nonfinite"]
         assert t["nan_errors_finite"]
-    # rank 0's NaN sits in chunk 0 (elements 0..1023) of bucket 0 (2048 elements): there its worker error keeps
-    # the previous residual instead of absorbing NaN; chunk 1 is finite and its residual moves on
+    # rank 0's NaN sits in scale block 0 (elements 0..255; the default scale_block=256) of chunk 0 (0..1023) of bucket
+    # 0 (2048 elements): there its worker error keeps the previous residual instead of absorbing NaN; the other
+    # blocks, of the same chunk and of chunk 1, are finite and their residuals move on
     before, after = results[0]["torch"]["nan_errors"]
-    assert torch.equal(before[:1024], after[:1024])
+    assert torch.equal(before[:256], after[:256])
+    assert not torch.equal(before[256:1024], after[256:1024])
     assert not torch.equal(before[1024:], after[1024:])
 
 
@@ -959,16 +982,21 @@ def test_lightning_callback_replaces_adamw_and_switches_phase(results):
             else:  # compression: no gradient bytes; one fused bucket -> one all_to_all + one all_gather
                 assert ("all_reduce", "grads") not in keys and ("all_reduce", "momentum") in keys, (step, keys)
                 assert calls.count("all_to_all_single") == 1, (step, calls)
+                # the step that ends a variance-refresh window (every REFRESH compressed steps) adds its one bf16
+                # all_reduce, tagged "variance"
+                refresh = (step + 1 - FREEZE) % REFRESH == 0
+                assert (("all_reduce", "variance") in keys) == refresh, (step, keys)
                 if step == FREEZE:  # the first one runs inline: the 8-byte agreement that every local gradient is
                     # finite is its one all_reduce
                     assert calls.count("all_reduce") == 1 and ("all_reduce", "control") in keys, (step, calls)
                 else:  # overlapped (tests/test_onebit_overlap.py): the verdict is read from the averaged momentum
-                    assert calls.count("all_reduce") == 0 and ("all_reduce", "control") not in keys, (step, calls)
+                    assert calls.count("all_reduce") == refresh and ("all_reduce", "control") not in keys, (step, calls)
         assert ob["params_equal_across_ranks"]
 
 
 def test_lightning_ledger_bytes_per_phase(results):
-    """fp32 grads during warm-up (ratio 1), then momentum at (ceil(d/2)/8 + 4) B per chunk: ~1/32 of fp32."""
+    """fp32 grads during warm-up (ratio 1), then momentum at ceil(c/8) + 4 ceil(c/256) B per chunk of c = ceil(d/2)
+    elements (the default scale_block=256): ~1/32 (1 + 32/256) of fp32."""
     from lightning_qcomm.comm.wire_bytes import wire_bytes_formula
 
     d = sum(p.numel() for p in _net().parameters())
@@ -977,8 +1005,11 @@ def test_lightning_ledger_bytes_per_phase(results):
     assert calls == FREEZE and wire == base == FREEZE * 2 * (2 - 1) / 2 * 4 * d
     calls, wire, base = totals[("all_reduce", "momentum")]
     assert calls == STEPS - FREEZE
-    assert wire == (STEPS - FREEZE) * wire_bytes_formula("onebit_all_reduce", d, 2)
-    assert 1 / 33 < wire / base < 1 / 30, wire / base
+    assert wire == (STEPS - FREEZE) * wire_bytes_formula("onebit_all_reduce", d, 2, onebit_block_numel=256)
+    assert 1 / 29 < wire / base < 1 / 27, wire / base
+    # the variance refresh: one bf16 all-reduce of the d window sums every REFRESH compressed steps
+    calls, wire, _ = totals[("all_reduce", "variance")]
+    assert calls == (STEPS - FREEZE) // REFRESH and wire == calls * 2 * (2 - 1) / 2 * 2 * d
 
 
 def test_lightning_loss_decreases_and_is_near_ddp_adamw(results):
@@ -999,9 +1030,11 @@ def test_lightning_resume_restores_per_rank_state_and_reproduces_run(results):
         res = r["resume"]
         assert res["errors_equal"], f"rank {rank}: restored error buffers differ from the saved ones"
         assert res["frozen"] and res["v_equal"] and res["sync_off"]
+        assert res["window_equal"], f"rank {rank}: restored variance-refresh window sums differ from the saved ones"
         for p, q in zip(res["params"], r["onebit"]["params"]):
             assert torch.equal(p, q), "the resumed run must end bit-identical to the uninterrupted one"
     assert results[0]["saved_errors_differ_between_ranks"], "error buffers are per rank"
+    assert results[0]["saved_windows_differ_between_ranks"], "the variance-refresh window sums are per rank"
     assert results[0]["saved"]["rank_state"]["worker_error"] is not None
     assert results[0]["resume"]["ckpt_world"] == 2
 
@@ -1065,7 +1098,7 @@ def test_cli_config_runs_both_phases(results):
         calls, wire, base = cli["totals"]["all_reduce|grads"]
         assert calls == 2 * 2 and wire == base  # 2 warm-up steps x 2 ranks, fp32
         calls, wire, base = cli["totals"]["all_reduce|momentum"]
-        assert calls == 2 * 2 and wire < base / 30
+        assert calls == 2 * 2 and base / 29 < wire < base / 28  # 1/32 (1 + 32/256): one fp32 scale per 256
 
 
 def test_strategy_without_ddp_wrapper_is_rejected(results):

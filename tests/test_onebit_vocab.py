@@ -6,8 +6,10 @@ same seeded batches. The demo's WikiText-2 is a download; the tokens here are a 
 (as word frequencies are: most vocabulary rows see a gradient rarely, many none before the freeze).
 
 What is checked: the mean training loss of the last ``TAIL`` steps, both ranks, with 1-bit Adam is at most
-``BOUND`` times AdamW's. After the freeze 1-bit Adam is AdamW with a frozen variance and a noisy (error-compensated)
-momentum, so it may trail AdamW a little right after the switch; a blow-up -- the failure this guards against, where
+``BOUND`` times AdamW's; over ``LONG_STEPS`` steps (freeze at 20%) the default 1-bit Adam ends within ``LONG_BOUND``
+of AdamW's loss over the last ``LONG_TAIL`` steps (measured +2.7%; one scale per chunk, the default before, +6.1%).
+After the freeze 1-bit Adam is AdamW with a frozen variance and a noisy (error-compensated) momentum, so it may
+trail AdamW a little right after the switch; a blow-up -- the failure this guards against, where
 coordinates whose variance is zero or tiny at the freeze take steps of lr * scale / eps -- ends several times above
 AdamW's loss (16.9 against 2.90, x5.8, on the code before the remedy; docs/design.md, "1-bit Adam").
 """
@@ -25,6 +27,8 @@ VOCAB = 24113
 STEPS, FREEZE, TAIL = 30, 10, 5
 BATCH, SEQ = 8, 32
 BOUND = 1.15
+LONG_STEPS, LONG_FREEZE, LONG_TAIL = 60, 12, 10
+LONG_BOUND = 1.04
 
 
 def _tokens(n: int, seed: int) -> torch.Tensor:
@@ -68,10 +72,16 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     from lightning_qcomm.callbacks import OneBitAdamCallback
 
     torch.set_num_threads(1)
-    tokens = _tokens(STEPS * BATCH * (SEQ + 1), seed=rank).view(-1, SEQ + 1)
-    data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     out = {}
-    for name, callbacks in (("adamw", []), ("onebit", [OneBitAdamCallback(freeze_step=FREEZE)])):
+    runs = (
+        ("adamw", STEPS, []),
+        ("onebit", STEPS, [OneBitAdamCallback(freeze_step=FREEZE)]),
+        ("adamw_long", LONG_STEPS, []),
+        ("onebit_long", LONG_STEPS, [OneBitAdamCallback(freeze_step=LONG_FREEZE)]),  # the defaults
+    )
+    for name, steps, callbacks in runs:
+        tokens = _tokens(steps * BATCH * (SEQ + 1), seed=rank).view(-1, SEQ + 1)
+        data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
         os.environ["LOCAL_RANK"] = str(rank)
         pl.seed_everything(0, verbose=False)
@@ -80,7 +90,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
             accelerator="cpu",
             devices=2,
             strategy="ddp",
-            max_steps=STEPS,
+            max_steps=steps,
             callbacks=callbacks,
             logger=False,
             enable_checkpointing=False,
@@ -95,7 +105,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("vocab"))
-    spawn(_worker, free_port(), d, nprocs=2, timeout_s=300)
+    spawn(_worker, free_port(), d, nprocs=2, timeout_s=900)
     return rank_results(d, 2)
 
 
@@ -103,6 +113,17 @@ def test_onebit_adam_follows_adamw_after_the_freeze_on_the_demo_transformer(loss
     tail = {k: sum(sum(r[k][-TAIL:]) for r in losses) / (2 * TAIL) for k in ("adamw", "onebit")}
     assert all(len(r["onebit"]) == STEPS for r in losses)
     assert tail["onebit"] <= BOUND * tail["adamw"], tail
+
+
+def test_default_onebit_adam_ends_near_adamw_over_a_longer_run_on_the_demo_transformer(losses):
+    """60 steps, freeze at 12 (20%): the default 1-bit Adam (one scale per block of 256; its variance refresh, every
+    128 steps, does not come within 48 compressed steps) ends within 4% of AdamW's loss over the last 10 steps
+    (measured +2.7%). One scale per chunk (``scale_block=0``, the default before) ends +6.1% above: its error
+    feedback keeps idle embedding rows moving by the chunk's rms step (the refresh's own math is
+    tests/test_variance_refresh.py's, on two gloo processes)."""
+    tail = {k: sum(sum(r[k][-LONG_TAIL:]) for r in losses) / (2 * LONG_TAIL) for k in ("adamw_long", "onebit_long")}
+    assert all(len(r["onebit_long"]) == LONG_STEPS for r in losses)
+    assert tail["onebit_long"] <= LONG_BOUND * tail["adamw_long"], tail
 
 
 # ---------------------------------------------------------------------------------------------- single process

@@ -24,7 +24,8 @@ What it does (the math is ``optim.OneBitAdam``, the compressed momentum average 
   move at all, whichever hook is registered; the momentum travels through the 1-bit all-reduce (tag
   "momentum"). DDP then also stops broadcasting buffers (BatchNorm statistics stay per rank), and
   ``gradient_clip_val`` clips each rank's *local* gradient (before it enters the momentum), not the
-  average. Auto-freeze's 8-byte max of the variance change is recorded under tag "control".
+  average. Auto-freeze's 8-byte max of the variance change is recorded under tag "control", the variance
+  refresh's bf16 all-reduce (every ``variance_refresh`` steps after the freeze) under tag "variance".
 * **Checkpoints.** The optimizer's ``state_dict`` (m, frozen v̂, step counts, freeze step) is saved by
   Lightning as usual. Each rank writes its own 1-bit error buffers (about 4·d·(1 + 1/N) bytes, d =
   trainable parameters, only in the compression phase) to its side file next to the checkpoint
@@ -96,6 +97,8 @@ class OneBitAdamCallback(pl.Callback):
             ``accumulate_grad_batches`` > 1 or ``gradient_clip_val`` it runs after backward (logged once).
         scale_block: elements per 1-bit scale after the freeze (an int >= 8, or 0 for one scale per chunk; default
             OneBitAdam's, see ``OneBitAdamConfig``).
+        variance_refresh: optimizer steps between two refreshes of the frozen variance after the freeze (an int >= 1,
+            or 0 to keep it frozen; default OneBitAdam's, see ``OneBitAdamConfig``).
         hierarchical: 1-bit momentum only across nodes, exact inside a node (see the module doc).
         node_size: ranks per node for ``hierarchical`` (None: Lightning's devices per node).
 
@@ -114,6 +117,7 @@ class OneBitAdamCallback(pl.Callback):
         nonfinite: str | None = None,
         overlap: bool | None = None,
         scale_block: int | None = None,
+        variance_refresh: int | None = None,
         hierarchical: bool = False,
         node_size: int | None = None,
     ) -> None:
@@ -133,6 +137,7 @@ class OneBitAdamCallback(pl.Callback):
             nonfinite=nonfinite,
             overlap=overlap,
             scale_block=scale_block,
+            variance_refresh=variance_refresh,
         )
         self.settings = {k: v for k, v in given.items() if v is not None}
         try:

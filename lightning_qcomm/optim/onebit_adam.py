@@ -36,7 +36,9 @@ Adam", "Why the preconditioned momentum"). Coordinates with √v̂ <= ε had no 
 vocabulary row never seen, an attention key bias): they stay where they are, as DeepSpeed's ``exp_avg_mask``
 would keep them, found from v̂. The clip keeps a coordinate whose gradient outgrew its frozen v̂ at the step Adam
 would at most take, and out of its chunk's scale. The bytes are those of the momentum: ≈ 1 bit per element.
-The momentum keeps its bias correction 1/(1-β1^t) (t keeps counting). Parameters without a gradient on this rank
+The momentum keeps its bias correction 1/(1-β1^t) (t keeps counting). With ``variance_refresh`` = K > 0 (the default)
+v̂ is not frozen for good: every K compressed steps it moves as Adam's v would over K steps of the ranks' mean local
+g², v̂ <- β2^K v̂ + (1-β2^K) s (one bf16 all-reduce, ledger tag "variance"; ``optim.variance_refresh``). Parameters without a gradient on this rank
 in a step contribute g = 0 (every rank must take part in the collective); parameters that never had a gradient
 during warm-up have no v and are not updated after the freeze (warned once). A parameter with
 ``requires_grad=False`` is skipped as torch's AdamW skips it: its m, v̂, step and value stay as they are (its u
@@ -91,6 +93,7 @@ from lightning_qcomm.comm.onebit_overlap import MomentumOverlap
 from lightning_qcomm.optim.adam_math import adamw_update_, frozen_update_, moment_dtype, momentum_candidates
 from lightning_qcomm.optim.onebit_adam_config import (
     DEFAULT_SCALE_BLOCK,
+    DEFAULT_VARIANCE_REFRESH,
     OneBitAdamConfig,
     check_adam_hparams,
     check_no_amsgrad,
@@ -104,6 +107,7 @@ from lightning_qcomm.optim.variance_freeze import (
     unusable_fraction,
     warn_if_unstable,
 )
+from lightning_qcomm.optim.variance_refresh import VarianceRefresh
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +123,7 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
         lr, betas, eps, weight_decay: as torch.optim.AdamW (weight decay is decoupled by default).
         decoupled_weight_decay: True = AdamW (p <- p(1 - lr·wd)); False = Adam's L2 term (g <- g + wd·p).
         freeze_step, auto_freeze_threshold, auto_freeze_interval, auto_freeze_patience: see ``OneBitAdamConfig``.
-        bucket_mb, nonfinite, overlap, scale_block: see ``OneBitAdamConfig``.
+        bucket_mb, nonfinite, overlap, scale_block, variance_refresh: see ``OneBitAdamConfig``.
         process_group: the data-parallel group of the momentum all-reduce (None: default group). The
             Lightning callback sets it from the DDP module (``set_process_group``).
 
@@ -146,6 +150,7 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
         overlap: bool = True,
         process_group: dist.ProcessGroup | None = None,
         scale_block: int = DEFAULT_SCALE_BLOCK,
+        variance_refresh: int = DEFAULT_VARIANCE_REFRESH,
     ) -> None:
         check_adam_hparams(lr, betas, eps, weight_decay)
         if not isinstance(decoupled_weight_decay, bool):
@@ -159,6 +164,7 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
             nonfinite,
             overlap,
             scale_block,
+            variance_refresh,
         )
         self.nonfinite = NonFiniteGuard(nonfinite, "OneBitAdam", agree=self._all_ranks_finite)
         defaults = dict(
@@ -179,6 +185,7 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
         self._sync: OneBitMomentumSync | None = None
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
         self._overlap = MomentumOverlap(self.config.overlap)
+        self.variance_refresh = VarianceRefresh(self.config.variance_refresh, self.config.bucket_numel)
         self._layout: list[torch.Tensor] | None = None
         self._pending_rank_state: dict | None = None
         self._warned_stateless = False
@@ -223,9 +230,13 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
         if self.frozen:
             if not self._compressed_step():
                 return loss
+            if self.variance_refresh.enabled:
+                self.variance_refresh.accumulate(self.param_groups, self.state)
         else:
             self._warmup_step()
         self.num_steps += 1
+        if self.frozen and self.variance_refresh.due(self.num_steps - self.frozen_at):
+            self.variance_refresh.refresh(self.param_groups, self.state, self.process_group)
         if not self.frozen:
             self._maybe_freeze()
         return loss

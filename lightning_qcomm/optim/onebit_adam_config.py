@@ -6,7 +6,7 @@ argument, its value and the allowed range.
 
 Example::
 
-    cfg = OneBitAdamConfig(freeze_step=200, bucket_mb=16.0)
+    cfg = OneBitAdamConfig(freeze_step=200, bucket_mb=16.0, variance_refresh=64)
     cfg.bucket_numel                        # 16 MiB of fp32 = 4194304 elements
     check_adam_hparams(1e-3, (0.9, 0.999), 1e-8, 0.01)
 """
@@ -20,7 +20,8 @@ from typing import Any
 from lightning_qcomm.comm.nonfinite import check_policy
 
 FP32_BYTES = 4
-DEFAULT_SCALE_BLOCK = 0  # elements per 1-bit scale (0: one per chunk)
+DEFAULT_SCALE_BLOCK = 256  # elements per 1-bit scale (0: one per chunk)
+DEFAULT_VARIANCE_REFRESH = 128  # optimizer steps between two refreshes of the frozen variance (0: never)
 
 
 def _is_number(x: Any) -> bool:
@@ -47,6 +48,10 @@ class OneBitAdamConfig:
         scale_block: B, elements per 1-bit scale (an int >= 8; default ``DEFAULT_SCALE_BLOCK``): each block of B
             consecutive momentum elements travels as signs and its own fp32 rms, 1 + 32/B bits per element. 0: one
             scale per chunk of a bucket (up to 2^18 elements per rank and piece), the original 1-bit Adam code.
+        variance_refresh: K, optimizer steps between two refreshes of the frozen variance after the freeze (an int
+            >= 0; default ``DEFAULT_VARIANCE_REFRESH``): each rank sums its local g² over K steps, one bf16
+            all-reduce averages the sums and v̂ <- β2^K v̂ + (1-β2^K) · mean g² (``optim.variance_refresh``), 16/K bits
+            per element and step. 0: the variance stays as frozen, the original 1-bit Adam.
     """
 
     freeze_step: int = 100
@@ -57,6 +62,7 @@ class OneBitAdamConfig:
     nonfinite: str = "skip"
     overlap: bool = True
     scale_block: int = DEFAULT_SCALE_BLOCK
+    variance_refresh: int = DEFAULT_VARIANCE_REFRESH
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -79,6 +85,9 @@ class OneBitAdamConfig:
         s = self.scale_block
         if not isinstance(s, int) or isinstance(s, bool) or not (s == 0 or s >= 8):
             raise bad("scale_block", s, "0 (one scale per chunk) or an int >= 8")
+        k = self.variance_refresh
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise bad("variance_refresh", k, "0 (the variance stays frozen) or an int >= 1 (steps per refresh)")
 
     @property
     def bucket_numel(self) -> int:
@@ -116,4 +125,10 @@ def check_no_amsgrad(groups: Any, where: str) -> None:
             )
 
 
-__all__ = ["DEFAULT_SCALE_BLOCK", "OneBitAdamConfig", "check_adam_hparams", "check_no_amsgrad"]
+__all__ = [
+    "DEFAULT_SCALE_BLOCK",
+    "DEFAULT_VARIANCE_REFRESH",
+    "OneBitAdamConfig",
+    "check_adam_hparams",
+    "check_no_amsgrad",
+]

@@ -2,7 +2,8 @@
 
 ``OneBitAdamCheckpoint`` is the part of ``optim.OneBitAdam`` that saves and restores: torch's optimizer state plus
 ``"onebit"`` (step count, freeze step, auto-freeze counters), loading plain Adam/AdamW states too, and each rank's
-1-bit error buffers (``rank_state_dict`` / ``load_rank_state_dict``), which differ per rank. The buffers hold
+1-bit error buffers and variance-refresh window sums (``rank_state_dict`` / ``load_rank_state_dict``), which differ
+per rank. The buffers hold
 residuals of the preconditioned momentum u = m / (√v̂ + ε) (``MOMENTUM_SPACE``); buffers saved without that mark
 (residuals of the raw momentum, an earlier version) restart at zero, with a warning.
 
@@ -63,6 +64,7 @@ class OneBitAdamCheckpoint:
             group.setdefault("decoupled_weight_decay", False)
         self._overlap.close()  # its launcher belongs to the old layout
         self._sync, self._layout = None, None
+        self.variance_refresh.sums = {}  # this rank's window sums come with load_rank_state_dict
         if extra is not None:
             self.num_steps = int(extra["num_steps"])
             self.frozen_at = None if extra["frozen_at"] is None else int(extra["frozen_at"])
@@ -76,17 +78,34 @@ class OneBitAdamCheckpoint:
                 self.freeze()
 
     def rank_state_dict(self) -> dict[str, Any]:
-        """This rank's 1-bit error buffers (worker and server, per bucket; CPU copies). Save it per rank."""
+        """This rank's 1-bit error buffers (worker and server, per bucket) and variance-refresh window sums
+        (``"variance_window"``, one per parameter in param_groups order, None where there is none); CPU copies.
+        Save it per rank."""
+        window = self.variance_refresh.state_dict(self._all_params())
         if self._sync is None:
-            return {"worker_error": None} if self._pending_rank_state is None else self._pending_rank_state
-        return {**self._sync.rank_state_dict(), "momentum_space": MOMENTUM_SPACE}
+            errors = {"worker_error": None} if self._pending_rank_state is None else self._pending_rank_state
+        else:
+            errors = {**self._sync.rank_state_dict(), "momentum_space": MOMENTUM_SPACE}
+        return {**errors, "variance_window": window}
+
+    def _all_params(self) -> list:
+        return [p for g in self.param_groups for p in g["params"]]
 
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's error buffers (from ``rank_state_dict`` on the same rank and layout).
 
         Applied when the momentum layout exists (now, or at the first compression step); if the layout or
         world size differs (another ``bucket_mb``, other parameters) the buffers restart at zero, with a warning.
+        The variance-refresh window sums are restored at once (absent, e.g. saved by an earlier version: zero).
         """
+        state = dict(state)
+        window = state.pop("variance_window", None)
+        self.variance_refresh.sums = {}
+        if window is not None:
+            try:
+                self.variance_refresh.load_state_dict(self._all_params(), window)
+            except ValueError as err:
+                log.warning("OneBitAdam: %s; the variance-refresh window restarts at zero", err)
         if state.get("worker_error") is None:
             self._pending_rank_state = None
             return
