@@ -1,8 +1,8 @@
 """Per-bucket work of the codecs in Triton: wire scales and encode parameters in one launch, and the decode
 parameters computed from the wire scales inside the decode kernel.
 
-Encode (uniform and FP8 codecs, buckets of at most ``MAX_BUCKET`` elements): ``_wire_kernel`` reads each bucket
-once, reduces it (min and max, or max ``|x|``), and writes the wire scales (``Codec.bucket_scales``) and the
+Encode (every codec but sign1, buckets of at most ``MAX_BUCKET`` elements): ``_wire_kernel`` reads each bucket
+once, reduces it (min and max, max ``|x|``, or the L2 norm), and writes the wire scales (``Codec.bucket_scales``) and the
 encode parameters (``Codec._encode_params``) side by side, so an encode is this launch plus the element-wise one.
 Every formula is the torch reference's, operation for operation and in the same precision (fp64 where the
 reference widens, correctly rounded division ``div_rn`` where it divides in fp32), so the scales are bit for
@@ -13,6 +13,10 @@ bit the reference's:
   (``codecs.scaling``); parameters ``(sigma, lo, 1 / unit)``;
 - FP8: ``s = amax / fmax`` (one ulp down when ``fmax s`` overflows), ``tiny`` when ``0 < amax < fmax FLT_MIN``;
   parameters ``(sigma, 1 / s)``.
+- QSGD, QSGDinf, NUQSGD: ``n = ||x||_2`` (``qsgd.tree_norm``'s fixed pairwise order and correctly rounded root;
+  a norm below ``redo_floor`` or not finite redone as ``amax ||x / amax||_2``, fp64 kept) or ``max |x|``; flagged
+  ``wide`` above 2^126, ``tiny`` below ``k FLT_MIN``; parameters ``(sigma, k (1 / n), level cap)``, the cap the
+  largest level whose decode stays <= ``out_max``, in fp64 with exact powers of two (``_level_cap``).
 
 A bucket holding NaN or +-Inf gets NaN scales (its codes are then 0 and its decode non-finite).
 
