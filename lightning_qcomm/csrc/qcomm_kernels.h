@@ -211,10 +211,21 @@ static void qc_tree_norm(const float* x, int64_t rows, int64_t width, float* out
         float buf[8192];
         for (int64_t r = 0; r < rows; r++) {
             const float* row = x + r * width;
-            for (int64_t j = 0; j < width; j++) buf[j] = row[j] * row[j];
-            for (int64_t j = width; j < pow2; j++) buf[j] = 0.0f;
-            for (int64_t w = pow2; w > 1; w >>= 1)
-                for (int64_t i = 0; i < w / 2; i++) buf[i] = buf[2 * i] + buf[2 * i + 1];
+            if (pow2 == 1) {
+                out[r] = (float)__builtin_sqrt((double)(row[0] * row[0]));
+                continue;
+            }
+            /* the first level straight from the row: squares of columns 2i and 2i + 1 (zero past the row) */
+            const int64_t pairs = width / 2;
+            for (int64_t i = 0; i < pairs; i++) {
+                const float a = row[2 * i], b = row[2 * i + 1];
+                buf[i] = a * a + b * b;
+            }
+            int64_t i = pairs;
+            if (width & 1) buf[i++] = row[width - 1] * row[width - 1] + 0.0f;
+            for (; i < pow2 / 2; i++) buf[i] = 0.0f;
+            for (int64_t w = pow2 / 2; w > 1; w >>= 1)
+                for (int64_t k = 0; k < w / 2; k++) buf[k] = buf[2 * k] + buf[2 * k + 1];
             out[r] = (float)__builtin_sqrt((double)buf[0]);
         }
         return;
