@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -91,13 +90,9 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env.pop("LIGHTNING_QCOMM_DISABLE_TRITON", None)
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"launch worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from _interpreted import run_interpreted
+
+    return run_interpreted(__file__, 600)
 
 
 @pytest.mark.parametrize("case", FUSED_ENCODE, ids=lambda c: _key(*c))

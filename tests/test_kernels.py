@@ -22,9 +22,6 @@ case on CPU tensors and reports per codec; the tests below assert on that report
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -208,17 +205,9 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env.pop("LIGHTNING_QCOMM_DISABLE_TRITON", None)
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=WORKER_TIMEOUT_S,
-    )
-    assert proc.returncode == 0, f"kernel worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from _interpreted import run_interpreted
+
+    return run_interpreted(__file__, WORKER_TIMEOUT_S)
 
 
 CASE_IDS = [c[0] for c in CODECS] + [f"{c}_int64" for c in INT64_CASES]
