@@ -5,9 +5,8 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
 
 - ``encode``, ``decode``, ``decode_into``: CPU ``cpu_fused`` (the C passes on tensors of at least
   ``FUSED_MIN_NUMEL`` elements, else the reference); CUDA: Triton (``lightning_qcomm.kernels``): a decode is one
-  launch (decode parameters made from the wire scales in the kernel), an encode of a uniform or FP8 codec two
-  (scales and parameters, then the codes), of the norm codecs the per-bucket parameters in torch and the codes
-  in Triton; default (any other device): the torch reference;
+  launch (decode parameters made from the wire scales in the kernel), an encode two (scales and parameters,
+  then the codes; sign1's scale in torch, its codes in Triton); default (any other device): the torch reference;
 - ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_tree_norm``, ``c_uniform_encode``,
   ``c_uniform_decode``: the C
   kernels (``csrc``), CPU only, on flat contiguous tensors given the per-bucket parameters (the uniform ones: the
@@ -129,8 +128,8 @@ def decode_cuda(codes, scales, numel: int, codec: str, bits: int, bucket_size: i
 def rows_kernel(c, rows: torch.Tensor, encode: bool = True) -> bool:
     """Whether the rows kernels code the (R, n) ``rows`` (or, ``encode=False``, decode payloads of that many
     rows) of codec ``c``: a CUDA tensor (or any, with the kernels interpreted), a registered codec with kernels and
-    Triton working for it there (``_triton_for``); to encode also a uniform or FP8 codec whose buckets the
-    scales kernel reduces."""
+    Triton working for it there (``_triton_for``); to encode also a codec whose buckets the scales kernel reduces
+    (``kernels.fused_scales``: all but sign1, buckets up to ``MAX_BUCKET``)."""
     from lightning_qcomm import kernels
 
     if not kernels.HAS_TRITON or not registry.is_registered(c) or not registry.has_kernels(c):

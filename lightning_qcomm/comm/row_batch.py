@@ -28,8 +28,9 @@ Rows of whole, byte-aligned buckets can also travel as one flat tensor: ``encode
 one seed, the random counter running on across rows), or on the fused CPU path row by row,
 ``encode_flat_row_into`` (row j of it from row j alone: no contiguous copy of all rows).
 
-On CUDA the uniform and FP8 codecs take the codec layer's Triton rows kernels instead (``codecs.ops.rows_kernel``):
-every row's scales in one launch, every row's codes in another, straight into the payloads.
+On CUDA every codec but sign1 takes the codec layer's Triton rows kernels instead (``codecs.ops.rows_kernel``):
+every row's scales in one launch, every row's codes in another, straight into the payloads; every codec's rows
+decode in one launch.
 
 For the other codecs this is a stopgap in the comm layer until the codecs offer it: see ``docs/design.md`` (the codec op that
 takes a (rows, n) tensor and a tensor of per-row seeds).

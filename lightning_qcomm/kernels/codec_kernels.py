@@ -291,22 +291,10 @@ def decode_rows(codec, wire: torch.Tensor, n: int) -> torch.Tensor:
     wire = wire.contiguous()
     out = torch.empty(r, n, dtype=torch.float32, device=wire.device)
     (programs,), int64_index = _grid(n)
-    _decode_kernel[(programs, r)](
-        wire,
-        wire,  # unused: the rows form reads the scales behind each row's codes
-        out,
-        n,
-        p,
-        packing.packed_nbytes(n, spec["BITS"]),
-        **spec,
-        P=codec.scales_per_bucket,
-        FP8_E4M3FN=codec.kernel_spec().fp8_e4m3fn,
-        GROUPS=GROUPS_PER_PROGRAM,
-        INT64_INDEX=int64_index,
-        WIRE=True,
-        ROWS=True,
-        num_warps=NUM_WARPS,
-        enable_fp_fusion=False,
+    # the params pointer is unused: the rows form reads the scales behind each row's codes
+    scale_off = packing.packed_nbytes(n, spec["BITS"])
+    _launch_decode(
+        codec, (programs, r), wire, wire, out, n, (p, scale_off), codec.scales_per_bucket, int64_index, rows=True
     )
     return out
 
@@ -361,21 +349,26 @@ def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int, wir
         )
     out = torch.empty(numel, dtype=torch.float32, device=codes.device)
     grid, int64_index = _grid(numel)
+    _launch_decode(codec, grid, codes.contiguous(), params, out, numel, (0, 0), params.shape[1], int64_index, wire=wire)
+    return out
+
+
+def _launch_decode(codec, grid, codes, params, out, n, rows_layout, p, int64_index, wire=True, rows=False) -> None:
+    """One decode launch; ``rows_layout``: (payload stride, byte offset of the scales) of the rows form."""
     _decode_kernel[grid](
-        codes.contiguous(),
+        codes,
         params,
         out,
-        numel,
-        0,
-        0,
-        **spec,
-        P=params.shape[1],
+        n,
+        rows_layout[0],
+        rows_layout[1],
+        **_spec(codec),
+        P=p,
         FP8_E4M3FN=codec.kernel_spec().fp8_e4m3fn,
         GROUPS=GROUPS_PER_PROGRAM,
         INT64_INDEX=int64_index,
         WIRE=wire,
-        ROWS=False,
+        ROWS=rows,
         num_warps=NUM_WARPS,
-        enable_fp_fusion=False,  # see encode
+        enable_fp_fusion=False,  # see _launch_encode
     )
-    return out

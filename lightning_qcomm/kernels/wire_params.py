@@ -272,7 +272,7 @@ def _wire_kernel(
 
 
 def fused_scales(codec, numel: int) -> bool:
-    """Whether ``wire_encode_params`` computes this codec's scales: a uniform or FP8 codec whose buckets hold at
+    """Whether ``wire_encode_params`` computes this codec's scales: any codec but sign1 whose buckets hold at
     most ``MAX_BUCKET`` elements (one bucket of the whole tensor counts as a bucket of ``numel``)."""
     spec = codec.kernel_spec()
     return spec.kind in FUSED_KINDS and codec.bucket_len(numel) <= MAX_BUCKET
