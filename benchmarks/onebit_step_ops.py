@@ -85,12 +85,15 @@ def _caller() -> str:
 
 def _layer() -> str:
     """Who launched an op: the outermost lightning_qcomm/comm module on the stack (``onebit.py``: the momentum
-    sync and the codecs it calls; ``nonfinite.py``: the gradient check), else ``optim`` (the optimizer's math)."""
-    frame, found = sys._getframe(2), "optim"
+    sync and the codecs it calls; ``nonfinite.py``: the gradient check), else ``optim`` (the optimizer's math), or
+    ``harness`` outside lightning_qcomm (this script making the random gradients)."""
+    frame, found = sys._getframe(2), "harness"
     while frame is not None:
         path = frame.f_code.co_filename
         if f"lightning_qcomm{os.sep}comm{os.sep}" in path:
             found = os.path.basename(path)
+        elif found == "harness" and f"lightning_qcomm{os.sep}" in path and "_python_dispatch" not in path:
+            found = "optim"
         frame = frame.f_back
     return found
 

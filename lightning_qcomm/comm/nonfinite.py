@@ -54,29 +54,40 @@ def nonfinite_params(params: list[torch.nn.Parameter]) -> list[int]:
     """Indices of the parameters whose gradient holds a NaN or Inf (one host sync for all of them)."""
     if not params:
         return []
-    # min and max are NaN/Inf iff an element is, cannot overflow (a sum or norm of finite values can), and
-    # come from one pass without a temporary (aminmax), where max |g| needs |g| materialised first
+    # max |g| (the inf-norm) is NaN/Inf iff an element is and cannot overflow (a sum or the 2-norm of finite values
+    # can); one multi-tensor reduction for all of them (a fused launch per group of tensors on CUDA), |g| taken
+    # inside the reduction, no temporary
     local = [_local(p.grad.detach()) for p in params]
     live = [i for i, g in enumerate(local) if g.numel()]
     if not live:
         return []
-    ends = [torch.aminmax(local[i]) for i in live]
-    device = ends[0].min.device
-    lo = torch.stack([e.min.to(device) for e in ends])
-    hi = torch.stack([e.max.to(device) for e in ends])
     # One device-to-host copy of the flags, then the indices on the host: the step's one sync, as GradScaler's
     # found-inf check is (nonfinite="propagate" makes none).
-    flags = (~(torch.isfinite(lo) & torch.isfinite(hi))).cpu()
+    flags = (~_max_abs([local[i] for i in live]).isfinite()).cpu()
     return [live[i] for i in flags.nonzero().reshape(-1).tolist()]
 
 
+def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """max |t| of every tensor (non-empty), stacked on the first one's device: one ``_foreach_norm`` per device."""
+    device = tensors[0].device
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    if len(by_device) == 1:
+        return torch.stack(torch._foreach_norm(tensors, float("inf")))
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for idx in by_device.values():
+        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], float("inf"))):
+            out[i] = n.to(device)
+    return torch.stack(out)
+
+
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite (min and max per tensor, one host sync for all)."""
+    """Whether every element of every tensor is finite (max |t| per tensor, one host sync for all)."""
     live = [t for t in tensors if t.numel()]
     if not live:
         return True
-    ends = [torch.aminmax(t) for t in live]
-    return bool(torch.stack([torch.stack([e.min, e.max]) for e in ends]).isfinite().all())
+    return bool(_max_abs(live).isfinite().all())
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """OneBitAdam: 1-bit Adam (Tang et al. 2021) as a torch optimizer (docs/design.md, "1-bit Adam").
 
-This file owns the optimizer math and when the variance freezes (the settings and their checks are
+This file owns the optimizer math (run in multi-tensor form by ``optim.adam_foreach``; ``optim.adam_math`` states it
+per parameter) and when the variance freezes (the settings and their checks are
 ``optim.onebit_adam_config``, the freeze on the state ``optim.variance_freeze``); the compressed momentum average is
 ``comm.onebit.OneBitMomentumSync`` and the Lightning glue (replacing Adam/AdamW, switching DDP's
 gradient all-reduce off, per-rank checkpoints) is ``callbacks.onebit_adam.OneBitAdamCallback``.
@@ -90,7 +91,8 @@ from torch.optim import Optimizer
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard, all_finite
 from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks
 from lightning_qcomm.comm.onebit_overlap import MomentumOverlap
-from lightning_qcomm.optim.adam_math import adamw_update_, frozen_update_, moment_dtype, momentum_candidates
+from lightning_qcomm.optim.adam_foreach import bucket_candidates, bucket_update_, warmup_step_
+from lightning_qcomm.optim.adam_math import moment_dtype
 from lightning_qcomm.optim.onebit_adam_config import (
     DEFAULT_SCALE_BLOCK,
     DEFAULT_VARIANCE_REFRESH,
@@ -243,9 +245,8 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
 
     def _warmup_step(self) -> None:
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 if p.grad.is_sparse:
                     raise ValueError("OneBitAdam: sparse gradients are not supported; allowed: dense gradients")
                 state = self.state[p]
@@ -254,7 +255,8 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=dtype)
-                adamw_update_(p, p.grad, state, group)
+            if params:
+                warmup_step_(params, self.state, group)
 
     def _build_layout(self) -> None:
         params = [p for g in self.param_groups for p in g["params"] if "exp_avg" in self.state.get(p, {})]
@@ -302,17 +304,13 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
 
     def _momentum_candidates(self, members: list[int]) -> torch.Tensor:
         assert self._layout is not None
-        return momentum_candidates([self._layout[i] for i in members], self.state, self._group_of)
+        return bucket_candidates([self._layout[i] for i in members], self.state, self._group_of)
 
     def _update_bucket(self, b: int, flat: torch.Tensor) -> None:
         """m and p of bucket ``b``'s members from its averaged preconditioned momenta (not those with
         ``requires_grad=False``: m, v̂, step and p stay)."""
         assert self._layout is not None and self._sync is not None
-        members = self._sync.buckets[b]
-        for i, u in zip(members, torch.split(flat, [self._sync.numels[i] for i in members])):
-            p = self._layout[i]
-            if p.requires_grad:
-                frozen_update_(p, self.state[p], self._group_of[p], u)
+        bucket_update_([self._layout[i] for i in self._sync.buckets[b]], self.state, self._group_of, flat)
 
     def _warn_stateless(self) -> None:
         if self._warned_stateless:
