@@ -26,3 +26,21 @@ def test_batched_momentum_sync_launches_fewer_ops_and_syncs_nothing(monkeypatch)
 
 
 PATHS = ("reference", "batched")
+
+
+def test_compressed_step_reads_the_host_once_at_four_ranks(monkeypatch):
+    """After the freeze each rank checks its own gradient, so the ranks agree on the non-finite verdict; the flags
+    and the agreed verdict reach the host in one copy, and the optimizer reads no step counter one by one."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    monkeypatch.setattr(scaling, "_HOST_BRANCHES", False)
+    monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
+    monkeypatch.setattr(sign_batched, "PATH", sign_batched.PATH)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        row = onebit_step_ops.count("batched", scale=1 / 32, world=4, steps=1, nonfinite="skip")
+    finally:
+        dist.destroy_process_group()
+    assert row["syncs"] == 1, row["sync_sites"]
+    assert row["by_layer"]["nonfinite.py"] < 16, row["by_layer"]  # not one check per parameter (148)

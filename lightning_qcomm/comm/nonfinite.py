@@ -52,19 +52,24 @@ def _params_with_grad(optimizer: Optimizer) -> list[torch.nn.Parameter]:
 
 def nonfinite_params(params: list[torch.nn.Parameter]) -> list[int]:
     """Indices of the parameters whose gradient holds a NaN or Inf (one host sync for all of them)."""
-    if not params:
+    live, flags = _nonfinite_flags(params)
+    if flags is None:
         return []
+    # One device-to-host copy of the flags, then the indices on the host: the step's one sync, as GradScaler's
+    # found-inf check is (nonfinite="propagate" makes none).
+    return [live[i] for i in flags.cpu().nonzero().reshape(-1).tolist()]
+
+
+def _nonfinite_flags(params: list[torch.nn.Parameter]) -> tuple[list[int], torch.Tensor | None]:
+    """(indices of the parameters with a non-empty gradient, a device bool tensor: that gradient holds a NaN/Inf)."""
     # max |g| (the inf-norm) is NaN/Inf iff an element is and cannot overflow (a sum or the 2-norm of finite values
     # can); one multi-tensor reduction for all of them (a fused launch per group of tensors on CUDA), |g| taken
     # inside the reduction, no temporary
     local = [_local(p.grad.detach()) for p in params]
     live = [i for i, g in enumerate(local) if g.numel()]
     if not live:
-        return []
-    # One device-to-host copy of the flags, then the indices on the host: the step's one sync, as GradScaler's
-    # found-inf check is (nonfinite="propagate" makes none).
-    flags = (~_max_abs([local[i] for i in live]).isfinite()).cpu()
-    return [live[i] for i in flags.nonzero().reshape(-1).tolist()]
+        return live, None
+    return live, ~_max_abs([local[i] for i in live]).isfinite()
 
 
 def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -102,10 +107,12 @@ def _local(g: torch.Tensor) -> torch.Tensor:
 
 
 class NonFiniteGuard:
-    """The policy of one strategy. ``agree(finite) -> finite on every rank`` when ranks check different
-    gradients (None: the checked gradients are the same on every rank)."""
+    """The policy of one strategy. ``agree(flag) -> flag's max over the ranks`` when ranks check different
+    gradients (None: the checked gradients are the same on every rank): ``flag`` is a one-element fp64 tensor,
+    1.0 where this rank saw a non-finite gradient; ``agree`` returns a tensor (``comm.onebit.max_over_ranks_tensor``:
+    one all-reduce, no host read), so the local flags and the agreed verdict reach the host in one copy."""
 
-    def __init__(self, policy: str, owner: str, agree: Callable[[bool], bool] | None = None) -> None:
+    def __init__(self, policy: str, owner: str, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.policy = check_policy(owner, policy)
         self.owner = owner
         self.agree = agree
@@ -114,11 +121,20 @@ class NonFiniteGuard:
 
     def should_step(self, params: list[torch.nn.Parameter], step: int) -> bool:
         """Check ``params``' gradients: True to apply the step; False after a skip (counted, logged); raises
-        under ``"raise"``. Always True under ``"propagate"``."""
+        under ``"raise"``. Always True under ``"propagate"``. One device-to-host copy."""
         if self.policy == "propagate":
             return True
-        bad = nonfinite_params(params)
-        finite = not bad if self.agree is None else self.agree(not bad)
+        live, flags = _nonfinite_flags(params)
+        if self.agree is None:
+            bad = [] if flags is None else [live[i] for i in flags.cpu().nonzero().reshape(-1).tolist()]
+            finite = not bad
+        else:
+            local = torch.zeros(1, dtype=torch.float64) if flags is None else flags.any().reshape(1).double()
+            agreed = self.agree(local)
+            both = agreed if flags is None else torch.cat([flags.double(), agreed.to(flags.device)])
+            found = both.cpu().nonzero().reshape(-1).tolist()  # the one device-to-host copy; the verdict is last
+            bad = [live[i] for i in found if i < len(live)]
+            finite = len(both) - 1 not in found
         shapes = [tuple(params[i].shape) for i in bad[:4]]
         return self.verdict(finite, step, f"local parameters of shapes {shapes}" if bad else "another rank's gradients")
 

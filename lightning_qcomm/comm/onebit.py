@@ -252,17 +252,42 @@ def max_over_ranks_each(
     tag: str = "control",
 ) -> list[float]:
     """``max_over_ranks`` of every element of ``values`` in one fp64 all-reduce (8 bytes per element)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if _world(group) == 1:
         return [float(v) for v in values]
+    return max_over_ranks_tensor(
+        torch.tensor([float(v) for v in values], dtype=torch.float64), group, device, tag
+    ).tolist()
+
+
+def max_over_ranks_tensor(
+    t: torch.Tensor,
+    group: dist.ProcessGroup | NodeGroups | None = None,
+    device: torch.device | None = None,
+    tag: str = "control",
+) -> torch.Tensor:
+    """The element-wise max of the 1-D tensor ``t`` over the ranks of ``group``, as an fp64 tensor on ``device``
+    (``t``'s if None): one all-reduce of 8 bytes per element and no read on the host, so a decision on a device
+    value (a non-finite flag) costs the one device-to-host copy of its verdict. Ledger as ``max_over_ranks``; a
+    world of one returns ``t``.
+
+    Example::
+
+        verdict = max_over_ranks_tensor(flag.double().reshape(1), group)   # then one .cpu() for the decision
+    """
+    if _world(group) == 1:
+        return t
     if isinstance(group, NodeGroups):  # a hierarchical momentum sync's groups: the decision is over the world
         group = None
-    world = dist.get_world_size(group)
-    if world == 1:
-        return [float(v) for v in values]
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    t = t.to(device=device or t.device, dtype=torch.float64, copy=True)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    get_ledger().record("all_reduce", t.numel() * t.element_size(), 0, world, tag=tag)
-    return t.tolist()
+    get_ledger().record("all_reduce", t.numel() * t.element_size(), 0, _world(group), tag=tag)
+    return t
+
+
+def _world(group: dist.ProcessGroup | NodeGroups | None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(None if isinstance(group, NodeGroups) else group)
 
 
 class OneBitGradHookState:
@@ -302,5 +327,6 @@ __all__ = [
     "bucket_layout",
     "max_over_ranks",
     "max_over_ranks_each",
+    "max_over_ranks_tensor",
     "onebit_adam_grad_hook",
 ]

@@ -89,7 +89,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard, all_finite
-from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks
+from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks, max_over_ranks_tensor
 from lightning_qcomm.comm.onebit_overlap import MomentumOverlap
 from lightning_qcomm.optim.adam_foreach import bucket_candidates, bucket_update_, warmup_step_
 from lightning_qcomm.optim.adam_math import moment_dtype
@@ -326,12 +326,12 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
                 )
                 return
 
-    def _all_ranks_finite(self, finite: bool) -> bool:
+    def _all_ranks_finite(self, flag: torch.Tensor) -> torch.Tensor:
         """After the freeze each rank checks its own local gradient, so the ranks agree before m moves; during
         the warm-up the gradient is DDP's average, the same on every rank, and needs no agreement."""
         if not self.frozen:
-            return finite
-        return max_over_ranks(0.0 if finite else 1.0, self.process_group, device=self._collective_device()) == 0.0
+            return flag
+        return max_over_ranks_tensor(flag, self.process_group, device=self._collective_device())
 
     # ------------------------------------------------------------------ freezing
     def _maybe_freeze(self) -> None:

@@ -56,7 +56,7 @@ from lightning_qcomm.comm.fsdp_install import QSDPCommConfig, install_qsdp_comms
 from lightning_qcomm.comm.fsdp_master import project_master_weights
 from lightning_qcomm.comm.fsdp_shim import fsdp_roots, require
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.comm.onebit import max_over_ranks, max_over_ranks_each
+from lightning_qcomm.comm.onebit import max_over_ranks_each, max_over_ranks_tensor
 from lightning_qcomm.parallel.hsdp import check_hsdp_mesh, fsdp_groups, install_inter_node_average
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
 from lightning_qcomm.parallel.sharding import plan_fsdp_groups
@@ -186,9 +186,9 @@ class QSDPHandle:
         group = None if self.config.hsdp else self.mesh.get_group()  # HSDP: the whole world
         return max_over_ranks_each(seconds, group, device=self._device())
 
-    def _all_ranks_finite(self, finite: bool) -> bool:
+    def _all_ranks_finite(self, flag: torch.Tensor) -> torch.Tensor:
         group = None if self.config.hsdp else self.mesh.get_group()  # HSDP: the whole world
-        return max_over_ranks(0.0 if finite else 1.0, group, device=self._device()) == 0.0
+        return max_over_ranks_tensor(flag, group, device=self._device())
 
 
 def config_fingerprint(config: QSDPConfig) -> dict[str, Any]:

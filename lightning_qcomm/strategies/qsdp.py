@@ -44,7 +44,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -53,7 +53,7 @@ from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.fsdp import QSDPCommState, sync_unsharded_requires_grad
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.comm.onebit import max_over_ranks
+from lightning_qcomm.comm.onebit import max_over_ranks_tensor
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.parallel.hsdp import another_topology_message, hsdp_mesh, mesh_topology
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint, new_trial
@@ -332,8 +332,8 @@ class QSDPStrategy(ModelParallelStrategy):
         self._regather_root()
         return out
 
-    def _all_ranks_finite(self, finite: bool) -> bool:
-        return max_over_ranks(0.0 if finite else 1.0, self.dp_mesh.get_group(), device=self.root_device) == 0.0
+    def _all_ranks_finite(self, flag: Tensor) -> Tensor:
+        return max_over_ranks_tensor(flag, self.dp_mesh.get_group(), device=self.root_device)
 
     # ------------------------------------------------------------------ checkpoints
     @property
