@@ -920,3 +920,15 @@ def test_fp64_beyond_fp32_range_counts_as_non_finite(name):
     assert y.dtype == torch.float64 and not torch.isfinite(y[:4]).any()
     if name != "sign1":  # one bucket per tensor: the whole tensor goes
         assert torch.isfinite(y[4:]).all()
+
+
+def test_sign1_rms_of_ones_is_one_at_every_length():
+    """sign1's scale ||x||_2 / sqrt(d) of d ones is exactly 1: the norm is the correctly rounded sqrt(d) and so
+    must the divisor be (torch's fp32 sqrt on CPU is one ulp low for some d, e.g. 37, where CUDA's is not)."""
+    from lightning_qcomm.codecs import get_codec
+
+    for d in range(1, 600):
+        scales = get_codec("sign1", 1).bucket_scales(torch.ones(d))
+        assert scales.item() == 1.0, d
+    scales = get_codec("sign1", 1, 256).bucket_scales(torch.ones(256 * 3 + 37))
+    assert scales.flatten().tolist() == [1.0] * 4

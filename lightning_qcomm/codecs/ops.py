@@ -129,7 +129,7 @@ def rows_kernel(c, rows: torch.Tensor, encode: bool = True) -> bool:
     """Whether the rows kernels code the (R, n) ``rows`` (or, ``encode=False``, decode payloads of that many
     rows) of codec ``c``: a CUDA tensor (or any, with the kernels interpreted), a registered codec with kernels and
     Triton working for it there (``_triton_for``); to encode also a codec whose buckets the scales kernel reduces
-    (``kernels.fused_scales``: all but sign1, buckets up to ``MAX_BUCKET``)."""
+    (``kernels.fused_scales``: buckets up to ``MAX_BUCKET``)."""
     from lightning_qcomm import kernels
 
     if not kernels.HAS_TRITON or not registry.is_registered(c) or not registry.has_kernels(c):

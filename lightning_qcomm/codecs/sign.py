@@ -2,6 +2,10 @@
 
     C(x) = (||x||_2 / sqrt(d)) * sign(x),   sign(0) = +1
 
+sqrt(d) is taken in fp64 and rounded to fp32, which is the correctly rounded fp32 root (53 >= 2 * 24 + 2 bits:
+the double rounding is innocuous); torch's fp32 ``sqrt`` on CPU is not always that (sqrt(37): one ulp low), and
+the scale must be the same bits on every backend.
+
 per bucket of d real elements (one bucket = the whole tensor when ``bucket_size`` is None). Codes are
 1 for x < 0, packed 8 per byte; the scale is one fp32 per bucket. Deterministic and biased: use it
 with error feedback (``comm.onebit_all_reduce``). The scale is never flagged (``codecs.scaling``): it is at
@@ -30,11 +34,12 @@ class SignCodec(Codec):
 
     def _scales(self, xb: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         n, n64 = l2_norm_rows64(xb)
-        scale = n / counts.sqrt()
+        root = counts.double().sqrt()
+        scale = n / root.to(torch.float32)
         # Where that fp32 quotient leaves the normal range (n overflows, or a subnormal scale rounded twice), the
         # fp64 norm gives it rounded once; the rms is at most max |x|, so it is finite (clamped to FLT_MAX).
         extreme = (n64 > 0) & torch.isfinite(n64) & ~((scale >= scaling.FLT_MIN) & (scale <= scaling.FLT_MAX))
-        rms = (n64 / counts.double().sqrt()).clamp(max=scaling.FLT_MAX).to(torch.float32)
+        rms = (n64 / root).clamp(max=scaling.FLT_MAX).to(torch.float32)
         return torch.where(extreme, rms, scale)[:, None]
 
     def plain_norm_range(self, bucket_len: int, out_max: float = scaling.FLT_MAX) -> tuple[float, float]:
@@ -45,7 +50,7 @@ class SignCodec(Codec):
     def plain_scales_params(self, n: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(wire scales, encode params) of buckets whose first-pass norms ``n`` lie in ``plain_norm_range``:
         both n / sqrt(count), as ``_scales`` computes them there."""
-        scales = (n / counts.sqrt())[:, None]
+        scales = (n / counts.double().sqrt().to(torch.float32))[:, None]
         return scales, scales
 
     def _encode_params(self, scales: torch.Tensor, out_max: float = scaling.FLT_MAX) -> torch.Tensor:

@@ -4,7 +4,7 @@
 element-wise halves of every codec (random bits, quantize, bit packing and back), bit-identical to
 ``Codec.encode_reference`` / ``Codec.decode_reference``; their constants are the codec's ``kernel_spec()``,
 the same the C kernels read; ``wire_encode_params(codec, xf)`` computes the wire scales and encode parameters of
-every codec but sign1 in one launch (``fused_scales`` says when). They are the CUDA kernels of the ops
+every codec in one launch (``fused_scales`` says when). They are the CUDA kernels of the ops
 ``qcomm::encode`` / ``decode``
 (``codecs.ops``), used when ``HAS_TRITON``. With ``TRITON_INTERPRET=1`` set before this package is imported (Triton reads it
 when the kernels are decorated), the same kernels run on CPU tensors through Triton's interpreter,

@@ -1,7 +1,7 @@
 """Per-bucket work of the codecs in Triton: wire scales and encode parameters in one launch, and the decode
 parameters computed from the wire scales inside the decode kernel.
 
-Encode (every codec but sign1, buckets of at most ``MAX_BUCKET`` elements): ``_wire_kernel`` reads each bucket
+Encode (every codec, buckets of at most ``MAX_BUCKET`` elements): ``_wire_kernel`` reads each bucket
 once, reduces it (min and max, max ``|x|``, or the L2 norm), and writes the wire scales (``Codec.bucket_scales``) and the
 encode parameters (``Codec._encode_params``) side by side, so an encode is this launch plus the element-wise one.
 Every formula is the torch reference's, operation for operation and in the same precision (fp64 where the
@@ -17,6 +17,8 @@ bit the reference's:
   a norm below ``redo_floor`` or not finite redone as ``amax ||x / amax||_2``, fp64 kept) or ``max |x|``; flagged
   ``wide`` above 2^126, ``tiny`` below ``k FLT_MIN``; parameters ``(sigma, k (1 / n), level cap)``, the cap the
   largest level whose decode stays <= ``out_max``, in fp64 with exact powers of two (``_level_cap``).
+- sign1: the rms ``n / sqrt(count)`` of the same norm n, from the fp64 norm where the fp32 quotient leaves the
+  normal range (clamped to FLT_MAX); parameter: the scale.
 
 A bucket holding NaN or +-Inf gets NaN scales (its codes are then 0 and its decode non-finite).
 
@@ -43,8 +45,9 @@ from .elementwise import is_finite
 FLT_MAX_PY = torch.finfo(torch.float32).max
 MAX_BUCKET = 8192  # longest bucket one program reduces in registers; longer ones keep the torch reduction
 ROWS_ELEMENTS = 4096  # elements per program of the per-bucket kernel (ROWS buckets of BLOCK)
-FUSED_KINDS = (KernelKind.UNIFORM, KernelKind.FP8, KernelKind.QSGD, KernelKind.NUQSGD)  # all but sign1
+FUSED_KINDS = (KernelKind.UNIFORM, KernelKind.FP8, KernelKind.QSGD, KernelKind.NUQSGD, KernelKind.SIGN)
 FLT_MIN: tl.constexpr = tl.constexpr(2.0**-126)
+FLT_MAX: tl.constexpr = tl.constexpr(FLT_MAX_PY)
 WIDE_SIGMA: tl.constexpr = tl.constexpr(2.0**-64)
 TINY_SIGMA: tl.constexpr = tl.constexpr(2.0**64)
 
@@ -122,6 +125,19 @@ def _tree_norm(v, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
     for i in tl.static_range(LOG2):
         v = tl.sum(tl.reshape(v, [ROWS, BLOCK >> (i + 1), 2]), axis=2)
     return tl.sqrt(tl.reshape(v, [ROWS]).to(tl.float64)).to(tl.float32)  # fp64: sqrt.rn.f64
+
+
+@triton.jit
+def _l2_norm64(x, valid, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr, REDO_FLOOR: tl.constexpr):
+    """``qsgd.l2_norm_rows64`` of each row of the tile: (fp32, fp64) norms, a norm below ``REDO_FLOOR`` or not
+    finite redone as ``amax ||x / amax||_2`` (the last product exact in fp64)."""
+    n = _tree_norm(x, ROWS, BLOCK, LOG2)
+    redo = ~(is_finite(n) & (n >= REDO_FLOOR))
+    amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
+    amax = tl.where(amax > 0, amax, 1.0)
+    unit = _tree_norm(tl.math.div_rn(x, tl.broadcast_to(amax[:, None], x.shape)), ROWS, BLOCK, LOG2)
+    n64 = tl.where(redo, unit.to(tl.float64) * amax.to(tl.float64), n.to(tl.float64))
+    return tl.where(redo, unit * amax, n), n64
 
 
 @triton.jit
@@ -242,15 +258,20 @@ def _wire_kernel(
         tl.store(params_ptr + rows * 2, sigma, mask=live_row)
         tl.store(params_ptr + rows * 2 + 1, inv, mask=live_row)
 
+    elif KIND == _SIGN:  # SignCodec._scales: the rms n / sqrt(count), from the fp64 norm where it leaves fp32
+        n, n64 = _l2_norm64(x, valid, ROWS, BLOCK, LOG2, REDO_FLOOR)
+        root = tl.sqrt(count.to(tl.float64))  # sqrt.rn.f64; to fp32 it is torch's fp32 sqrt (53 >= 2 * 24 + 2)
+        scale = tl.math.div_rn(n, root.to(tl.float32))
+        extreme = (n64 > 0) & _finite64(n64) & ~((scale >= FLT_MIN) & (scale <= FLT_MAX))
+        rms = n64 / root  # fp64 division: div.rn
+        rms = tl.where(rms > FLT_MAX, FLT_MAX, rms).to(tl.float32)  # clamp(max=FLT_MAX), NaN kept
+        w0 = tl.where(extreme, rms, scale)
+        w0 = tl.where(finite, w0, float("nan"))
+        tl.store(scales_ptr + rows, w0, mask=live_row)
+        tl.store(params_ptr + rows, w0, mask=live_row)  # _encode_params: the scale itself
     else:  # QSGD, QSGDinf, NUQSGD: one norm per bucket (_NormCodec._scales, l2_norm_rows64, _encode_params)
         if NORM_L2:
-            n = _tree_norm(x, ROWS, BLOCK, LOG2)
-            redo = ~(is_finite(n) & (n >= REDO_FLOOR))  # redone as amax * ||x / amax||, exact in fp64
-            amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
-            amax = tl.where(amax > 0, amax, 1.0)
-            unit = _tree_norm(tl.math.div_rn(x, tl.broadcast_to(amax[:, None], x.shape)), ROWS, BLOCK, LOG2)
-            n64 = tl.where(redo, unit.to(tl.float64) * amax.to(tl.float64), n.to(tl.float64))
-            n = tl.where(redo, unit * amax, n)
+            n, n64 = _l2_norm64(x, valid, ROWS, BLOCK, LOG2, REDO_FLOOR)
         else:
             n = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
             n64 = n.to(tl.float64)
@@ -272,7 +293,7 @@ def _wire_kernel(
 
 
 def fused_scales(codec, numel: int) -> bool:
-    """Whether ``wire_encode_params`` computes this codec's scales: any codec but sign1 whose buckets hold at
+    """Whether ``wire_encode_params`` computes this codec's scales: any codec with kernels whose buckets hold at
     most ``MAX_BUCKET`` elements (one bucket of the whole tensor counts as a bucket of ``numel``)."""
     spec = codec.kernel_spec()
     return spec.kind in FUSED_KINDS and codec.bucket_len(numel) <= MAX_BUCKET
@@ -313,7 +334,7 @@ def wire_encode_params(codec, xf: torch.Tensor, out_max: float = FLT_MAX_PY) -> 
         FMAX=float(spec.fmax),
         INT64_INDEX=int64_index,
         LOG2=block.bit_length() - 1,
-        NORM_L2=codec.scale_statistic is None,
+        NORM_L2=getattr(codec, "scale_statistic", None) is None,
         DIVISOR=float(getattr(codec, "_divisor", 1)),
         OUT_MAX=float(out_max),
         REDO_FLOOR=redo_floor(blen),
