@@ -41,7 +41,7 @@ def _rows_cases() -> dict:
     from test_codecs import extreme_values
 
     from lightning_qcomm.codecs import derive_seed, get_codec, ops
-    from lightning_qcomm.comm import row_batch
+    from lightning_qcomm.codecs import rows as row_batch
 
     gen = torch.Generator().manual_seed(1)
     out = {}

@@ -12,7 +12,7 @@ import torch
 import torch.utils._python_dispatch
 
 from lightning_qcomm.codecs import derive_seed, get_codec
-from lightning_qcomm.comm.row_batch import decode_rows, decode_rows_into, encode_rows
+from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows
 
 CODECS = [
     ("uniform", 8, {}),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_qcomm.codecs import cpu_fused, derive_seed, get_codec
-from lightning_qcomm.comm.row_batch import encode_flat, encode_flat_row_into
+from lightning_qcomm.codecs.rows import encode_flat, encode_flat_row_into
 from lightning_qcomm.comm.row_codec import RowCodec, Segment
 from lightning_qcomm.comm.transport import PieceLayout
 
