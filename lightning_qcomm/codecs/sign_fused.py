@@ -2,7 +2,7 @@
 
 With C(y) = (||y||_2 / sqrt(len y)) * sign(y) (the ``sign1`` codec with one bucket, sign(0) = +1) and a payload of
 c elements = ceil(c/8) code bytes then the scale as fp32, the three phases are, each one pass, bit-identical to the
-sign1 codec's encode / decode (tests/test_collectives.py):
+sign1 codec's encode / decode (tests/test_collectives.py)::
 
     encode_with_error(y, payload, err, valid, err_len)   payload <- C(y); err[:valid] <- y - C(y) where the scale
                                                           is finite (else unchanged); err[valid:err_len] <- 0
