@@ -1,4 +1,4 @@
-"""comm.row_batch: R rows coded in one pass equal R separate codec calls, bit for bit.
+"""codecs.rows (formerly comm.row_batch): R rows coded in one pass equal R separate codec calls, bit for bit.
 
 Every codec and width at awkward row lengths (odd, shorter than a bucket, bucket remainders, multiples of
 the bucket and of 8), one bucket per row (bucket_size=None), fp32/bf16 rows, and rows holding NaN/Inf,
