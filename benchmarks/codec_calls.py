@@ -3,7 +3,7 @@
 Throughput (``benchmarks/codecs.py``) is measured on 16M elements, where a call's fixed cost vanishes; a QSDP
 step instead makes ~100 codec calls on segments of 10^4-10^5 elements, where it does not. This times, per
 call: the public ``Codec.encode`` and ``Codec.decode_into``, and where the checkout has them the row paths of
-the QSDP collectives (``comm.row_batch.decode_rows_into`` of two rows into a strided output, as the weight
+the QSDP collectives (``codecs.rows.decode_rows_into``, formerly ``comm.row_batch``, of two rows into a strided output, as the weight
 all-gather decodes; ``encode_flat_row_into``, as the gradient reduce-scatter encodes). Each figure is the
 minimum over interleaved rounds (the least disturbed), in microseconds. It imports ``lightning_qcomm`` from
 the current directory, so it times any checkout::
@@ -28,9 +28,12 @@ import lightning_qcomm  # noqa: E402
 from lightning_qcomm.codecs import get_codec  # noqa: E402
 
 try:
-    from lightning_qcomm.comm import row_batch
-except ImportError:  # an older checkout without the row paths: only the public calls
-    row_batch = None
+    from lightning_qcomm.codecs import rows as row_batch
+except ImportError:  # before the rows ops: the comm layer's module
+    try:
+        from lightning_qcomm.comm import row_batch
+    except ImportError:  # an older checkout without the row paths: only the public calls
+        row_batch = None
 
 
 def calls(bits: int, n: int) -> dict:

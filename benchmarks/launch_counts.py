@@ -2,8 +2,8 @@
 and a training step with activation quantization.
 
 On a GPU every eager torch op and every Triton kernel is a launch; a step that launches thousands is bound by
-the host. Here the codec ops' CUDA kernels (``codecs.ops.encode_cuda`` / ``decode_cuda``) are registered for CPU
-tensors and the Triton kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by this script for
+the host. Here the codec ops' CUDA kernels (``codecs.ops.encode_cuda`` / ``decode_cuda``, the rows ops' as well)
+are registered for CPU tensors and the Triton kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by this script for
 its own process before anything imports Triton), in their accelerator form (``scaling._HOST_BRANCHES = False``,
 the fused C path off), so the counts are those of a CUDA tensor:
 
@@ -75,15 +75,21 @@ class Launches(TorchDispatchMode):
 _ACTIVE: list[Launches] = []
 
 
-def _opened(kernel):
+def _opened(kernel, as_python: bool = False):
     """A codec op's kernel that runs under the active ``Launches`` (the dispatcher pops a mode while the op runs,
-    so without this the ops inside a codec op would not be seen)."""
+    so without this the ops inside a codec op would not be seen). ``as_python``: with the autograd keys the
+    dispatcher excluded on its way to the kernel included again, so composite ops (``reshape``, ``to``) decompose
+    as in a call from Python (the rows ops: what the collectives ran in Python before they were ops)."""
 
     def run(*args, **kwargs):
         if not _ACTIVE:
             return kernel(*args, **kwargs)
         mode = _ACTIVE[-1]
-        with mode:
+        exclude = torch._C._dispatch_tls_local_exclude_set()
+        if as_python:
+            for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
+                exclude = exclude.remove(key)
+        with mode, torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
             _ACTIVE.pop()  # entered again only to be seen by torch, not to be counted twice on exit
             try:
                 return kernel(*args, **kwargs)
@@ -114,7 +120,7 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
     Triton launches are appended to (kernel names: "encode", "decode", "wire")."""
     from unittest import mock
 
-    from lightning_qcomm.codecs import ops, scaling
+    from lightning_qcomm.codecs import ops, rows, rows_encode, scaling
     from lightning_qcomm.kernels import codec_kernels, wire_params
 
     if not codec_kernels._is_interpreted():
@@ -126,6 +132,9 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
     lib.impl("encode", _opened(ops.encode_cuda), "CPU", allow_override=True)
     lib.impl("decode", _opened(ops.decode_cuda), "CPU", allow_override=True)
     lib.impl("decode_into", _opened(ops.decode_into_reference), "CPU", allow_override=True)
+    lib.impl("encode_rows", _opened(rows_encode.encode_rows_cuda, as_python=True), "CPU", allow_override=True)
+    lib.impl("decode_rows", _opened(rows.decode_rows_cuda, as_python=True), "CPU", allow_override=True)
+    lib.impl("decode_rows_into", _opened(rows.decode_rows_into_kernel, as_python=True), "CPU", allow_override=True)
     patches = [
         mock.patch.object(codec_kernels, "_encode_kernel", _Counted(codec_kernels._encode_kernel, "encode", log)),
         mock.patch.object(codec_kernels, "_decode_kernel", _Counted(codec_kernels._decode_kernel, "decode", log)),

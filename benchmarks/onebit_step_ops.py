@@ -34,7 +34,7 @@ sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import torch  # noqa: E402
-from _sync_guard import SYNC_OPS  # noqa: E402  (the ops that make the host wait, as the tests' guard has them)
+from _sync_guard import OPENED_OPS, SYNC_OPS, run_opened  # noqa: E402  (as the tests' guard has them)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 PIECE_NUMEL = 1 << 18  # onebit_all_reduce's default piece (elements per rank)
@@ -60,6 +60,8 @@ class StepCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if func.namespace == "qcomm" and name in OPENED_OPS:  # the rows ops: count the ops their kernel runs
+            return run_opened(self, func, args, kwargs)
         bool_index = name == "index" and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
         )

@@ -8,8 +8,12 @@ the stream. Their aten ops are visible on CPU tensors too, so a CPU test can sho
 the codec layer and the kernels included (run them in their accelerator form: ``scaling._HOST_BRANCHES = False``).
 
 One upload is deliberate and queued, not waited for: the per-row random keys of a batched encode
-(``comm.row_batch._row_keys``) go through pinned memory with ``non_blocking=True`` on CUDA. ``PINNED_UPLOADS``
+(``codecs.rows_encode._row_keys``) go through pinned memory with ``non_blocking=True`` on CUDA. ``PINNED_UPLOADS``
 names it; nothing else is exempt.
+
+The rows ops (``OPENED_OPS``: ``qcomm::encode_rows`` and friends, what the collectives code their rows with) are
+opened: their CPU kernel runs under the guard, so the ops inside them are checked too (a mode does not see into
+an op's kernel otherwise).
 """
 
 from __future__ import annotations
@@ -33,7 +37,19 @@ SYNC_OPS = {
     "allclose",
     "lift_fresh",
 }
-PINNED_UPLOADS = {("row_batch.py", "_row_keys")}  # (file, function): uploads through pinned memory, queued
+PINNED_UPLOADS = {("rows_encode.py", "_row_keys")}  # (file, function): uploads through pinned memory, queued
+OPENED_OPS = frozenset({"encode_rows", "decode_rows", "decode_rows_into"})  # qcomm ops whose kernel is checked
+
+
+def run_opened(mode: TorchDispatchMode, func, args, kwargs):
+    """Run a ``qcomm`` op of ``OPENED_OPS`` through its CPU kernel under ``mode``, which then sees its ops as a
+    call from Python would dispatch them: the autograd keys the dispatcher excluded on its way to the mode are
+    included again, so composite ops (``reshape``, ``to``) decompose as they would outside the op."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
+        exclude = exclude.remove(key)
+    with mode, torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        return func._op_dk(torch._C.DispatchKey.CPU, *args, **(kwargs or {}))
 
 
 def _pinned_upload() -> bool:
@@ -54,6 +70,8 @@ class NoHostSync(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if func.namespace == "qcomm" and name in OPENED_OPS:
+            return run_opened(self, func, args, kwargs)
         bool_index = name == "index" and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
         )

@@ -33,14 +33,14 @@ def _key(name, bits, opts) -> str:
 
 
 def _rows_cases() -> dict:
-    """``row_batch.encode_rows`` / ``decode_rows`` through the rows kernels against each row's own encode and
+    """``codecs.rows.encode_rows`` / ``decode_rows`` through the rows kernels against each row's own encode and
     decode (the CPU reference: the ops' CPU kernels are back outside ``cuda_path_on_cpu``), bit for bit."""
     import torch
     from launch_counts import cuda_path_on_cpu
     from test_codecs import extreme_values
 
     from lightning_qcomm.codecs import derive_seed, get_codec, ops
-    from lightning_qcomm.comm import row_batch
+    from lightning_qcomm.codecs import rows as row_batch
 
     gen = torch.Generator().manual_seed(1)
     out = {}

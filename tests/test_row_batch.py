@@ -1,4 +1,4 @@
-"""comm.row_batch: R rows coded in one pass equal R separate codec calls, bit for bit.
+"""codecs.rows (formerly comm.row_batch): R rows coded in one pass equal R separate codec calls, bit for bit.
 
 Every codec and width at awkward row lengths (odd, shorter than a bucket, bucket remainders, multiples of
 the bucket and of 8), one bucket per row (bucket_size=None), fp32/bf16 rows, and rows holding NaN/Inf,
@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils._python_dispatch
+from _sync_guard import OPENED_OPS, run_opened
 
 from lightning_qcomm.codecs import derive_seed, get_codec
-from lightning_qcomm.comm.row_batch import decode_rows, decode_rows_into, encode_rows
+from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows
 
 CODECS = [
     ("uniform", 8, {}),
@@ -98,6 +99,8 @@ class _BigCopies(torch.utils._python_dispatch.TorchDispatchMode):
         self.limit, self.seen = limit, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "qcomm" and func.overloadpacket.__name__ in OPENED_OPS:
+            return run_opened(self, func, args, kwargs)  # the rows ops: see the copies their kernel makes
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket)
         copies = ("aten.copy_", "aten.clone", "aten._to_copy", "aten.constant_pad_nd", "aten.cat", "aten.stack")

@@ -6,7 +6,8 @@
 
 The names, bit ranges and options come from the registry (``codecs.registry``: ``register_codec`` on each
 class, ``codec_names`` / ``codec_spec`` for the lists); ``encode`` / ``decode`` run as the torch ops
-``torch.ops.qcomm.*`` (``codecs.ops``).
+``torch.ops.qcomm.*`` (``codecs.ops``), and so do ``encode_rows`` / ``decode_rows`` (R rows of one codec, row j
+with its own seed, in a number of ops that does not depend on R: ``codecs.rows``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lightning_qcomm.codecs.fp8 import FP8Codec
 
 # isort: split
 from lightning_qcomm.codecs import ops as _ops  # noqa: F401  (defines torch.ops.qcomm.*)
+from lightning_qcomm.codecs import sign_fused  # noqa: F401  (the fused 1-bit phases)
 from lightning_qcomm.codecs.base import Codec, Packed
 from lightning_qcomm.codecs.registry import (
     NO_COMPRESSION,
@@ -37,6 +39,7 @@ from lightning_qcomm.codecs.registry import (
     resolve_codec,
 )
 from lightning_qcomm.codecs.rng import derive_seed
+from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows
 
 CODEC_NAMES = codec_names()
 
@@ -77,7 +80,10 @@ __all__ = [
     "check_codec_bits",
     "codec_names",
     "codec_spec",
+    "decode_rows",
+    "decode_rows_into",
     "derive_seed",
+    "encode_rows",
     "get_codec",
     "register_codec",
     "resolve_codec",

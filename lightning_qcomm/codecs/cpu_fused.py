@@ -130,7 +130,7 @@ def encode(
     """Fused ``codec.encode_reference(xf, enc_params, seed)``: packed uint8 codes of flat fp32 ``xf``, written
     into ``out`` (contiguous uint8, ``packed_nbytes`` long) when given. ``offset``: the random counter of
     element i is offset + i (0 in the reference; xf a run of whole buckets of a longer tensor, see
-    ``comm.row_batch.encode_flat_row_into``)."""
+    ``codecs.rows.encode_flat_row_into``)."""
     _require()
     x = xf.reshape(-1).to(torch.float32).contiguous()
     n = x.numel()

@@ -11,9 +11,13 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
   ``c_uniform_decode``: the C
   kernels (``csrc``), CPU only, on flat contiguous tensors given the per-bucket parameters (the uniform ones: the
   wire scales; what ``cpu_fused`` calls); the encodes'
-  ``offset`` starts the random counter there (a row of a longer tensor coded on its own, ``comm.row_batch``);
+  ``offset`` starts the random counter there (a row of a longer tensor coded on its own, ``codecs.rows``);
 - ``sign_encode_err``, ``sign_server_sum``, ``sign_decode`` (``codecs.sign_ops``): CPU the C kernels,
   default the same arithmetic in torch.
+- ``encode_rows``, ``decode_rows``, ``decode_rows_into`` (``codecs.rows``): R rows of n elements, row j coded as
+  a tensor of its own with seed j; CPU the C pass per row (rows of the fused path's size) or the codec's hooks
+  over all rows' buckets at once (encode) / one flat decode; CUDA the Triton rows kernels (``rows_kernel``: three
+  launches to encode, every codec but sign1; one to decode), else what the CPU runs.
 
 The C kernels are registered when ``codecs.native`` loads the library (on the first fused use); the fake
 kernels give the output shapes, so ``torch.compile`` traces ``Codec.encode`` / ``decode`` without a graph
@@ -22,8 +26,11 @@ break. Codecs without native kernels (``register_codec(kernels=False)``) run the
     encode(Tensor x, str codec, int bits, int? bucket_size, bool stochastic, int seed) -> (codes, scales)
     decode(Tensor codes, Tensor scales, int numel, <codec>) -> Tensor        (flat fp32)
     decode_into(Tensor codes, Tensor scales, <codec>, ScalarType dtype, Tensor(a!) out) -> ()
+    encode_rows(Tensor rows, int[] seeds, <codec>) -> Tensor                  ((R, nbytes(n)) uint8)
+    decode_rows(Tensor wire, int n, <codec>) -> Tensor                       ((R, n) fp32)
+    decode_rows_into(Tensor wire, int n, <codec>, Tensor(a!) out) -> ()
 
-``seed`` is ``rng.signed_seed(seed)`` (the 64-bit seed as an int64). ``LIGHTNING_QCOMM_DISABLE_TRITON=1`` makes
+``seed`` (and every one of ``seeds``) is ``rng.signed_seed(seed)`` (the 64-bit seed as an int64). ``LIGHTNING_QCOMM_DISABLE_TRITON=1`` makes
 the CUDA kernels use the reference; without Triton they do too, and say so once.
 
 Example::
@@ -40,7 +47,7 @@ import os
 
 import torch
 
-from lightning_qcomm.codecs import cpu_fused, packing, registry, scaling, sign_ops, triton_probe  # noqa: F401  (sign ops)
+from lightning_qcomm.codecs import cpu_fused, packing, registry, rows, rows_encode, scaling, sign_ops, triton_probe  # noqa: F401
 from lightning_qcomm.codecs.kernel_spec import C_SPEC_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,10 @@ _lib = torch.library.Library("qcomm", "DEF")
 _lib.define(f"encode(Tensor x, {_CODEC}, int seed) -> (Tensor codes, Tensor scales)")
 _lib.define(f"decode(Tensor codes, Tensor scales, int numel, {_CODEC}) -> Tensor")
 _lib.define(f"decode_into(Tensor codes, Tensor scales, {_CODEC}, ScalarType dtype, Tensor(a!) out) -> ()")
+# The rows form (``codecs.rows``): R payloads of n elements, row j coded with seeds[j] as a tensor of its own.
+_lib.define(f"encode_rows(Tensor rows, int[] seeds, {_CODEC}) -> Tensor")
+_lib.define(f"decode_rows(Tensor wire, int n, {_CODEC}) -> Tensor")
+_lib.define(f"decode_rows_into(Tensor wire, int n, {_CODEC}, Tensor(a!) out) -> ()")
 # The C kernels (CPU only; csrc/qcomm_ops.cpp), on flat contiguous tensors given the per-bucket parameters.
 _lib.define(
     f"c_encode_codes(Tensor x, Tensor params, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) out, int offset=0) -> ()"
@@ -178,6 +189,28 @@ for _op, _cpu, _cuda, _default, _fake in (
     ("encode", cpu_fused.encode_kernel, encode_cuda, encode_reference, _encode_fake),
     ("decode", cpu_fused.decode_kernel, decode_cuda, decode_reference, _decode_fake),
     ("decode_into", cpu_fused.decode_into_kernel, decode_into_reference, decode_into_reference, _decode_into_fake),
+    # rows: CPU the C pass per row or the torch hooks, CUDA the Triton rows kernels (else the same as CPU)
+    (
+        "encode_rows",
+        rows_encode.encode_rows_reference,
+        rows_encode.encode_rows_cuda,
+        rows_encode.encode_rows_reference,
+        rows_encode.encode_rows_fake,
+    ),
+    (
+        "decode_rows",
+        rows.decode_rows_reference,
+        rows.decode_rows_cuda,
+        rows.decode_rows_reference,
+        rows.decode_rows_fake,
+    ),
+    (
+        "decode_rows_into",
+        rows.decode_rows_into_kernel,
+        rows.decode_rows_into_kernel,
+        rows.decode_rows_into_kernel,
+        rows.decode_rows_into_fake,
+    ),
 ):
     _lib.impl(_op, _cpu, "CPU")
     _lib.impl(_op, _cuda, "CUDA")

@@ -5,7 +5,7 @@ Notation (docs/design.md, "Collectives"): d = elements of the logical tensor, N 
 A flat tensor is split into N chunks of c = ceil(d / N) elements, the tail zero-padded; padding travels (and
 is counted in the ledger) but is never written to the output. A payload is the flat uint8 buffer
 ``Packed.to_bytes()`` of one chunk, ``codec.nbytes(c)`` bytes: a pure function of the length, so no rank
-ever exchanges sizes. N payloads of one phase are coded in one pass (``comm.row_batch``).
+ever exchanges sizes. N payloads of one phase are coded in one pass (``codecs.rows``: the rows ops).
 
 Example::
 
@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_qcomm.codecs import Codec
+from lightning_qcomm.codecs import Codec, decode_rows, encode_rows
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
-from lightning_qcomm.comm.row_batch import decode_rows, encode_rows
 
 REDUCE_OPS = ("sum", "avg")
 FP32_BYTES = 4
@@ -66,12 +65,12 @@ def _decode_bytes(codec: Codec, buf: torch.Tensor, numel: int) -> torch.Tensor:
 
 def _decode_rows(codec: Codec, buf: torch.Tensor, rows: int, numel: int) -> torch.Tensor:
     """Decode ``rows`` consecutive payloads of ``numel`` elements each into a (rows, numel) fp32 tensor, in one
-    codec call (``row_batch.decode_rows``)."""
+    codec call (``codecs.decode_rows``)."""
     return decode_rows(codec, buf, numel).view(rows, numel)
 
 
 def _encode_rows(codec: Codec, rows: torch.Tensor, seeds: list[int]) -> torch.Tensor:
-    """The flat concatenation of ``codec.encode(rows[j], seeds[j]).to_bytes()``, in one pass (``row_batch``)."""
+    """The flat concatenation of ``codec.encode(rows[j], seeds[j]).to_bytes()``, in one pass (``codecs.encode_rows``)."""
     return encode_rows(codec, rows, seeds).view(-1)
 
 

@@ -229,7 +229,7 @@ def quantized_all_reduce(
     phases in a row leave the link idle between them (gloo's figures: BENCHMARKS.md §3, "Why two blocking
     phases lose the link"). Small
     tensors are one piece, and so is every tensor off the CPU (NCCL pipelines by itself, and a piece costs
-    kernel launches). Each phase codes all N chunks of a piece in one pass (``comm.row_batch``), so the
+    kernel launches). Each phase codes all N chunks of a piece in one pass (``codecs.encode_rows`` / ``decode_rows``), so the
     launches per call do not grow with N.
 
     Error feedback (``error_feedback`` = e_r, updated in place): e_r is everything rank r meant to

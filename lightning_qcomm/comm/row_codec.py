@@ -33,8 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.comm.fsdp_shim import ParamShard
-from lightning_qcomm.comm.row_batch import (
+from lightning_qcomm.codecs.rows import (
     c_pass_available,
     decode_rows_into,
     encode_flat,
@@ -43,6 +42,7 @@ from lightning_qcomm.comm.row_batch import (
     encode_rows,
     rows_one_by_one,
 )
+from lightning_qcomm.comm.fsdp_shim import ParamShard
 from lightning_qcomm.comm.transport import PieceLayout
 
 DECODE_BLOCK_NUMEL = 1 << 24  # elements decoded per codec call at most (bounds the fp32 temporary)

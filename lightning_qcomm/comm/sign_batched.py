@@ -17,7 +17,7 @@ depend on K::
              payloads C(rows of Z); E_s' = Z - C(Z)   (padding kept 0); all-gather as (N, K, P)
     all:     X[piece k] = concat_j C(Z_j[k])[:n]
 
-with C the ``sign1`` codec per chunk (or per block of ``block_numel``), ``row_batch.encode_rows`` and
+with C the ``sign1`` codec per chunk (or per block of ``block_numel``), ``codecs.encode_rows`` and
 ``decode_rows`` for the rows. Row j of a batched encode is the codec's encode of row j alone, bit for bit, and
 every other step is element-wise, so the values (outputs, E_w, E_s, wire bytes per piece) are the per-piece
 reference's bit for bit (tests/test_onebit_batched.py); only the number and size of the collective calls
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_qcomm.codecs import Codec, Packed, packing
+from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows, row_bucketed
 from lightning_qcomm.comm.chunked import _chunk_len, _update_error
-from lightning_qcomm.comm.row_batch import decode_rows, decode_rows_into, encode_rows, row_bucketed
 from lightning_qcomm.comm.transport import _all_gather_async, _all_to_all_async, _wait
 
 PATHS = ("auto", "batched", "reference")
@@ -112,7 +112,7 @@ def _unaligned_rows(sign: Codec, c: int) -> bool:
 
 
 def _decode_rows(sign: Codec, wire: torch.Tensor, c: int) -> torch.Tensor:
-    """(R, c) fp32 values of R payloads of c elements (``row_batch.decode_rows``, bit for bit; may be a view).
+    """(R, c) fp32 values of R payloads of c elements (``codecs.decode_rows``, bit for bit; may be a view).
 
     With one scale per chunk and c not a multiple of 8, ``decode_rows`` moves every row's codes onto a byte
     boundary first (some 30 ops). A row's ceil(c/8) code bytes already hold c8 = 8 ceil(c/8) codes, the last
@@ -132,7 +132,7 @@ def _decode_rows(sign: Codec, wire: torch.Tensor, c: int) -> torch.Tensor:
 
 def _decode_rows_into(sign: Codec, wire: torch.Tensor, c: int, out: torch.Tensor) -> None:
     """out (R, c) <- ``_decode_rows(sign, wire, c)``; straight into a contiguous fp32 ``out`` where
-    ``row_batch.decode_rows_into`` can."""
+    ``codecs.decode_rows_into`` can."""
     if _unaligned_rows(sign, c) and wire.numel() != sign.nbytes(c):
         out.copy_(_decode_rows(sign, wire, c))
     else:

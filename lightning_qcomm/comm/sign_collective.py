@@ -2,7 +2,7 @@
 
 One phase skeleton (``_run_pieces``: pieces, async all-to-all, server step, async all-gather, decode) runs
 either set of phase kernels: ``_ReferencePhases`` through the ``sign1`` codec's encode/decode (the spec)
-or ``_FusedPhases`` through the fused CPU sign ops (``codecs.cpu_sign.sign_*``), which are bit-identical
+or ``_FusedPhases`` through the codec layer's fused CPU sign phases (``codecs.sign_fused``), bit-identical
 to it. The skeleton alone decides the order of reads, writes and collectives, so both paths issue the
 same collectives with the same bytes. Off the CPU the pieces run as one batch instead (``comm.sign_batched``:
 the same values, one collective per group of equal pieces, no host sync).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec, cpu_fused, cpu_sign, get_codec
+from lightning_qcomm.codecs import Codec, get_codec, sign_fused
 from lightning_qcomm.comm.call_check import _check_consistent
 from lightning_qcomm.comm.chunked import (
     FP32_BYTES,
@@ -148,15 +148,15 @@ class _FusedPhases:
             yj = y[j * c : (j + 1) * c]
             length = max(min(c, n - j * c), 0)
             ew_j = self.flat_ew[o + j * c : o + j * c + length] if length else self.flat_ew[:0]
-            cpu_sign.sign_encode_err(yj, cpu_sign.sign_scale(yj), send[j * p : (j + 1) * p], ew_j, length, length)
+            sign_fused.encode_with_error(yj, send[j * p : (j + 1) * p], ew_j, length, length)
         return send
 
     def server(self, recv: torch.Tensor, c: int, e_off: int, valid: int) -> torch.Tensor:
         es = self.flat_es[e_off : e_off + c]
         z = torch.empty(c, dtype=torch.float32)
-        cpu_sign.sign_server_sum(recv, self.world, c, es, valid, z)
+        sign_fused.server_sum(recv, self.world, c, es, valid, z)
         mine = torch.empty(self.sign.nbytes(c), dtype=torch.uint8)
-        cpu_sign.sign_encode_err(z, cpu_sign.sign_scale(z), mine, es, valid, c)
+        sign_fused.encode_with_error(z, mine, es, valid, c)
         return mine
 
     def decode(self, gathered: torch.Tensor, c: int, out: torch.Tensor) -> None:
@@ -164,7 +164,7 @@ class _FusedPhases:
         for j in range(self.world):
             length = max(min(c, n - j * c), 0)
             if length:
-                cpu_sign.sign_decode(gathered[j * p : (j + 1) * p], c, out[j * c : j * c + length])
+                sign_fused.decode(gathered[j * p : (j + 1) * p], c, out[j * c : j * c + length])
 
     def finish(self) -> None:
         pass  # the residuals are already in the error buffers
@@ -291,7 +291,7 @@ def onebit_all_reduce(
         and server_error.is_contiguous()
         and worker_error.device.type == "cpu"
         and server_error.device.type == "cpu"
-        and cpu_fused.use_fused(_sign_codec(), x, _chunk_len(pieces[0][1], world))
+        and sign_fused.available(x, _chunk_len(pieces[0][1], world))
     )
     path = selected_path(x, fused)
     if path == "batched":  # every piece in one set of multi-row ops (comm.sign_batched)

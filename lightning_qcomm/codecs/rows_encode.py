@@ -1,44 +1,33 @@
-"""R payloads of one codec in a fixed number of torch ops: the rows of a chunked collective (docs/design.md, "Collectives").
+"""The rows encode of the codec layer: R rows of one codec, row j with its own seed, in a number of torch ops
+that does not depend on R (the kernels of ``qcomm::encode_rows``; ``codecs.rows`` is the door and the decode).
 
-A chunked collective codes an (R, n) matrix row by row: row j is its own tensor for the codec (buckets
-restart at the row start, the last one may be short, the random counter restarts at 0) with its own seed,
-and travels as ``codec.encode(row_j, seed_j).to_bytes()``. Calling the codec once per row costs O(R) calls,
-each a few dozen kernel launches on a GPU. Here
+    encode_rows(rows, seeds)[j] == codec.encode(rows[j], seeds[j]).to_bytes()      (bit for bit)
 
-    encode_rows(codec, rows, seeds)[j] == codec.encode(rows[j], seeds[j]).to_bytes()      (bit for bit)
-    decode_rows(codec, wire, n)[j]     == codec.decode(codec.from_bytes(wire[j], (n,), fp32))
+Row j is its own tensor for the codec: buckets restart at the row start (the last one may be short), the random
+counter restarts at 0, keyed by seed j. The kernels (``encode_rows_cpu`` / ``_cuda`` / ``_reference``, one body):
 
-are computed in a number of torch ops that does not depend on R:
+* **CUDA**: the Triton rows kernels (``codecs.ops.rows_kernel``; every codec but sign1): every row's scales in one
+  launch, every row's codes in another, straight into the payloads; the seeds' keys travel through pinned memory,
+  queued (``_row_keys``), so no host sync;
+* **CPU**: rows large enough for the fused C path keep one C pass per row (``rows_one_by_one``): there is no
+  launch to save and the C pass is faster than the eager ops; ``encode_row_into`` writes a row's payload where
+  the caller wants it, the codes straight from the C pass (any row length: ``c_pass_available``);
+* **otherwise** the codec's own math hooks run once over all rows' buckets (``_scales``, ``_encode_params``,
+  ``_quantize``; the uniform codec's last-bucket rule per row) with the per-row random bits of ``codecs.rng``
+  keyed per row, in blocks of whole buckets that bound the temporaries. Deterministic codecs on rows of whole,
+  byte-aligned buckets take one public ``encode`` call instead. A codec class this module does not know is
+  coded row by row (logged once).
 
-* **decode** goes through the codec's public ``decode`` once: the rows' codes are laid out as one tensor
-  whose every row is padded to a whole number of buckets (a repack of the codes when n is not a multiple of
-  the bucket and of 8), so the codec's bucket i is row i // nb's bucket i % nb; the padding is cut away.
-  The codec then dispatches as usual (Triton on CUDA, the fused C path on large CPU tensors).
-* **encode** with per-row seeds cannot be one ``Codec.encode`` call (it takes one seed, and its counter runs
-  over the whole tensor). It runs the codec's own math hooks once over all rows' buckets (``_scales``,
-  ``_encode_params``, ``_quantize``; the uniform codec's last-bucket rule per row) with the per-row random
-  bits of ``codecs.rng`` keyed per row, in blocks of whole buckets that bound the temporaries. Deterministic
-  codecs on rows of whole, byte-aligned buckets take one public ``encode`` call instead. On CPU, rows large
-  enough for the fused C path keep one (compiled) call per row (``rows_one_by_one``): there is no launch to
-  save and the C pass is faster than the eager ops; ``encode_row_into`` writes a row's payload where the
-  caller wants it, the codes straight from the C pass (any row length: ``c_pass_available``). A codec class
-  this module does not know is coded row by row (logged once).
-
-Rows of whole, byte-aligned buckets can also travel as one flat tensor: ``encode_flat`` (one codec call with
-one seed, the random counter running on across rows), or on the fused CPU path row by row,
-``encode_flat_row_into`` (row j of it from row j alone: no contiguous copy of all rows).
-
-On CUDA every codec but sign1 takes the codec layer's Triton rows kernels instead (``codecs.ops.rows_kernel``):
-every row's scales in one launch, every row's codes in another, straight into the payloads; every codec's rows
-decode in one launch.
-
-For the other codecs this is a stopgap in the comm layer until the codecs offer it: see ``docs/design.md`` (the codec op that
-takes a (rows, n) tensor and a tensor of per-row seeds).
+Rows of whole, byte-aligned buckets can also travel as one flat tensor coded with one seed, the random counter
+running on across rows (``rows.encode_flat``); on the fused CPU path row j of it comes from row j alone
+(``encode_flat_row_into``: no contiguous copy of all rows).
 
 Example::
 
-    wire = encode_rows(codec, chunks, [derive_seed(s, 1, rank, j) for j in range(world)])   # (N, P) uint8
-    values = decode_rows(codec, wire, chunks.shape[1])                                       # (N, n) fp32
+    >>> codec = get_codec("qsgd", 4, 128)
+    >>> wire = encode_rows_reference(rows, [7, 8], *codec.op_args())        # (2, codec.nbytes(n)) uint8
+    >>> torch.equal(wire[1], codec.encode(rows[1], seed=8).to_bytes())
+    True
 """
 
 from __future__ import annotations
@@ -49,21 +38,12 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_qcomm.codecs import (
-    Codec,
-    FP8Codec,
-    NUQSGDCodec,
-    Packed,
-    QSGDCodec,
-    QSGDInfCodec,
-    SignCodec,
-    UniformCodec,
-    cpu_fused,
-    ops,
-    packing,
-    rng,
-    scaling,
-)
+from lightning_qcomm.codecs import cpu_fused, packing, registry, rng, scaling
+from lightning_qcomm.codecs.base import Codec
+from lightning_qcomm.codecs.fp8 import FP8Codec
+from lightning_qcomm.codecs.qsgd import NUQSGDCodec, QSGDCodec, QSGDInfCodec
+from lightning_qcomm.codecs.sign import SignCodec
+from lightning_qcomm.codecs.uniform import UniformCodec
 
 log = logging.getLogger(__name__)
 
@@ -112,94 +92,6 @@ def _layout(codec: Codec, n: int) -> tuple[int, int, int]:
     b = row_bucketed(codec, n).bucket_size
     nb = -(-n // b)
     return b, nb, nb * b
-
-
-# ---------------------------------------------------------------------------------------------- decode
-def _fused_rows(codec: Codec, wire: torch.Tensor, n: int) -> bool:
-    """Rows of n elements go to the fused C path one call each: on CPU there are no launches to save, and
-    a row decodes straight into its place, where one call over all rows first repacks them."""
-    return wire.device.type == "cpu" and cpu_fused.use_fused(codec, wire, n)
-
-
-def decode_rows(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
-    """(R, n) fp32 values (contiguous) of R payloads of n elements each (``wire``: (R, codec.nbytes(n)) or flat
-    uint8), in one ``Codec.decode`` call (see the module docstring)."""
-    p = codec.nbytes(n)
-    if wire.numel() % p:
-        raise ValueError(f"wire has {wire.numel()} bytes, not a multiple of codec.nbytes({n}) = {p}")
-    wire = wire.reshape(-1, p)
-    r = wire.shape[0]
-    if r == 1:
-        return codec.decode(codec.from_bytes(wire[0], (n,), torch.float32)).view(1, n)
-    if n < _INT32_COUNTERS and ops.rows_kernel(codec, wire, encode=False):  # CUDA: all rows in one launch
-        return ops.decode_rows_kernel(codec, wire, n)
-    flat = row_bucketed(codec, n)
-    b, nb, padded = _layout(codec, n)
-    if _fused_rows(codec, wire, n) and not (padded == n and n % 8 == 0):
-        out = torch.empty(r, n, dtype=torch.float32, device=wire.device)
-        for j in range(r):  # the rows need repacking to be one call: on CPU one compiled decode each is cheaper
-            _c_decode_row_into(codec, wire[j], n, out[j])
-        return out
-    ncode = packing.packed_nbytes(n, codec.bits)
-    codes = wire[:, :ncode]
-    scales = (
-        wire[:, ncode:]
-        .clone(memory_format=torch.contiguous_format)
-        .view(torch.float32)
-        .reshape(r * nb, codec.scales_per_bucket)
-    )
-    if padded == n and n % 8 == 0:  # whole buckets, byte-aligned rows: the codes are already the flat layout
-        packed = Packed(codes.reshape(-1), scales, torch.Size((r * n,)), torch.float32)
-        return flat.decode(packed).view(r, n)
-    # repack: each row's codes padded to nb whole buckets (zero codes, cut away after the decode)
-    per_row = -(-n // 8) * 8
-    unpacked = packing.unpack_bits(codes.reshape(-1), codec.bits, r * per_row).view(r, per_row)
-    grid = torch.zeros(r, padded, dtype=torch.uint8, device=wire.device)
-    grid[:, :n] = unpacked[:, :n]
-    packed = Packed(packing.pack_bits(grid.view(-1), codec.bits), scales, torch.Size((r * padded,)), torch.float32)
-    return flat.decode(packed).view(r, padded)[:, :n].contiguous()
-
-
-def _c_decode_row_into(codec: Codec, payload: torch.Tensor, n: int, out: torch.Tensor) -> None:
-    """``codec.decode_into(codec.from_bytes(payload, (n,), fp32), out)`` on the fused C path (``_fused_rows``),
-    called directly: a contiguous fp32 ``out`` is written by the C decode from the wire scales, no op dispatch."""
-    ncode = packing.packed_nbytes(n, codec.bits)
-    if out.dtype != torch.float32 or not out.is_contiguous():
-        codec.decode_into(codec.from_bytes(payload, (n,), torch.float32), out)
-        return
-    # clone: scales at a byte offset that is not a multiple of 4 cannot be viewed as fp32
-    scales = payload[ncode:].clone().view(torch.float32).view(-1, codec.scales_per_bucket)
-    cpu_fused.decode_wire(codec, payload[:ncode], scales, n, out=out.view(-1))
-
-
-def decode_rows_into(codec: Codec, wire: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
-    """``out.copy_(decode_rows(codec, wire, n))`` for an (R, n) ``out`` of any float dtype and strides; rows of
-    whole byte-aligned buckets decode straight into a contiguous fp32 ``out`` (no temporary)."""
-    p = codec.nbytes(n)
-    wire = wire.reshape(-1, p)
-    r = wire.shape[0]
-    if r == 1:  # the codec's own decode_into (straight into a contiguous fp32 row)
-        codec.decode_into(codec.from_bytes(wire[0], (n,), torch.float32), out.view(n) if out.is_contiguous() else out)
-        return out
-    _, nb, padded = _layout(codec, n)
-    direct = out.dtype == torch.float32 and out.is_contiguous() and r > 1 and padded == n and n % 8 == 0
-    rows = out.view(r, n) if out.is_contiguous() else out if tuple(out.shape) == (r, n) else None
-    if not direct and rows is not None and _fused_rows(codec, wire, n):  # one compiled decode per row, in place
-        for j in range(r):
-            _c_decode_row_into(codec, wire[j], n, rows[j])
-        return out
-    if not direct:
-        return out.copy_(decode_rows(codec, wire, n).view(out.shape))
-    ncode = packing.packed_nbytes(n, codec.bits)
-    scales = (
-        wire[:, ncode:]
-        .clone(memory_format=torch.contiguous_format)
-        .view(torch.float32)
-        .reshape(r * nb, codec.scales_per_bucket)
-    )
-    packed = Packed(wire[:, :ncode].reshape(-1), scales, torch.Size((r * n,)), torch.float32)
-    row_bucketed(codec, n).decode_into(packed, out.view(-1))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- encode
@@ -263,40 +155,24 @@ def _per_row(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch.Te
     return out
 
 
-def encode_flat(codec: Codec, rows: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``codec.encode(rows.reshape(-1), seed)`` cut into its R rows, for rows of whole byte-aligned buckets (n a
-    multiple of the bucket size and of 8), in one codec call (on a contiguous copy of ``rows``): (R, ncode) uint8
-    codes and the (R, 4 * scales) bytes of the rows' scales; row j's payload is the two concatenated."""
-    _check_rows(rows)
+def encode_rows_body(codec: Codec, rows: torch.Tensor, seeds: Sequence[int], triton: bool) -> torch.Tensor:
+    """(R, codec.nbytes(n)) uint8 payloads, row j = ``codec.encode(rows[j], seeds[j]).to_bytes()`` bit for bit
+    (checked ``rows`` and one int seed per row); ``triton``: the rows kernels may take them (the CUDA kernel)."""
     r, n = rows.shape
-    b = codec.bucket_size
-    if r > 1 and (b is None or n % b or n % 8):
-        raise ValueError(f"rows of {n} elements are not whole byte-aligned buckets of {b}")
-    p = codec.encode(rows.reshape(-1), seed=seed)
-    return p.codes.view(r, -1), p.scales.reshape(r, -1).view(torch.uint8)
-
-
-def encode_rows(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
-    """(R, codec.nbytes(n)) uint8 payloads, row j = ``codec.encode(rows[j], seeds[j]).to_bytes()`` bit for bit.
-
-    ``rows``: (R, n), any float dtype (its dtype sets the codec's output limit, as for ``Codec.encode``).
-    """
-    _check_rows(rows)
-    r, n = rows.shape
-    seeds = [int(s) for s in seeds]
-    if len(seeds) != r:
-        raise ValueError(f"seeds must hold one seed per row ({r}), got {len(seeds)}")
     if r == 1:
         return codec.encode(rows[0], seed=seeds[0]).to_bytes().view(1, -1)
-    if n < _INT32_COUNTERS and ops.rows_kernel(codec, rows):  # CUDA: every row in three launches
-        return ops.encode_rows_kernel(codec, rows, _row_keys(seeds, rows.device) if codec.stochastic else None)
+    if triton and n < _INT32_COUNTERS:
+        from lightning_qcomm.codecs import ops
+
+        if ops.rows_kernel(codec, rows):  # CUDA: every row in three launches
+            return ops.encode_rows_kernel(codec, rows, _row_keys(seeds, rows.device) if codec.stochastic else None)
     if rows_one_by_one(codec, rows):
         return _per_row(codec, rows, seeds)
     if type(codec) not in _BATCHED or n >= _INT32_COUNTERS:
         _log_once(
             f"rows-{type(codec).__qualname__}",
             f"lightning_qcomm: {type(codec).__qualname__} rows are encoded one codec call per row "
-            "(comm.row_batch batches the built-in codec classes only)",
+            "(codecs.rows batches the built-in codec classes only)",
         )
         return torch.stack([codec.encode(rows[j], seed=s).to_bytes() for j, s in enumerate(seeds)])
     flat = row_bucketed(codec, n)
@@ -377,14 +253,33 @@ def _encode_batched(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> t
     return torch.cat([packed, scales.reshape(r, -1).view(torch.uint8)], dim=1)
 
 
+# ---------------------------------------------------------------------------------------------- the op's kernels
+def encode_rows_reference(rows, seeds, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
+    """``qcomm::encode_rows`` on any device but CUDA: the C pass per row or the batched torch hooks."""
+    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+    return encode_rows_body(c, rows, seeds, triton=False)
+
+
+def encode_rows_cuda(rows, seeds, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
+    """``qcomm::encode_rows`` on CUDA: the Triton rows kernels where they take the rows, else the torch hooks."""
+    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+    return encode_rows_body(c, rows, seeds, triton=True)
+
+
+def encode_rows_fake(rows, seeds, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
+    """The shape of ``qcomm::encode_rows``: (R, nbytes(n)) uint8 on ``rows``' device."""
+    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+    return rows.new_empty((rows.shape[0], c.nbytes(rows.shape[1])), dtype=torch.uint8)
+
+
 __all__ = [
     "c_pass_available",
-    "decode_rows",
-    "decode_rows_into",
-    "encode_flat",
     "encode_flat_row_into",
     "encode_row_into",
-    "encode_rows",
+    "encode_rows_body",
+    "encode_rows_cuda",
+    "encode_rows_fake",
+    "encode_rows_reference",
     "row_bucketed",
     "rows_one_by_one",
 ]
