@@ -29,6 +29,7 @@ NON_CODEC_PRIVATE = {
     ("comm_worker.py", "pg._get_backend"),
     ("fsdp_deferred.py", "torch._C._current_graph_task_id"),
     ("fsdp_shim.py", "module._get_fsdp_state"),
+    ("nonfinite.py", "torch._foreach_norm"),
     ("onebit_overlap.py", "target._on_grad"),
 }
 
