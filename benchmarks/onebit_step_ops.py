@@ -21,17 +21,26 @@ reference phases, what a GPU ran before ``comm.sign_batched``) and ``batched``::
 
     OMP_NUM_THREADS=1 python benchmarks/onebit_step_ops.py --scale 0.125
     OMP_NUM_THREADS=1 python benchmarks/onebit_step_ops.py --scale 0.125 --world 4
+    OMP_NUM_THREADS=1 python benchmarks/onebit_step_ops.py --scale 0.0625 --world 4 --triton   # the CUDA kernels
+
+``--triton`` runs the codec ops' CUDA kernels on the CPU tensors (Triton's interpreter,
+``launch_counts.cuda_path_on_cpu``) and counts their launches apart: what a GPU runs where the kernels take the
+rows (sign1 with ``scale_block`` blocks of at most 8192 elements).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections import Counter
 
+if __name__ == "__main__" and "--triton" in sys.argv:  # before torch or triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from _sync_guard import OPENED_OPS, SYNC_OPS, run_opened  # noqa: E402  (as the tests' guard has them)
@@ -100,8 +109,9 @@ def _layer() -> str:
     return found
 
 
-def count(path: str, scale: float, world: int, steps: int, nonfinite: str) -> dict:
-    """Per compressed step: launches, syncs and the pieces of every bucket, with ``sign_batched.PATH = path``."""
+def count(path: str, scale: float, world: int, steps: int, nonfinite: str, triton_log: list | None = None) -> dict:
+    """Per compressed step: launches, syncs and the pieces of every bucket, with ``sign_batched.PATH = path``;
+    ``triton_log``: the launch log of ``launch_counts.cuda_path_on_cpu`` (the Triton kernels, interpreted)."""
     from lightning_qcomm.comm import onebit_pieces, sign_batched
     from lightning_qcomm.optim import OneBitAdam
 
@@ -121,9 +131,11 @@ def count(path: str, scale: float, world: int, steps: int, nonfinite: str) -> di
     opt._sync.piece_numel = piece  # the full model's pieces per bucket (the check ran on the first call)
     step()  # steady state: caches warm
     counter = StepCounter()
+    before = len(triton_log or ())
     with counter:
         for _ in range(steps):
             step()
+    triton = (len(triton_log or ()) - before) / steps
     pieces = sum(len(onebit_pieces(n, world, piece)) for n in opt._sync.bucket_numels)
     return {
         "params": sum(p.numel() for p in params),
@@ -131,6 +143,7 @@ def count(path: str, scale: float, world: int, steps: int, nonfinite: str) -> di
         "buckets": len(opt._sync.buckets),
         "pieces": pieces,
         "launches": sum(counter.launches.values()) / steps,
+        "triton": triton,
         "by_layer": {k: v / steps for k, v in counter.by_layer.most_common()},
         "syncs": sum(counter.syncs.values()) / steps,
         "sync_sites": {k: v / steps for k, v in counter.syncs.most_common()},
@@ -145,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="compressed steps counted (averaged)")
     parser.add_argument("--nonfinite", default="skip", choices=("skip", "raise", "propagate"))
     parser.add_argument("--paths", default="reference,batched", help="comma-separated sign_batched.PATH values")
+    parser.add_argument(
+        "--triton",
+        action="store_true",
+        help="the codec ops' CUDA kernels on CPU tensors (Triton interpreted; small --scale)",
+    )
     args = parser.parse_args(argv)
 
     from lightning_qcomm.codecs import cpu_fused, scaling
@@ -156,7 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
-    rows = {p: count(p, args.scale, args.world, args.steps, args.nonfinite) for p in args.paths.split(",")}
+    with contextlib.ExitStack() as stack:
+        log = None
+        if args.triton:
+            from launch_counts import cuda_path_on_cpu
+
+            log = stack.enter_context(cuda_path_on_cpu())
+        rows = {p: count(p, args.scale, args.world, args.steps, args.nonfinite, log) for p in args.paths.split(",")}
     first = next(iter(rows.values()))
     print(
         f"OneBitAdam compressed step, GPT-2-small shapes x{args.scale}: {first['params'] / 1e6:.2f}M parameters in "
@@ -164,10 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         f"nonfinite={args.nonfinite}, torch {torch.__version__}, mean of {args.steps} steps"
     )
     print()
-    print("| 1-bit all-reduce form | launching aten ops / step | momentum sync (comm/onebit.py) | host syncs / step |")
-    print("|---|---:|---:|---:|")
+    print(
+        "| 1-bit all-reduce form | launching aten ops / step | momentum sync (comm/onebit.py) | Triton launches / step "
+        "| host syncs / step |"
+    )
+    print("|---|---:|---:|---:|---:|")
     for p, r in rows.items():
-        print(f"| {p} | {r['launches']:.0f} | {r['by_layer'].get('onebit.py', 0):.0f} | {r['syncs']:.0f} |")
+        sync_ops = r["by_layer"].get("onebit.py", 0)
+        print(f"| {p} | {r['launches']:.0f} | {sync_ops:.0f} | {r['triton']:.0f} | {r['syncs']:.0f} |")
     for p, r in rows.items():
         print(f"\n{p}: launches by caller {r['by_layer']}; top ops {r['top_ops']}")
         for site, n in r["sync_sites"].items():
