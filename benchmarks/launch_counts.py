@@ -166,7 +166,7 @@ def count(fn, log: list[str]) -> dict:
 
 
 CODECS = [("uniform", 8, {}), ("fp8_e4m3", 8, {}), ("qsgd", 4, {}), ("nuqsgd", 4, {}), ("qsgdinf", 4, {})]
-CODECS += [("sign1", 1, {})]
+CODECS += [("sign1", 1, {}), ("sign1", 1, {"bucket_size": 256})]  # one bucket of 2^14 (> MAX_BUCKET); 1-bit Adam's
 
 
 def codec_rows(log: list[str], codecs=CODECS) -> list[dict]:
@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| codec | encode: Triton + torch | decode: Triton + torch |\n|---|---|---|")
     for r in report["codecs"]:
         e, d = r["encode"], r["decode"]
-        print(f"| {r['codec']} | {e['triton']} + {e['torch']} | {d['triton']} + {d['torch']} |")
+        label = r["codec"] + "".join(f", {k}={v}" for k, v in r["options"].items())
+        print(f"| {label} | {e['triton']} + {e['torch']} | {d['triton']} + {d['torch']} |")
     print("\n| all-reduce (2^15 + 37 fp32) | N | Triton | torch | collectives | total |\n|---|---|---|---|---|---|")
     for r in report["all_reduce"]:
         print(f"| {r['codec']} | {r['world']} | {r['triton']} | {r['torch']} | {r['collectives']} | {r['total']} |")
