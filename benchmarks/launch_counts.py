@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # aten ops that allocate or make views: no kernel launch on a GPU
 LAUNCH_FREE = frozenset(
     "empty empty_strided empty_like new_empty view _unsafe_view reshape as_strided alias detach t unsqueeze "
-    "squeeze expand slice select lift_fresh".split()
+    "squeeze expand slice select lift_fresh to".split()  # to: a real conversion dispatches _to_copy, counted
 )
 COLLECTIVE_PREFIXES = ("allgather", "alltoall", "allreduce", "_allgather", "reduce_scatter", "broadcast")
 

@@ -306,10 +306,16 @@ def quantized_all_reduce(
     for k, (o, n) in enumerate(pieces):
         c = _chunk_len(n, world)
         s_k = _piece_seed(seed, k)
-        y = torch.zeros(world * c, dtype=torch.float32, device=x.device)
-        y[:n] = flat_in[o : o + n]
-        if flat_err is not None:
-            y[:n] += flat_err[o : o + n].to(torch.float32)
+        y = torch.empty(world * c, dtype=torch.float32, device=x.device)
+        if world * c > n:
+            y[n:].zero_()
+        head, err_head = y[:n], None if flat_err is None else flat_err[o : o + n]
+        if err_head is not None and flat_in.dtype == err_head.dtype == torch.float32:
+            torch.add(flat_in[o : o + n], err_head, out=head)  # one launch where copy-then-add took two
+        else:
+            head.copy_(flat_in[o : o + n])
+            if err_head is not None:
+                head += err_head.to(torch.float32)
         chunks = y.view(world, c)
         send = _encode_rows(codec, chunks, [derive_seed(s_k, 1, rank, j) for j in range(world)])
         res = None if residual is None else y - _decode_rows(codec, send, world, c).view(-1)
@@ -336,7 +342,8 @@ def quantized_all_reduce(
             # what x finally holds is row rounded to x's dtype: that rounding is residual too (positions past
             # the piece's n real elements are padding and dropped below)
             held = rows[rank].to(x.dtype).to(torch.float32) if low_precision_out else rows[rank]
-            res.view(world, c)[rank] += k_scale * (reduced - held)
+            mine_res = res.view(world, c)[rank]
+            mine_res += (reduced - held).mul_(k_scale)  # on the view itself: no copy back
             residual[o : o + n] = res[:n]
     if residual is not None:
         _update_error(error_feedback, residual)

@@ -161,7 +161,7 @@ def bucket_candidates(params: list[torch.Tensor], state: State, group_of: dict) 
         _flat(new, out=out)
         out.mul_(_weight(_flat([state[p]["exp_avg_sq"] for p in members]).sqrt_(), group["eps"]))
         bound = adam_step_bound(group)
-        torch.where(out.isfinite(), out.clamp(-bound, bound), out, out=out)  # non-finite stays non-finite
+        torch.where(out - out == 0, out.clamp(-bound, bound), out, out=out)  # non-finite (x - x != 0) stays
     return flat
 
 
