@@ -121,7 +121,7 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
     from unittest import mock
 
     from lightning_qcomm.codecs import ops, rows, rows_encode, scaling
-    from lightning_qcomm.kernels import codec_kernels, wire_params
+    from lightning_qcomm.kernels.cuda import codec_kernels, wire_params
 
     if not codec_kernels._is_interpreted():
         raise RuntimeError("set TRITON_INTERPRET=1 before lightning_qcomm.kernels is imported")

@@ -343,7 +343,7 @@ def test_wheel_ships_configs_and_types_and_no_hard_triton(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for name in ("lightning_qcomm", "configs"):  # lightning_qcomm/ holds kernels/ and csrc/
+    for name in ("lightning_qcomm", "configs", "kernels"):  # kernels/: cuda/ (Triton), cpu/ (C++ sources)
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     proc = subprocess.run(
         [
@@ -370,7 +370,8 @@ def test_wheel_ships_configs_and_types_and_no_hard_triton(tmp_path):
         meta = zf.read(meta_name).decode()
         zf.extractall(tmp_path / "site")
     assert {f"lightning_qcomm/configs/{p.name}" for p in CONFIGS} <= names
-    assert {"lightning_qcomm/py.typed", "lightning_qcomm/kernels/__init__.py"} <= names
+    kernels = {"kernels/__init__.py", "kernels/cuda/codec_kernels.py", "kernels/cuda/wire_params.py"}
+    assert {"lightning_qcomm/py.typed", *(f"lightning_qcomm/{n}" for n in kernels)} <= names
     requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
     hard = [r for r in requires if "extra ==" not in r]
     assert not any(r.startswith("triton") for r in hard), hard
@@ -393,15 +394,19 @@ def test_wheel_ships_configs_and_types_and_no_hard_triton(tmp_path):
     assert Path(found_dir) == tmp_path / "site" / "lightning_qcomm" / "configs"
     assert Path(found) == Path(found_dir) / "quickstart.yaml"
     # the C++ sources ship too, and the installed package builds and loads its CPU kernels from them
-    assert {"lightning_qcomm/csrc/qcomm_ops.cpp", "lightning_qcomm/csrc/qcomm_kernels.h"} <= names
-    probe = "from lightning_qcomm.codecs import native; print(native.CSRC); print(native.load() or native.load_error())"
+    assert {"lightning_qcomm/kernels/cpu/qcomm_ops.cpp", "lightning_qcomm/kernels/cpu/qcomm_kernels.h"} <= names
+    probe = (
+        "import lightning_qcomm.kernels as k; from lightning_qcomm.codecs import native; print(native.CSRC); "
+        "print(native.load() or native.load_error()); print(k.__path__)"
+    )
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    csrc, lib = out.stdout.split("\n")[:2]
-    assert Path(csrc) == tmp_path / "site" / "lightning_qcomm" / "csrc"
+    csrc, lib, kernels_path = out.stdout.split("\n")[:3]
+    assert Path(csrc) == tmp_path / "site" / "lightning_qcomm" / "kernels" / "cpu"
+    assert kernels_path == repr([str(tmp_path / "site" / "lightning_qcomm" / "kernels")])  # the wheel's, alone
     assert Path(lib).parent.parent == tmp_path / "ext", out.stdout
 
 

@@ -80,7 +80,7 @@ def test_checker_sees_every_form(tmp_path):
     """The checker itself can fail: one use of each form (those of the comm layer before the rows ops)."""
     (tmp_path / "a.py").write_text(
         "from lightning_qcomm.codecs import Codec, cpu_fused, cpu_sign, ops, packing\n"
-        "import lightning_qcomm.kernels.codec_kernels\n"
+        "import lightning_qcomm.kernels.cuda.codec_kernels\n"
         "from lightning_qcomm.codecs.rng import _mix32_\n"
         "def f(codec, rows):\n"
         "    codec._scales(rows, rows)\n"
@@ -93,7 +93,7 @@ def test_checker_sees_every_form(tmp_path):
         "imports lightning_qcomm.codecs.cpu_fused",
         "imports lightning_qcomm.codecs.cpu_sign",
         "imports lightning_qcomm.codecs.ops",
-        "imports lightning_qcomm.kernels.codec_kernels",
+        "imports lightning_qcomm.kernels.cuda.codec_kernels",
         "imports the private name lightning_qcomm.codecs.rng._mix32_",
         "calls codec._scales",
         "calls torch._C._current_graph_task_id",

@@ -1,4 +1,4 @@
-"""The fused CPU codec path (codecs/cpu_fused.py, the C kernels of lightning_qcomm/csrc) against the torch
+"""The fused CPU codec path (codecs/cpu_fused.py, the C kernels of kernels/cpu) against the torch
 reference, bit for bit.
 
 The reference (``LIGHTNING_QCOMM_CPU_FUSED=0``) is the spec: for every codec, on lengths above the

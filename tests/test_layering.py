@@ -20,7 +20,10 @@ import ast
 from pathlib import Path
 
 PACKAGE = "lightning_qcomm"
-ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / PACKAGE
+# top-level folders of the repository that install inside the package (pyproject.toml's package-dir)
+MAPPED = (REPO / "kernels",)  # lightning_qcomm.kernels.cuda, ...
 
 LAYERS = {
     "_checks": 0,
@@ -78,12 +81,22 @@ def _targets(node: ast.AST, module: str, is_package: bool, root: Path, package: 
     return out
 
 
-def upward_imports(root: Path = ROOT, package: str = PACKAGE, layers: dict[str, int] = LAYERS) -> list[str]:
+def _sources(root: Path, package: str, mapped: tuple[Path, ...]) -> list[tuple[Path, str]]:
+    """(file, module name) of every module of the package: those under ``root`` and those of each ``mapped``
+    top-level folder, which installs as ``package.<folder name>``."""
+    found = [(path, _module_name(path, root, package)) for path in sorted(root.rglob("*.py"))]
+    for top in mapped:
+        found += [(path, _module_name(path, top.parent, package)) for path in sorted(top.rglob("*.py"))]
+    return found
+
+
+def upward_imports(
+    root: Path = ROOT, package: str = PACKAGE, layers: dict[str, int] = LAYERS, mapped: tuple[Path, ...] = ()
+) -> list[str]:
     """'file:line: src (layer a) imports dst (layer b)' for every import of a higher layer; also a line for
     every top-level name of the package that has no layer."""
     problems = []
-    for path in sorted(root.rglob("*.py")):
-        module = _module_name(path, root, package)
+    for path, module in _sources(root, package, mapped):
         src = _component(module, root, package)
         if src not in layers:
             problems.append(f"{path}: {src!r} has no layer in LAYERS")
@@ -108,7 +121,9 @@ def upward_imports(root: Path = ROOT, package: str = PACKAGE, layers: dict[str, 
 
 
 def test_no_import_runs_upward():
-    problems = upward_imports()
+    kernel_modules = {m for _, m in _sources(ROOT, PACKAGE, MAPPED) if m.startswith(f"{PACKAGE}.kernels.cuda.")}
+    assert f"{PACKAGE}.kernels.cuda.codec_kernels" in kernel_modules, kernel_modules  # the moved kernels are read
+    problems = upward_imports(mapped=MAPPED)
     assert not problems, "imports against the layer order:\n" + "\n".join(problems)
 
 
@@ -137,10 +152,13 @@ def test_checker_sees_upward_imports_of_every_form(tmp_path):
         "from . import b\n"  # same layer
     )
     (pkg / "comm" / "c.py").write_text("from lightning_qcomm.codecs import a\n")  # downward: fine
-    found = upward_imports(pkg, PACKAGE)
+    (tmp_path / "kernels" / "cuda").mkdir(parents=True)  # a top-level folder installed as lightning_qcomm.kernels
+    (tmp_path / "kernels" / "cuda" / "k.py").write_text("from lightning_qcomm.comm import c\n")  # upward
+    found = upward_imports(pkg, PACKAGE, mapped=(tmp_path / "kernels",))
     assert [p.split(": ", 1)[1] for p in found] == [
         "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm.comm (layer 1)",
         "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm.strategies.s (layer 4)",
         "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm (layer 4)",
         "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm.comm (layer 1)",
+        "lightning_qcomm.kernels.cuda.k (layer 0) imports lightning_qcomm.comm.c (layer 1)",
     ], found

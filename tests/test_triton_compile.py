@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lightning_qcomm.codecs import get_codec  # noqa: E402
-from lightning_qcomm.kernels import codec_kernels, wire_params  # noqa: E402
+from lightning_qcomm.kernels.cuda import codec_kernels, wire_params  # noqa: E402
 
 CODECS = {
     "uniform8": ("uniform", 8, {}),

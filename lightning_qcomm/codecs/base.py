@@ -14,7 +14,7 @@ work in fp32: an fp64 input is rounded to fp32 first, so an fp64 value beyond fp
 +-Inf there and its bucket decodes non-finite, as a NaN/Inf one does (the non-finite guards then skip the step).
 
 The per-element work (random bits, quantize, pack / unpack, dequantize) has a torch reference here,
-a C kernel (``lightning_qcomm/csrc``, CPU) and a Triton kernel (``lightning_qcomm.kernels``, CUDA); all take
+a C kernel (``kernels/cpu``, CPU) and a Triton kernel (``lightning_qcomm.kernels``, CUDA); all take
 the per-bucket parameters computed below by torch, so they produce bit-identical codes for the same seed.
 Those parameters (P per bucket, 1 to 3) are not the wire scales (``scales_per_bucket``): they add the
 pre-scaling factor, its inverse, and the norm codecs' level cap.

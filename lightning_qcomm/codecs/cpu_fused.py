@@ -3,7 +3,7 @@ instead of ~40 eager ops (the 1-bit all-reduce's sign passes: ``codecs.cpu_sign`
 
 The torch reference (``Codec._scales`` + ``encode_reference`` / ``decode_reference``) stays the spec. On CPU
 tensors of at least ``FUSED_MIN_NUMEL`` elements of a codec with native kernels, the same arithmetic runs in
-the C kernels (``lightning_qcomm/csrc``, reached as the ``torch.ops.qcomm.c_*`` ops), in two passes for
+the C kernels (``kernels/cpu``, reached as the ``torch.ops.qcomm.c_*`` ops), in two passes for
 encode and one for decode::
 
     encode: per-bucket stats (min, max, max |x|, finiteness) -> wire scales and per-bucket params (torch,

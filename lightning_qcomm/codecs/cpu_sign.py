@@ -2,7 +2,7 @@
 
 ``sign_scale`` is the sign1 codec's one-bucket scale (its fp32 L2 norm by torch, as ``Codec.encode``), and
 ``sign_encode_err`` / ``sign_server_sum`` / ``sign_decode`` check their buffers and call the ``qcomm::sign_*``
-ops (``codecs.sign_ops``; the C kernels in ``lightning_qcomm/csrc``), which fuse the worker's encode with its
+ops (``codecs.sign_ops``; the C kernels in ``kernels/cpu``), which fuse the worker's encode with its
 error update, the server's decode-sum-re-encode and the final decode into one pass each, bit-identical to the
 sign1 codec path (tests/test_collectives.py).
 

@@ -1,6 +1,6 @@
 """The one description of a codec's element-wise kernel that every backend reads: kind and constants.
 
-``Codec.kernel_spec()`` returns a ``KernelSpec``. The C kernels (``lightning_qcomm/csrc``, CPU) receive its
+``Codec.kernel_spec()`` returns a ``KernelSpec``. The C kernels (``kernels/cpu``, CPU) receive its
 fields as the arguments of the ``qcomm::c_*`` ops, the Triton kernels (``lightning_qcomm.kernels``, CUDA) as
 ``tl.constexpr`` values, and both switch on the same ``KernelKind`` numbers (the C build gets them as
 ``-DQC_KIND_<NAME>=<value>``, so there is no second table to keep in step).
@@ -70,7 +70,7 @@ class KernelSpec:
         }
 
 
-# The schema fragment of those keyword arguments, in the order of QC_SPEC_PARAMS in csrc/qcomm_ops.cpp.
+# The schema fragment of those keyword arguments, in the order of QC_SPEC_PARAMS in kernels/cpu/qcomm_ops.cpp.
 C_SPEC_SCHEMA = "int kind, int bits, int bucket, bool stochastic, int levels, int sign_bit, int emin, int mbits, int bias, float fmax"
 
 

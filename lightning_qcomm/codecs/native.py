@@ -1,6 +1,6 @@
-"""Build, cache and load the CPU kernels of the ``qcomm`` ops (``lightning_qcomm/csrc``).
+"""Build, cache and load the CPU kernels of the ``qcomm`` ops (the repository's ``kernels/cpu``).
 
-``csrc/qcomm_ops.cpp`` (with the C kernels of ``csrc/qcomm_kernels.h``) is compiled once per machine with the
+``kernels/cpu/qcomm_ops.cpp`` (with the C kernels of ``kernels/cpu/qcomm_kernels.h``) is compiled once per machine with the
 system C++ compiler (``$CXX``, else ``c++``/``g++``) against torch's stable C ABI, into a shared library that
 ``torch.ops.load_library`` loads: its static initialisers register the CPU kernels of the ops that
 ``codecs.ops`` and ``codecs.sign_ops`` define, and from then on torch's dispatcher runs them for CPU tensors.
@@ -42,7 +42,16 @@ from lightning_qcomm.codecs.kernel_spec import c_kind_defines
 
 log = logging.getLogger(__name__)
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+
+def _sources_dir() -> str:
+    """The C++ sources: ``lightning_qcomm/kernels/cpu`` in an installed wheel, else the source checkout's
+    top-level ``kernels/cpu`` (editable or not installed); the first that holds ``qcomm_ops.cpp``."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    candidates = [os.path.join(root, "kernels", "cpu") for root in (package, os.path.dirname(package))]
+    return next((d for d in candidates if os.path.isfile(os.path.join(d, "qcomm_ops.cpp"))), candidates[0])
+
+
+CSRC = _sources_dir()
 SOURCES = ("qcomm_ops.cpp", "qcomm_kernels.h")  # compiled: the first; the rest are included
 CACHE_SUBDIR = "lightning_qcomm_ops"
 

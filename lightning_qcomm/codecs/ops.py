@@ -9,7 +9,7 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
   then the codes; sign1's scale in torch, its codes in Triton); default (any other device): the torch reference;
 - ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_tree_norm``, ``c_uniform_encode``,
   ``c_uniform_decode``: the C
-  kernels (``csrc``), CPU only, on flat contiguous tensors given the per-bucket parameters (the uniform ones: the
+  kernels (``kernels/cpu``), CPU only, on flat contiguous tensors given the per-bucket parameters (the uniform ones: the
   wire scales; what ``cpu_fused`` calls); the encodes'
   ``offset`` starts the random counter there (a row of a longer tensor coded on its own, ``codecs.rows``);
 - ``sign_encode_err``, ``sign_server_sum``, ``sign_decode`` (``codecs.sign_ops``): CPU the C kernels,
@@ -62,7 +62,7 @@ _lib.define(f"decode_into(Tensor codes, Tensor scales, {_CODEC}, ScalarType dtyp
 _lib.define(f"encode_rows(Tensor rows, int[] seeds, {_CODEC}) -> Tensor")
 _lib.define(f"decode_rows(Tensor wire, int n, {_CODEC}) -> Tensor")
 _lib.define(f"decode_rows_into(Tensor wire, int n, {_CODEC}, Tensor(a!) out) -> ()")
-# The C kernels (CPU only; csrc/qcomm_ops.cpp), on flat contiguous tensors given the per-bucket parameters.
+# The C kernels (CPU only; kernels/cpu/qcomm_ops.cpp), on flat contiguous tensors given the per-bucket parameters.
 _lib.define(
     f"c_encode_codes(Tensor x, Tensor params, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) out, int offset=0) -> ()"
 )

@@ -6,7 +6,7 @@
 
 A payload of c elements is ceil(c/8) code bytes (bit k of byte g set where y[8g+k] < 0, as ``packing``) then
 the scale as fp32; decoding flips the scale's sign bit where the code is 1 (``(1 - 2 code) * s`` for every
-non-NaN s). The CPU kernels are the C ones (``csrc``, registered when ``codecs.native`` loads them); the
+non-NaN s). The CPU kernels are the C ones (``kernels/cpu``, registered when ``codecs.native`` loads them); the
 default kernels below are the same arithmetic in torch (any device), bit for bit (tests/test_torch_ops.py).
 ``cpu_sign.sign_*`` are the checked entry points the collective calls.
 

@@ -1,4 +1,5 @@
-"""Triton kernels of the codec layer, shipped as ``lightning_qcomm.kernels``.
+"""The device kernels of the codec layer, shipped as ``lightning_qcomm.kernels``: this facade, the Triton kernels
+(``kernels.cuda``, CUDA) and the C++ sources of the CPU kernels (``kernels/cpu``, compiled by ``codecs.native``).
 
 ``encode(codec, xf, enc_params, seed)`` and ``decode(codec, codes, dec_params, numel)`` are the fused
 element-wise halves of every codec (random bits, quantize, bit packing and back), bit-identical to
@@ -9,9 +10,30 @@ every codec in one launch (``fused_scales`` says when). They are the CUDA kernel
 (``codecs.ops``), used when ``HAS_TRITON``. With ``TRITON_INTERPRET=1`` set before this package is imported (Triton reads it
 when the kernels are decorated), the same kernels run on CPU tensors through Triton's interpreter,
 which is how the tests compare them with the reference.
+
+Where the modules live: the repository keeps them in its top-level ``kernels/`` folder (``cuda/``, ``cpu/``),
+which ``pyproject.toml`` maps to ``lightning_qcomm/kernels/`` in a wheel. In a source checkout (editable or not
+installed) this facade adds that folder to its ``__path__``, so ``lightning_qcomm.kernels.cuda`` is always the
+one next to this file's package. The top-level folder has no ``__init__.py`` on purpose: with the repository
+root on ``sys.path`` it is only a namespace portion, which never shadows PyPI's ``kernels`` package (Hugging
+Face's, which ``transformers`` imports when it is installed).
+
+Example::
+
+    >>> from lightning_qcomm import kernels
+    >>> kernels.encode is kernels.codec_kernels.encode  # with triton installed
+    True
 """
 
 from __future__ import annotations
+
+import os as _os
+
+_CHECKOUT_KERNELS = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.dirname(__file__))), "kernels")
+if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "cuda")) and _os.path.isfile(
+    _os.path.join(_CHECKOUT_KERNELS, "cuda", "codec_kernels.py")
+):  # a source checkout: the modules are in the repository's top-level kernels/
+    __path__.append(_CHECKOUT_KERNELS)
 
 try:
     import triton  # noqa: F401
@@ -21,8 +43,10 @@ except ImportError:  # e.g. macOS / Windows, where triton is not a dependency
     HAS_TRITON = False
 
 if HAS_TRITON:
-    from .codec_kernels import decode, decode_rows, encode, encode_rows
-    from .wire_params import fused_scales, wire_encode_params
+    # kernels.codec_kernels / .wire_params: the modules the ops read (tests patch them there)
+    from .cuda import codec_kernels, elementwise, wire_params  # noqa: F401
+    from .cuda.codec_kernels import decode, decode_rows, encode, encode_rows
+    from .cuda.wire_params import fused_scales, wire_encode_params
 else:
 
     def encode(codec, xf, enc_params, seed):  # noqa: D103
