@@ -67,6 +67,22 @@ def _rows_cases() -> dict:
     return out
 
 
+def _rows_encode_launches(log: list) -> dict:
+    """Launches of one ``encode_rows`` of 4 rows per codec configuration (the rows kernels' path)."""
+    import torch
+    from launch_counts import count
+
+    from lightning_qcomm.codecs import derive_seed, encode_rows, get_codec
+
+    rows = torch.randn(4, 1037, generator=torch.Generator().manual_seed(2))
+    seeds = [derive_seed(3, 1, j) for j in range(4)]
+    out = {}
+    for name, bits, opts in FUSED_ENCODE:
+        codec = get_codec(name, bits, **{"bucket_size": 512, **opts})
+        out[_key(name, bits, opts)] = count(lambda c=codec: encode_rows(c, rows, seeds), log)
+    return out
+
+
 def _worker() -> dict:
     from unittest import mock
 
@@ -79,6 +95,7 @@ def _worker() -> dict:
         report["codecs"] = {
             r["codec"] + "".join(f"_{v}" for v in r["options"].values()): r for r in codec_rows(log, FUSED_ENCODE)
         }
+        report["rows_encode"] = _rows_encode_launches(log)
         report["all_reduce"] = all_reduce_rows(log, codecs=("uniform-8", "nuqsgd-4"))
         with mock.patch.object(ops, "rows_kernel", lambda c, r, encode=True: False):
             report["all_reduce_torch_rows"] = all_reduce_rows(log, codecs=("uniform-8", "nuqsgd-4"))
@@ -95,6 +112,14 @@ def report() -> dict:
 @pytest.mark.parametrize("case", FUSED_ENCODE, ids=lambda c: _key(*c))
 def test_fused_encode_is_two_launches(report, case):
     enc = report["codecs"][_key(*case)]["encode"]
+    assert (enc["triton"], enc["torch"]) == (2, 0), enc
+
+
+@pytest.mark.parametrize("case", FUSED_ENCODE, ids=lambda c: _key(*c))
+def test_rows_encode_is_two_launches(report, case):
+    """R payloads in two launches, both writing the wire rows: the scales kernel stores the scales' bytes behind
+    each row's codes, the codes kernel the codes (no third launch copying the scales)."""
+    enc = report["rows_encode"][_key(*case)]
     assert (enc["triton"], enc["torch"]) == (2, 0), enc
 
 

@@ -75,9 +75,10 @@ def test_element_kernels_compile_for_sm90(cid, int64, rows):
         _check(dec)
 
 
+@pytest.mark.parametrize("wire", [False, True], ids=["scales", "wire"])
 @pytest.mark.parametrize("int64", [False, True], ids=["int32", "int64"])
 @pytest.mark.parametrize("cid", list(CODECS) + ["qsgdinf4"])
-def test_scales_kernel_compiles_for_sm90(cid, int64):
+def test_scales_kernel_compiles_for_sm90(cid, int64, wire):
     name, bits, opts = CODECS[cid]
     codec = get_codec(name, bits, **opts)
     ks = codec.kernel_spec()
@@ -88,9 +89,12 @@ def test_scales_kernel_compiles_for_sm90(cid, int64):
             "x_ptr": "*fp32",
             "scales_ptr": "*fp32",
             "params_ptr": "*fp32",
+            "wire_ptr": "*u8",
             "nb": "i32",
             "row_len": "i32",
             "nb_row": "i32",
+            "wire_stride": "i32",
+            "scale_off": "i32",
         },
         {
             "KIND": int(ks.kind),
@@ -105,6 +109,7 @@ def test_scales_kernel_compiles_for_sm90(cid, int64):
             "DIVISOR": float(getattr(codec, "_divisor", 1)),
             "OUT_MAX": 65504.0,
             "REDO_FLOOR": wire_params.redo_floor(512),
+            "WIRE": wire,
         },
     )
     _check(ptx)

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_qcomm.codecs import packing
 from lightning_qcomm.codecs.kernel_spec import KernelKind
 from lightning_qcomm.codecs.qsgd import redo_floor
 
@@ -174,6 +175,22 @@ def _level_cap(p0, m, KIND: tl.constexpr, TOP: tl.constexpr, OUT_MAX: tl.constex
 
 
 @triton.jit
+def _store_scale(
+    scales_ptr, wire_ptr, q, s, w, mask, S: tl.constexpr, nb_row, wire_stride, scale_off, WIRE: tl.constexpr
+):
+    """Scale ``s`` of bucket ``q``: into the (nb, S) fp32 ``scales``, or (``WIRE``) as its 4 little-endian bytes
+    behind the codes of its row in the (R, ``wire_stride``) uint8 wire rows, where ``Packed.to_bytes`` puts it
+    (byte ``scale_off + 4 (k S + s)`` of row q // nb_row, k = q % nb_row): the payload complete in this launch."""
+    if WIRE:
+        base = wire_ptr + (q // nb_row) * wire_stride + scale_off + ((q % nb_row) * S + s) * 4
+        bits = w.to(tl.int32, bitcast=True)
+        for b in tl.static_range(4):
+            tl.store(base + b, ((bits >> (8 * b)) & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        tl.store(scales_ptr + q * S + s, w, mask=mask)
+
+
+@triton.jit
 def _round_down(v64):
     """The largest fp32 <= v64 (v64 >= 0), as ``scaling.round_down``."""
     f = v64.to(tl.float32)
@@ -186,9 +203,12 @@ def _wire_kernel(
     x_ptr,
     scales_ptr,
     params_ptr,
+    wire_ptr,
     nb,
     row_len,
     nb_row,
+    wire_stride,
+    scale_off,
     KIND: tl.constexpr,
     BUCKET: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -201,6 +221,7 @@ def _wire_kernel(
     DIVISOR: tl.constexpr,
     OUT_MAX: tl.constexpr,
     REDO_FLOOR: tl.constexpr,
+    WIRE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if INT64_INDEX:
@@ -233,8 +254,8 @@ def _wire_kernel(
         w1 = tl.where(special, 0.0 - unit_s32, unit)
         w0 = tl.where(finite, w0, float("nan"))
         w1 = tl.where(finite, w1, float("nan"))
-        tl.store(scales_ptr + rows * 2, w0, mask=live_row)
-        tl.store(scales_ptr + rows * 2 + 1, w1, mask=live_row)
+        _store_scale(scales_ptr, wire_ptr, rows, 0, w0, live_row, 2, nb_row, wire_stride, scale_off, WIRE)
+        _store_scale(scales_ptr, wire_ptr, rows, 1, w1, live_row, 2, nb_row, wire_stride, scale_off, WIRE)
         # _encode_params: (sigma, lo, 1 / unit), NaN buckets NaN
         u, sigma, _m = unflag(w1)
         inv = tl.where(u > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), u), 0.0)
@@ -251,7 +272,7 @@ def _wire_kernel(
         tiny = (a64 > 0) & (a64 < FMAX * FLT_MIN * one)
         w0 = tl.where(tiny, 0.0 - (a64 / (FMAX * one) * (TINY_SIGMA * one)).to(tl.float32), s)
         w0 = tl.where(finite, w0, float("nan"))
-        tl.store(scales_ptr + rows, w0, mask=live_row)
+        _store_scale(scales_ptr, wire_ptr, rows, 0, w0, live_row, 1, nb_row, wire_stride, scale_off, WIRE)
         # _encode_params: (sigma, 1 / s)
         sm, sigma, _m = unflag(w0)
         inv = tl.where(sm > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), sm), tl.where(is_finite(sm), 0.0, sm))
@@ -267,7 +288,7 @@ def _wire_kernel(
         rms = tl.where(rms > FLT_MAX, FLT_MAX, rms).to(tl.float32)  # clamp(max=FLT_MAX), NaN kept
         w0 = tl.where(extreme, rms, scale)
         w0 = tl.where(finite, w0, float("nan"))
-        tl.store(scales_ptr + rows, w0, mask=live_row)
+        _store_scale(scales_ptr, wire_ptr, rows, 0, w0, live_row, 1, nb_row, wire_stride, scale_off, WIRE)
         tl.store(params_ptr + rows, w0, mask=live_row)  # _encode_params: the scale itself
     else:  # QSGD, QSGDinf, NUQSGD: one norm per bucket (_NormCodec._scales, l2_norm_rows64, _encode_params)
         if NORM_L2:
@@ -281,7 +302,7 @@ def _wire_kernel(
         sigma64 = tl.where(wide, WIDE_SIGMA * one, tl.where(tiny, TINY_SIGMA * one, one))
         w0 = tl.where(wide | tiny, 0.0 - (n64 * sigma64).to(tl.float32), n)
         w0 = tl.where(finite, w0, float("nan"))
-        tl.store(scales_ptr + rows, w0, mask=live_row)
+        _store_scale(scales_ptr, wire_ptr, rows, 0, w0, live_row, 1, nb_row, wire_stride, scale_off, WIRE)
         nm, sigma, m = unflag(w0)
         k = tl.full((ROWS,), DIVISOR, tl.float32)
         rec = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), nm) * k  # torch's k / n: k * (1 / n)
@@ -299,11 +320,15 @@ def fused_scales(codec, numel: int) -> bool:
     return spec.kind in FUSED_KINDS and codec.bucket_len(numel) <= MAX_BUCKET
 
 
-def wire_encode_params(codec, xf: torch.Tensor, out_max: float = FLT_MAX_PY) -> tuple[torch.Tensor, torch.Tensor]:
+def wire_encode_params(
+    codec, xf: torch.Tensor, out_max: float = FLT_MAX_PY, wire: torch.Tensor | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(wire scales (nb, S), encode parameters (nb, P)) of flat fp32 ``xf``, one launch; bit for bit
     ``codec.bucket_scales(xf)`` and ``codec._encode_params(..., out_max)`` (``out_max``: the largest decode the
     norm codecs' level cap allows, ``scaling.output_max`` of the input's dtype). Needs ``fused_scales``.
-    An (R, n) ``xf`` is R tensors of n elements (buckets restart at each row): (R * nb, S) and (R * nb, P)."""
+    An (R, n) ``xf`` is R tensors of n elements (buckets restart at each row): (R * nb, S) and (R * nb, P).
+    With ``wire`` (R, ``codec.nbytes(n)``) uint8, the scales go as bytes behind each row's codes instead (where
+    ``Packed.to_bytes`` puts them) and None is returned in their place."""
     r, n = (1, xf.numel()) if xf.dim() == 1 else xf.shape
     if not fused_scales(codec, n):
         raise ValueError(f"codec {codec.name!r} with {codec.bucket_len(n)}-element buckets has no fused scales kernel")
@@ -316,16 +341,25 @@ def wire_encode_params(codec, xf: torch.Tensor, out_max: float = FLT_MAX_PY) -> 
     from . import codec_kernels  # its index limit (the tests lower it to force int64 indexing)
 
     programs = triton.cdiv(nb, rows)
-    int64_index = r * n + rows * blen > codec_kernels.INT32_INDEX_LIMIT
-    scales = torch.empty((nb, codec.scales_per_bucket), dtype=torch.float32, device=xf.device)
+    if wire is not None and (tuple(wire.shape) != (r, codec.nbytes(n)) or wire.dtype != torch.uint8):
+        raise ValueError(f"wire must be ({r}, {codec.nbytes(n)}) uint8, got {tuple(wire.shape)} {wire.dtype}")
+    wire_stride = 0 if wire is None else wire.stride(0)
+    limit = codec_kernels.INT32_INDEX_LIMIT
+    int64_index = r * n + rows * blen > limit or r * wire_stride > limit
+    scales = (
+        None if wire is not None else torch.empty((nb, codec.scales_per_bucket), dtype=torch.float32, device=xf.device)
+    )
     params = torch.empty((nb, spec.enc_params), dtype=torch.float32, device=xf.device)
     _wire_kernel[(programs,)](
         xf,
-        scales,
+        params if scales is None else scales,  # unused when the scales go to the wire
         params,
+        params if wire is None else wire,  # unused without a wire
         nb,
         n,
         nb_row,
+        wire_stride,
+        packing.packed_nbytes(n, codec.bits),
         KIND=int(spec.kind),
         BUCKET=blen,
         BLOCK=block,
@@ -338,6 +372,7 @@ def wire_encode_params(codec, xf: torch.Tensor, out_max: float = FLT_MAX_PY) -> 
         DIVISOR=float(getattr(codec, "_divisor", 1)),
         OUT_MAX=float(out_max),
         REDO_FLOOR=redo_floor(blen),
+        WIRE=wire is not None,
         num_warps=4,
         enable_fp_fusion=False,  # round after each operation, as the reference
     )

@@ -161,7 +161,7 @@ def decode_rows_kernel(c, wire: torch.Tensor, n: int) -> torch.Tensor:
 
 def encode_rows_kernel(c, rows: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
     """(R, ``c.nbytes(n)``) uint8 payloads of the rows of ``rows``, row j ``c.encode(rows[j], seed_j).to_bytes()``
-    bit for bit (``keys``: the seeds' (R, 2) int32 key words; None for a deterministic codec): three launches
+    bit for bit (``keys``: the seeds' (R, 2) int32 key words; None for a deterministic codec): two launches
     whatever R (``kernels.encode_rows_codec``). Only where ``rows_kernel(c, rows)``."""
     from lightning_qcomm import kernels
 

@@ -164,7 +164,7 @@ def encode_rows_body(codec: Codec, rows: torch.Tensor, seeds: Sequence[int], tri
     if triton and n < _INT32_COUNTERS:
         from lightning_qcomm.codecs import ops
 
-        if ops.rows_kernel(codec, rows):  # CUDA: every row in three launches
+        if ops.rows_kernel(codec, rows):  # CUDA: every row in two launches
             return ops.encode_rows_kernel(codec, rows, _row_keys(seeds, rows.device) if codec.stochastic else None)
     if rows_one_by_one(codec, rows):
         return _per_row(codec, rows, seeds)

@@ -80,18 +80,17 @@ def encode_codec(codec, xf, seed: int, out_max: float):
 def encode_rows_codec(codec, rows, keys):
     """(R, ``codec.nbytes(n)``) uint8: row j is ``codec.encode(rows[j], seed_j).to_bytes()`` bit for bit, for a codec
     with ``fused_scales`` and ``keys`` the (R, 2) int32 key words of the seeds (None: a deterministic codec).
-    Two launches (scales and parameters of every row's buckets; the codes of every row, straight into the wire
-    rows) and one copy of the scales behind the codes."""
+    Two launches, both writing the wire rows: every row's buckets' scales (as bytes behind the codes) and encode
+    parameters; then the codes of every row."""
     import torch
 
-    from lightning_qcomm.codecs import packing, scaling
+    from lightning_qcomm.codecs import scaling
 
     r, n = rows.shape
     xf = rows.detach().to(torch.float32).contiguous()
-    scales, params = wire_encode_params(codec, xf, scaling.output_max(rows.dtype))
     wire = torch.empty(r, codec.nbytes(n), dtype=torch.uint8, device=rows.device)
+    _, params = wire_encode_params(codec, xf, scaling.output_max(rows.dtype), wire=wire)
     encode_rows(codec, xf, params, keys, wire)
-    wire[:, packing.packed_nbytes(n, codec.bits) :].copy_(scales.view(r, -1).view(torch.uint8))
     return wire
 
 
