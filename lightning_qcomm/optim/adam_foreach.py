@@ -55,6 +55,15 @@ def _runs(params: list[torch.Tensor], state: State, group_of: dict) -> list[tupl
     return runs
 
 
+def _run_slices(params: list[torch.Tensor], state: State, group_of: dict, flat: torch.Tensor):
+    """(group, members, the members' slice of the flat bucket ``flat``) for each of ``_runs``."""
+    offset = 0
+    for group, members in _runs(params, state, group_of):
+        n = sum(p.numel() for p in members)
+        yield group, members, flat[offset : offset + n]
+        offset += n
+
+
 def _in_dtype(tensors: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors[i]`` in ``like[i]``'s dtype: those that differ converted by one ``_foreach_copy_`` into a new buffer."""
     todo = [i for i, (t, ref) in enumerate(zip(tensors, like)) if t.dtype != ref.dtype]
@@ -140,13 +149,8 @@ def _warmup_(params: list[torch.Tensor], state: State, group: dict[str, Any]) ->
 def bucket_candidates(params: list[torch.Tensor], state: State, group_of: dict) -> torch.Tensor:
     """``adam_math.momentum_candidates(params, state, group_of)``, bit for bit, in ops per run of members (not per
     member): the new fp32 tensor of the preconditioned, clipped new momenta, in layout order; m stays."""
-    total = sum(p.numel() for p in params)
-    flat = torch.empty(total, dtype=torch.float32, device=params[0].device)
-    offset = 0
-    for group, members in _runs(params, state, group_of):
-        n = sum(p.numel() for p in members)
-        out = flat[offset : offset + n]
-        offset += n
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+    for group, members, out in _run_slices(params, state, group_of, flat):
         if group is None:
             out.copy_(momentum_candidates(members, state, group_of))
             continue
@@ -170,11 +174,7 @@ def bucket_update_(params: list[torch.Tensor], state: State, group_of: dict, fla
     """``adam_math.frozen_update_`` of every member of ``params`` with ``requires_grad`` from its slice of ``flat``
     (the averaged preconditioned momenta, layout order; zeroed in place where w = 0), bit for bit, in ops per run:
     m <- u (√v̂ + ε), p <- p (1 - ηλ) - η/(1-β1^t) u, t <- t + 1."""
-    offset = 0
-    for group, members in _runs(params, state, group_of):
-        n = sum(p.numel() for p in members)
-        u = flat[offset : offset + n]
-        offset += n
+    for group, members, u in _run_slices(params, state, group_of, flat):
         if group is None:
             for p, up in zip(members, u.split([p.numel() for p in members])):
                 if p.requires_grad:
