@@ -55,14 +55,16 @@ from lightning_qcomm.comm.fsdp import QSDPCommState, sync_unsharded_requires_gra
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.onebit import max_over_ranks_tensor
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
-from lightning_qcomm.parallel.hsdp import another_topology_message, hsdp_mesh, mesh_topology
+from lightning_qcomm.parallel.hsdp import hsdp_mesh, mesh_topology
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint, new_trial
 from lightning_qcomm.parallel.qsdp_config import DEFAULT_MIN_BITS, DEFAULT_MIN_WRAP_NUMEL, BitsArg, QSDPConfig
 from lightning_qcomm.strategies.presets import QSDP_PRESETS, register_presets
 from lightning_qcomm.strategies.qsdp_checkpoint import (
     FullStateLauncher,
     check_sharded_checkpoint,
+    load_run_state,
     missing_checkpoint_hint,
+    run_state,
     save_sharded_checkpoint,
 )
 from lightning_qcomm.strategies.qsdp_checks import check_precision, no_effect_message
@@ -343,29 +345,12 @@ class QSDPStrategy(ModelParallelStrategy):
         return None if self._hsdp is None else mesh_topology(self._hsdp[1])
 
     def qsdp_state_dict(self) -> dict[str, Any]:
-        """What continuing training needs besides weights and optimizer: the RNG step (identical on all ranks),
-        and the layout it was written on (``world_size``, ``topology``)."""
-        trial = self.comm_state.trial
-        return {
-            "rng_step": self.comm_state.step,
-            "seed": self.comm_state.seed,
-            "world_size": self.world_size,
-            "topology": self.topology,
-            **({} if trial is None else {"auto": trial.state_dict()}),
-        }
+        """What continuing training needs besides weights and optimizer (``qsdp_checkpoint.run_state``)."""
+        return run_state(self)
 
     def load_qsdp_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the RNG step; on another layout warn once (``parallel.hsdp.another_topology_message``)."""
-        self.comm_state.step = int(state["rng_step"])
-        message = another_topology_message(type(self).__name__, state, self.world_size, self.topology)
-        if self.comm_state.trial is not None:  # a choice made on another layout is measured again
-            self.comm_state.trial.load_state_dict(None if message else state.get("auto"), self.comm_state.step)
-        if int(state.get("seed", self.config.seed)) != self.config.seed:
-            log.warning(
-                "QSDP: checkpoint seed %s differs from this strategy's seed %s", state["seed"], self.config.seed
-            )
-        if message is not None:
-            rank_zero_warn(message)
+        """Restore the RNG step; on another layout warn once (``qsdp_checkpoint.load_run_state``)."""
+        load_run_state(self, state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
