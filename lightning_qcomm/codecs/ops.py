@@ -6,7 +6,7 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
 - ``encode``, ``decode``, ``decode_into``: CPU ``cpu_fused`` (the C passes on tensors of at least
   ``FUSED_MIN_NUMEL`` elements, else the reference); CUDA: Triton (``lightning_qcomm.kernels``): a decode is one
   launch (decode parameters made from the wire scales in the kernel), an encode two (scales and parameters,
-  then the codes; sign1's scale in torch, its codes in Triton); default (any other device): the torch reference;
+  then the codes; buckets over ``MAX_BUCKET`` elements: the scales in torch); default (any other device): the torch reference;
 - ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_tree_norm``, ``c_uniform_encode``,
   ``c_uniform_decode``: the C
   kernels (``kernels/cpu``), CPU only, on flat contiguous tensors given the per-bucket parameters (the uniform ones: the
@@ -16,8 +16,8 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
   default the same arithmetic in torch.
 - ``encode_rows``, ``decode_rows``, ``decode_rows_into`` (``codecs.rows``): R rows of n elements, row j coded as
   a tensor of its own with seed j; CPU the C pass per row (rows of the fused path's size) or the codec's hooks
-  over all rows' buckets at once (encode) / one flat decode; CUDA the Triton rows kernels (``rows_kernel``: three
-  launches to encode, every codec but sign1; one to decode), else what the CPU runs.
+  over all rows' buckets at once (encode) / one flat decode; CUDA the Triton rows kernels (``rows_kernel``: two
+  launches to encode, buckets up to ``MAX_BUCKET``; one to decode), else what the CPU runs.
 
 The C kernels are registered when ``codecs.native`` loads the library (on the first fused use); the fake
 kernels give the output shapes, so ``torch.compile`` traces ``Codec.encode`` / ``decode`` without a graph

@@ -25,7 +25,7 @@ registry does not carry runs the same bodies directly); the dispatcher picks the
   The codec then dispatches as usual (Triton on CUDA, the fused C path on large CPU tensors). On CPU, rows
   large enough for the fused C path that would need the repack decode one C call each; on CUDA the Triton rows
   kernel decodes every row in one launch (``codecs.ops.rows_kernel``).
-* **encode**: ``codecs.rows_encode`` (the Triton rows kernels on CUDA, every codec but sign1; the C pass per row
+* **encode**: ``codecs.rows_encode`` (the Triton rows kernels on CUDA, buckets up to ``MAX_BUCKET``; the C pass per row
   on large CPU rows; else the codec's math hooks over all rows' buckets at once).
 
 Rows of whole, byte-aligned buckets can also travel as one flat tensor: ``encode_flat`` (one codec call with

@@ -6,8 +6,8 @@ that does not depend on R (the kernels of ``qcomm::encode_rows``; ``codecs.rows`
 Row j is its own tensor for the codec: buckets restart at the row start (the last one may be short), the random
 counter restarts at 0, keyed by seed j. The kernels (``encode_rows_cpu`` / ``_cuda`` / ``_reference``, one body):
 
-* **CUDA**: the Triton rows kernels (``codecs.ops.rows_kernel``; every codec but sign1): every row's scales in one
-  launch, every row's codes in another, straight into the payloads; the seeds' keys travel through pinned memory,
+* **CUDA**: the Triton rows kernels (``codecs.ops.rows_kernel``; buckets up to ``MAX_BUCKET``): every row's scales
+  in one launch, every row's codes in another, both straight into the payloads; the seeds' keys travel through pinned memory,
   queued (``_row_keys``), so no host sync;
 * **CPU**: rows large enough for the fused C path keep one C pass per row (``rows_one_by_one``): there is no
   launch to save and the C pass is faster than the eager ops; ``encode_row_into`` writes a row's payload where

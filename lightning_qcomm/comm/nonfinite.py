@@ -124,19 +124,26 @@ class NonFiniteGuard:
         under ``"raise"``. Always True under ``"propagate"``. One device-to-host copy."""
         if self.policy == "propagate":
             return True
-        live, flags = _nonfinite_flags(params)
         if self.agree is None:
-            bad = [] if flags is None else [live[i] for i in flags.cpu().nonzero().reshape(-1).tolist()]
+            bad = nonfinite_params(params)
             finite = not bad
         else:
-            local = torch.zeros(1, dtype=torch.float64) if flags is None else flags.any().reshape(1).double()
-            agreed = self.agree(local)
-            both = agreed if flags is None else torch.cat([flags.double(), agreed.to(flags.device)])
-            found = both.cpu().nonzero().reshape(-1).tolist()  # the one device-to-host copy; the verdict is last
-            bad = [live[i] for i in found if i < len(live)]
-            finite = len(both) - 1 not in found
+            bad, finite = self._agreed(params)
         shapes = [tuple(params[i].shape) for i in bad[:4]]
         return self.verdict(finite, step, f"local parameters of shapes {shapes}" if bad else "another rank's gradients")
+
+    def _agreed(self, params: list[torch.nn.Parameter]) -> tuple[list[int], bool]:
+        """(this rank's non-finite parameters, whether every rank's gradients are finite): the local flags and the
+        agreed verdict in one device-to-host copy (``agree`` returning its argument: no collective was needed)."""
+        live, flags = _nonfinite_flags(params)
+        local = torch.zeros(1, dtype=torch.float64) if flags is None else flags.any().reshape(1).double()
+        agreed = self.agree(local)
+        if agreed is local:  # nothing to agree on (one rank, or gradients the same everywhere): the flags alone
+            bad = [] if flags is None else [live[i] for i in flags.cpu().nonzero().reshape(-1).tolist()]
+            return bad, not bad
+        both = agreed if flags is None else torch.cat([flags.double(), agreed.to(flags.device)])
+        found = both.cpu().nonzero().reshape(-1).tolist()  # the one device-to-host copy; the verdict is last
+        return [live[i] for i in found if i < len(live)], len(both) - 1 not in found
 
     def verdict(self, finite: bool, step: int, where: str) -> bool:
         """Apply the policy to a decision already the same on every rank (``where``: what was non-finite, for the

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from lightning_qcomm.optim.adam_math import adam_step_bound, frozen_update_, momentum_candidates
+from lightning_qcomm.optim.adam_math import adam_step_bound, frozen_update_, momentum_candidates, weight_from_root
 
 State = dict[torch.Tensor, dict[str, Any]]
 
@@ -100,11 +100,6 @@ def _flat(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch
     return torch.cat(flat) if out is None else torch.cat(flat, out=out)
 
 
-def _weight(root: torch.Tensor, eps: float) -> torch.Tensor:
-    """``adam_math.frozen_weight`` from √v̂: 1/(√v̂ + ε) where √v̂ > ε, else 0."""
-    return torch.where(root > eps, (root + eps).reciprocal_(), 0.0)
-
-
 def _split_as(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
@@ -163,7 +158,7 @@ def bucket_candidates(params: list[torch.Tensor], state: State, group_of: dict) 
             for i, t in zip(train, lerped):
                 new[i] = t
         _flat(new, out=out)
-        out.mul_(_weight(_flat([state[p]["exp_avg_sq"] for p in members]).sqrt_(), group["eps"]))
+        out.mul_(weight_from_root(_flat([state[p]["exp_avg_sq"] for p in members]).sqrt_(), group["eps"]))
         bound = adam_step_bound(group)
         torch.where(out - out == 0, out.clamp(-bound, bound), out, out=out)  # non-finite (x - x != 0) stays
     return flat
@@ -189,7 +184,7 @@ def _run_update_(members: list[torch.Tensor], state: State, group: dict[str, Any
         return
     beta1, lr, wd, eps = group["betas"][0], group["lr"], group["weight_decay"], group["eps"]
     root = _flat([state[p]["exp_avg_sq"] for p in members]).sqrt_()
-    u.mul_(_weight(root, eps) != 0)  # 0 where w = 0 (a non-finite u stays non-finite)
+    u.mul_(weight_from_root(root, eps) != 0)  # 0 where w = 0 (a non-finite u stays non-finite)
     new_m = u * root.add_(eps)
     ps = [members[i] for i in train]
     new_views = _split_as(new_m, members)

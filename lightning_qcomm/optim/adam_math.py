@@ -72,9 +72,12 @@ def frozen_weight(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
     A coordinate with √v̂ <= ε (no gradient, or one below ε, through all of the warm-up: a vocabulary row never seen,
     an attention key bias whose gradient is zero up to rounding) has no usable variance; w = 0 leaves it out of the
     1-bit average and keeps it where it is (DeepSpeed's ``exp_avg_mask``, chosen from v̂ itself)."""
-    eps = group["eps"]
-    root = state["exp_avg_sq"].sqrt()
-    return torch.where(root > eps, (root + eps).reciprocal_(), torch.zeros((), dtype=root.dtype, device=root.device))
+    return weight_from_root(state["exp_avg_sq"].sqrt(), group["eps"])
+
+
+def weight_from_root(root: torch.Tensor, eps: float) -> torch.Tensor:
+    """``frozen_weight`` from √v̂ (any shape): 1/(√v̂ + ε) where √v̂ > ε, else 0."""
+    return torch.where(root > eps, (root + eps).reciprocal_(), 0.0)
 
 
 def adam_step_bound(group: dict[str, Any]) -> float:
@@ -133,4 +136,5 @@ __all__ = [
     "frozen_weight",
     "momentum_candidates",
     "momentum_grad",
+    "weight_from_root",
 ]
