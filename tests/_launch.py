@@ -5,7 +5,8 @@
   (``torch.multiprocessing``); a rank that raises fails the caller with its traceback, and with
   ``timeout_s`` ranks still running are killed and ``TimeoutError`` is raised. A rank killed by a signal (a C++
   abort in a collective, a segfault) fails it with that rank's stderr tail and every thread's Python stack at the
-  signal (``faulthandler``), since torch reports only the signal's name.
+  signal (``faulthandler``), since torch reports only the signal's name. A process group a rank leaves alive is
+  destroyed when ``fn`` returns (torch can abort in interpreter teardown while a gloo group lives).
 * ``write_rank_result`` / ``rank_results``: each rank writes one file (``rank{rank}.json`` by default;
   ``.pt`` and ``.pkl`` names are saved with torch / pickle) and the parent reads them back in rank order.
 * ``set_rank_env`` (a spawned worker's launcher variables) and ``FakeBucket`` (a DDP ``GradBucket`` stand-in).
@@ -43,7 +44,8 @@ def free_port() -> int:
 
 class _Logged:
     """``fn(rank, *args)`` with this rank's stderr in ``logdir/rank{rank}.err`` and ``faulthandler`` on, so a fatal
-    signal leaves every thread's Python stack there after the C++ message that preceded it."""
+    signal leaves every thread's Python stack there after the C++ message that preceded it; a process group ``fn``
+    leaves alive is destroyed when it returns."""
 
     def __init__(self, fn: Callable[..., None], logdir: str) -> None:
         self.fn, self.logdir = fn, logdir
@@ -56,6 +58,16 @@ class _Logged:
         os.dup2(log.fileno(), 2)  # C++ (gloo, c10) messages too, which write to fd 2 directly
         faulthandler.enable(file=log, all_threads=True)
         self.fn(rank, *args)
+        _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    """Destroy a process group ``fn`` left alive: torch can abort in interpreter teardown while a gloo group lives
+    ("terminate called without an active exception"), failing a rank that finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _replay_logs(logdir: str, nprocs: int) -> None:

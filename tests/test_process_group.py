@@ -46,3 +46,65 @@ def test_process_exits_cleanly_with_group_destroyed_at_exit(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "after").read_text() == "False"
+
+
+def _registrations(monkeypatch) -> list:
+    calls: list = []
+    monkeypatch.setattr(process_group, "_registered", False)
+    monkeypatch.setattr(atexit, "register", lambda fn: calls.append(fn))
+    return calls
+
+
+def test_a_group_made_for_background_collectives_registers_the_handler(tmp_path, monkeypatch):
+    """The groups this package creates itself (the background worker's, the node groups) are reason enough to
+    destroy the default group at exit: plain-torch users of ``OneBitAdam`` or ``LocalSGD`` have no strategy
+    of ours to register it."""
+    from lightning_qcomm.comm.comm_worker import dedicated_group
+    from lightning_qcomm.comm.topology import Topology, node_groups
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store3", rank=0, world_size=1)
+    try:
+        calls = _registrations(monkeypatch)
+        dedicated_group()
+        assert calls == [process_group._destroy_if_gloo]
+        calls = _registrations(monkeypatch)
+        node_groups(Topology(world_size=1, node_size=1))
+        assert calls == [process_group._destroy_if_gloo]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_onebit_callback_registers_the_handler(monkeypatch):
+    """``OneBitAdamCallback`` runs under Lightning's own ``DDPStrategy``, which never destroys its group."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_qcomm import OneBitAdamCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            return self.layer(batch).pow(2).mean()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    calls = _registrations(monkeypatch)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        callbacks=[OneBitAdamCallback(freeze_step=1)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Tiny())
+    assert process_group._destroy_if_gloo in calls

@@ -66,6 +66,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_qcomm._checks import check_bool, check_int
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.onebit import OneBitGradHookState
+from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.comm.topology import NodeGroups, Topology, hierarchical_topology, node_groups
 from lightning_qcomm.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
 from lightning_qcomm.parallel import rank_files
@@ -156,6 +157,7 @@ class OneBitAdamCallback(pl.Callback):
         if stage != "fit":
             return
         self._loaded = None  # runs before a checkpoint is restored: no buffers from an earlier fit/validate
+        destroy_gloo_group_at_exit()  # Lightning's DDPStrategy never destroys its group: a rank could abort at exit
         rank_files.attach(trainer.strategy)  # each rank's error buffers in its own side file, any strategy
         if not pl_module.automatic_optimization:
             raise ValueError(

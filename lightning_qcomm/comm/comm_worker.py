@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
+
 log = logging.getLogger(__name__)
 
 _STOP = object()
@@ -119,7 +121,8 @@ def dedicated_group(
     ``timeout``: its collectives' timeout; None inherits ``group``'s (``torch.distributed.new_group`` would
     otherwise give it torch's 30-minute default, whatever the user set). Collective: every rank of the world
     must call it, in the same order. Returns None when torch.distributed is not initialised (a world of one
-    needs no group).
+    needs no group). On gloo the default group (and with it this one) is destroyed at exit
+    (``process_group.destroy_gloo_group_at_exit``).
 
     Example::
 
@@ -131,6 +134,7 @@ def dedicated_group(
     backend = dist.get_backend(group)
     if timeout is None:
         timeout = group_timeout(group)
+    destroy_gloo_group_at_exit()  # groups of ours alive at exit can abort the process in teardown
     log.debug(
         "lightning_qcomm: creating a %s process group over ranks %s for background collectives (timeout %s)",
         backend,

@@ -149,11 +149,13 @@ def node_groups(
 ) -> NodeGroups:
     """Create the intra- and inter-node groups of ``topology`` over the default group (collective).
 
-    ``timeout`` None inherits the default group's (see ``comm_worker.group_timeout``).
+    ``timeout`` None inherits the default group's (see ``comm_worker.group_timeout``). On gloo the default group
+    (and with it these) is destroyed at exit (``process_group.destroy_gloo_group_at_exit``).
     """
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_qcomm.comm.comm_worker import group_timeout
+    from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("node_groups needs an initialised torch.distributed default group")
@@ -164,6 +166,7 @@ def node_groups(
         )
     timeout = timeout if timeout is not None else group_timeout(None)
     backend = backend or dist.get_backend()
+    destroy_gloo_group_at_exit()  # groups of ours alive at exit can abort the process in teardown
     kw = {"timeout": timeout, "backend": backend}
     intra, _ = dist.new_subgroups_by_enumeration([topology.intra_ranks(n) for n in range(topology.num_nodes)], **kw)
     inter, _ = dist.new_subgroups_by_enumeration([topology.inter_ranks(j) for j in range(topology.node_size)], **kw)
