@@ -2,7 +2,7 @@
 "Architecture"; README, "Architecture").
 
     0  codecs, kernels, _checks          the math of the codes and the kernels that run it
-    1  comm                              collectives, ledger, DDP/FSDP hooks over torch.distributed
+    1  comm, collectives                 collectives (their engine), ledger, DDP/FSDP hooks over torch.distributed
     2  memory, optim                     adapters: saved-activation storage, OneBitAdam
     3  parallel                          the plain-torch entry points and their configs
     4  strategies, callbacks, fabric,    Lightning glue; the package root
@@ -30,6 +30,7 @@ LAYERS = {
     "codecs": 0,
     "kernels": 0,
     "comm": 1,
+    "collectives": 1,
     "optim": 2,
     "memory": 2,
     "parallel": 3,

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
+from lightning_qcomm.collectives.engine import run_pipelined
 from lightning_qcomm.comm.call_check import _check_consistent
 from lightning_qcomm.comm.chunked import (
     FP32_BYTES,
@@ -53,15 +54,7 @@ from lightning_qcomm.comm.chunked import (
     _update_error,
 )
 from lightning_qcomm.comm.ledger import get_ledger
-from lightning_qcomm.comm.transport import (
-    _all_gather,
-    _all_gather_async,
-    _all_to_all,
-    _all_to_all_async,
-    _rank_world,
-    _reduce_scatter_single,
-    _wait,
-)
+from lightning_qcomm.comm.transport import _all_gather, _all_to_all, _rank_world, _reduce_scatter_single
 
 DEFAULT_PIECE_NUMEL = 1 << 15  # min elements per rank per pipelined piece of quantized_all_reduce (32 KB at 8 bits)
 MAX_ALL_REDUCE_PIECES = 16  # ... and at most this many pieces per call
@@ -199,6 +192,79 @@ def _piece_seed(seed: int, k: int) -> int:
     return seed if k == 0 else derive_seed(seed, 3, k)
 
 
+class _SumReducer:
+    """``quantized_all_reduce``'s math per piece (``collectives.engine`` runs the pieces): units are
+    (k, offset, length, chunk length c) with seed s_k = ``_piece_seed(seed, k)``.
+
+    encode: y = x + e zero-padded to N*c; chunk j coded with ``derive_seed(s_k, 1, rank, j)``; the phase-1
+    residual y - D(Q(y)) kept. reduce: S = sum_r D(Q(y_r[rank])) in rank order (/N for avg), coded with
+    ``derive_seed(s_k, 2, rank)``. decode: x <- D(Q(S)) of every chunk; this rank's chunk's requantization
+    residual k * (S - held) added to its phase-1 residual. finish: e <- the residual where finite.
+    """
+
+    def __init__(self, x, codec: Codec, rank: int, world: int, op: str, seed: int, error_feedback) -> None:
+        self.codec, self.rank, self.world, self.seed = codec, rank, world, seed
+        self.x_dtype, self.device = x.dtype, x.device
+        self.flat_in = x.detach().reshape(-1)
+        self.error_feedback = error_feedback
+        self.flat_err = None if error_feedback is None else error_feedback.detach().reshape(-1)
+        self.out_flat = _fp32_output(x)
+        d = x.numel()
+        self.residual = None if error_feedback is None else torch.empty(d, dtype=torch.float32, device=x.device)
+        self.avg = op == "avg"
+        self.k_scale = world if self.avg else 1
+        self.res: dict[int, torch.Tensor | None] = {}
+        self.reduced: dict[int, torch.Tensor] = {}
+
+    def chunk_nbytes(self, unit) -> int:
+        return self.codec.nbytes(unit[3])
+
+    def encode(self, unit) -> torch.Tensor:
+        k, o, n, c = unit
+        world, flat_in, flat_err = self.world, self.flat_in, self.flat_err
+        y = torch.empty(world * c, dtype=torch.float32, device=self.device)
+        if world * c > n:
+            y[n:].zero_()
+        head, err_head = y[:n], None if flat_err is None else flat_err[o : o + n]
+        if err_head is not None and flat_in.dtype == err_head.dtype == torch.float32:
+            torch.add(flat_in[o : o + n], err_head, out=head)  # one launch where copy-then-add took two
+        else:
+            head.copy_(flat_in[o : o + n])
+            if err_head is not None:
+                head += err_head.to(torch.float32)
+        s_k = _piece_seed(self.seed, k)
+        send = _encode_rows(self.codec, y.view(world, c), [derive_seed(s_k, 1, self.rank, j) for j in range(world)])
+        self.res[k] = None if self.residual is None else y - _decode_rows(self.codec, send, world, c).view(-1)
+        return send
+
+    def reduce(self, unit, recv: torch.Tensor) -> torch.Tensor:
+        k, _o, _n, c = unit
+        reduced = _decode_rows(self.codec, recv, self.world, c).sum(dim=0)
+        if self.avg:
+            reduced /= self.world
+        self.reduced[k] = reduced
+        return _encode_bytes(self.codec, reduced, derive_seed(_piece_seed(self.seed, k), 2, self.rank))
+
+    def decode(self, unit, gathered: torch.Tensor) -> None:
+        k, o, n, c = unit
+        rows = _decode_rows(self.codec, gathered, self.world, c)  # all N chunks in one codec call
+        self.out_flat[o : o + n] = rows.view(-1)[:n]
+        res, reduced = self.res.pop(k), self.reduced.pop(k)
+        if res is not None:
+            # what x finally holds is row rounded to x's dtype: that rounding is residual too (positions past
+            # the piece's n real elements are padding and dropped below)
+            held = (
+                rows[self.rank].to(self.x_dtype).to(torch.float32) if self.x_dtype != torch.float32 else rows[self.rank]
+            )
+            mine_res = res.view(self.world, c)[self.rank]
+            mine_res += (reduced - held).mul_(self.k_scale)  # on the view itself: no copy back
+            self.residual[o : o + n] = res[:n]
+
+    def finish(self) -> None:
+        if self.residual is not None:
+            _update_error(self.error_feedback, self.residual)
+
+
 def quantized_all_reduce(
     x: torch.Tensor,
     codec: Codec | None,
@@ -224,8 +290,9 @@ def quantized_all_reduce(
     3. rank j re-encodes S_j (seed ``derive_seed(s_k, 2, j)``); ``all_gather_single`` of the N codes;
     4. every rank decodes all N chunks from the gathered bytes: x <- D(Q(S))[:len], identical on all ranks.
 
-    Pieces are pipelined: every piece's all-to-all is issued asynchronously as soon as it is encoded, and
-    piece k is reduced and its all-gather issued while later pieces are still on the wire. Two blocking
+    Pieces are pipelined (``collectives.engine``, this function's math in ``_SumReducer``): every piece's
+    all-to-all is issued asynchronously as soon as it is encoded, and piece k is reduced and its all-gather
+    issued while later pieces are still on the wire. Two blocking
     phases in a row leave the link idle between them (gloo's figures: BENCHMARKS.md §3, "Why two blocking
     phases lose the link"). Small
     tensors are one piece, and so is every tensor off the CPU (NCCL pipelines by itself, and a piece costs
@@ -293,60 +360,12 @@ def quantized_all_reduce(
         ledger.record("all_reduce", nb, d * FP32_BYTES, world, _payload(nb, world), tag)
         return x
 
-    flat_in = x.detach().reshape(-1)
-    flat_err = None if error_feedback is None else error_feedback.detach().reshape(-1)
-    out_flat = _fp32_output(x)
-    residual = None if error_feedback is None else torch.empty(d, dtype=torch.float32, device=x.device)
-    k_scale = world if op == "avg" else 1
+    reducer = _SumReducer(x, codec, rank, world, op, seed, error_feedback)
     # gloo gains from pipelining pieces; NCCL pipelines internally, and each piece costs launches: one piece
     pieces = all_reduce_pieces(d, world, codec, piece_numel) if x.device.type == "cpu" else [(0, d)]
-    total_p = 0
-    # phase 1 for every piece: encode, issue the all-to-all, move on
-    phase1 = []
-    for k, (o, n) in enumerate(pieces):
-        c = _chunk_len(n, world)
-        s_k = _piece_seed(seed, k)
-        y = torch.empty(world * c, dtype=torch.float32, device=x.device)
-        if world * c > n:
-            y[n:].zero_()
-        head, err_head = y[:n], None if flat_err is None else flat_err[o : o + n]
-        if err_head is not None and flat_in.dtype == err_head.dtype == torch.float32:
-            torch.add(flat_in[o : o + n], err_head, out=head)  # one launch where copy-then-add took two
-        else:
-            head.copy_(flat_in[o : o + n])
-            if err_head is not None:
-                head += err_head.to(torch.float32)
-        chunks = y.view(world, c)
-        send = _encode_rows(codec, chunks, [derive_seed(s_k, 1, rank, j) for j in range(world)])
-        res = None if residual is None else y - _decode_rows(codec, send, world, c).view(-1)
-        recv = torch.empty_like(send)
-        phase1.append((o, n, c, s_k, res, recv, send, _all_to_all_async(recv, send, group, world)))
-        total_p += codec.nbytes(c)
-    # phase 2 in order: reduce piece k while later pieces travel, issue its all-gather
-    phase2 = []
-    for o, n, c, s_k, res, recv, _send, work in phase1:
-        _wait(work)
-        reduced = _decode_rows(codec, recv, world, c).sum(dim=0)
-        if op == "avg":
-            reduced /= world
-        mine = _encode_bytes(codec, reduced, derive_seed(s_k, 2, rank))
-        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=x.device)
-        phase2.append((o, n, c, res, reduced, gathered, mine, _all_gather_async(gathered, mine, group, world)))
-    del phase1
-    low_precision_out = x.dtype != torch.float32
-    for o, n, c, res, reduced, gathered, _mine, work in phase2:
-        _wait(work)
-        rows = _decode_rows(codec, gathered, world, c)  # all N chunks in one codec call
-        out_flat[o : o + n] = rows.view(-1)[:n]
-        if res is not None:
-            # what x finally holds is row rounded to x's dtype: that rounding is residual too (positions past
-            # the piece's n real elements are padding and dropped below)
-            held = rows[rank].to(x.dtype).to(torch.float32) if low_precision_out else rows[rank]
-            mine_res = res.view(world, c)[rank]
-            mine_res += (reduced - held).mul_(k_scale)  # on the view itself: no copy back
-            residual[o : o + n] = res[:n]
-    if residual is not None:
-        _update_error(error_feedback, residual)
+    units = [(k, o, n, _chunk_len(n, world)) for k, (o, n) in enumerate(pieces)]
+    total_p = run_pipelined(reducer, units, group, world)
+    out_flat = reducer.out_flat
     _copy_back(x, out_flat)
     ledger.record("all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag)
     return x

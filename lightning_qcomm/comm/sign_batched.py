@@ -49,7 +49,6 @@ import torch
 from lightning_qcomm.codecs import Codec, Packed, packing
 from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows, row_bucketed
 from lightning_qcomm.comm.chunked import _chunk_len, _update_error
-from lightning_qcomm.comm.transport import _all_gather_async, _all_to_all_async, _wait
 
 PATHS = ("auto", "batched", "reference")
 PATH = "auto"  # module switch: see the module docstring
@@ -140,32 +139,38 @@ def _decode_rows_into(sign: Codec, wire: torch.Tensor, c: int, out: torch.Tensor
 
 
 class BatchedPhases:
-    """The three phases of every group of pieces (module docstring); one instance per call.
+    """The three phases of every group of pieces (module docstring): ``collectives.engine``'s reducer, the units
+    being ``piece_groups``; one instance per call.
 
-    ``x_flat``: the input, read whole by ``worker`` before ``decode`` writes ``out`` (which may be its storage).
+    ``x``: the input, read whole by ``encode`` before ``decode`` writes ``out_flat`` (which may be its storage).
     """
 
     def __init__(
         self,
         sign: Codec,
+        x: torch.Tensor,
+        out_flat: torch.Tensor,
         worker_error: torch.Tensor,
         server_error: torch.Tensor,
         rank: int,
         world: int,
-        device: torch.device,
     ) -> None:
         self.sign, self.rank, self.world = sign, rank, world
+        self.x_flat, self.out_flat = x.detach().reshape(-1), out_flat
         self.worker_error, self.server_error = worker_error, server_error
         self.flat_ew = worker_error.detach().reshape(-1)
         self.flat_es = server_error.detach().reshape(-1)
-        self.new_ew = torch.empty(self.flat_ew.numel(), dtype=torch.float32, device=device)
-        self.new_es = torch.empty(self.flat_es.numel(), dtype=torch.float32, device=device)
+        self.new_ew = torch.empty(self.flat_ew.numel(), dtype=torch.float32, device=x.device)
+        self.new_es = torch.empty(self.flat_es.numel(), dtype=torch.float32, device=x.device)
 
-    def worker(self, g: PieceGroup, x_flat: torch.Tensor) -> torch.Tensor:
+    def chunk_nbytes(self, g: PieceGroup) -> int:
+        return g.count * self.sign.nbytes(g.chunk)
+
+    def encode(self, g: PieceGroup) -> torch.Tensor:
         """Payloads of every piece's chunks, (N, K, P) uint8 (row j for rank j); E_w' of the group's elements."""
         k, n, c, w = g.count, g.numel, g.chunk, self.world
         span = slice(g.offset, g.offset + k * n)
-        x, ew = x_flat[span].view(k, n), self.flat_ew[span].view(k, n)
+        x, ew = self.x_flat[span].view(k, n), self.flat_ew[span].view(k, n)
         if n == w * c:
             y = torch.add(x, ew, out=torch.empty(k, n, dtype=torch.float32, device=x.device))
         else:  # the pieces' zero padding to N*c
@@ -182,7 +187,7 @@ class BatchedPhases:
         p = send.shape[1]
         return send.view(k, w, p).transpose(0, 1).contiguous() if k > 1 else send
 
-    def server(self, g: PieceGroup, recv: torch.Tensor) -> torch.Tensor:
+    def reduce(self, g: PieceGroup, recv: torch.Tensor) -> torch.Tensor:
         """Z of this rank's chunk of every piece from the received (N, K, P) payloads; its (K, P) payloads;
         E_s' of the group's elements."""
         k, c, w = g.count, g.chunk, self.world
@@ -203,12 +208,12 @@ class BatchedPhases:
             es[:, valid:].zero_()
         return mine
 
-    def decode(self, g: PieceGroup, gathered: torch.Tensor, out_flat: torch.Tensor) -> None:
+    def decode(self, g: PieceGroup, gathered: torch.Tensor) -> None:
         """out[group] <- concat_j C(Z_j[k])[:n] for every piece k, from the gathered (N, K, P) payloads."""
         k, n, c, w = g.count, g.numel, g.chunk, self.world
         p = gathered.numel() // (w * k)
         rows = gathered.view(w, k, p).transpose(0, 1).contiguous() if k > 1 else gathered  # (K, N, P): piece order
-        out = out_flat[g.offset : g.offset + k * n].view(k, n)
+        out = self.out_flat[g.offset : g.offset + k * n].view(k, n)
         if n == w * c:
             _decode_rows_into(self.sign, rows, c, out.view(k * w, c))
         else:
@@ -219,37 +224,4 @@ class BatchedPhases:
         _update_error(self.server_error, self.new_es)
 
 
-def run_batched(
-    x: torch.Tensor,
-    out_flat: torch.Tensor,
-    phases: BatchedPhases,
-    group,
-    pieces: list[tuple[int, int]],
-) -> int:
-    """``onebit_all_reduce``'s exchange over every group of ``pieces`` (``piece_groups``), pipelined group by
-    group; returns the payload bytes of one chunk summed over the pieces (the reference's count). ``x`` is read
-    whole before ``out_flat`` is written."""
-    world = phases.world
-    flat_x = x.detach().reshape(-1)
-    total_p = 0
-    phase1 = []
-    for g in piece_groups(pieces, world):
-        send = phases.worker(g, flat_x)
-        recv = torch.empty_like(send)
-        phase1.append((g, recv, send, _all_to_all_async(recv.view(-1), send.view(-1), group, world)))
-        total_p += g.count * phases.sign.nbytes(g.chunk)
-    phase2 = []
-    for g, recv, _send, work in phase1:
-        _wait(work)
-        mine = phases.server(g, recv)
-        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)
-        phase2.append((g, gathered, mine, _all_gather_async(gathered, mine.view(-1), group, world)))
-    del phase1
-    for g, gathered, _mine, work in phase2:
-        _wait(work)
-        phases.decode(g, gathered, out_flat)
-    phases.finish()
-    return total_p
-
-
-__all__ = ["PATH", "PATHS", "BatchedPhases", "PieceGroup", "piece_groups", "run_batched", "selected_path"]
+__all__ = ["PATH", "PATHS", "BatchedPhases", "PieceGroup", "piece_groups", "selected_path"]

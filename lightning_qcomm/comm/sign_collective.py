@@ -1,11 +1,11 @@
 """The error-compensated 1-bit all-reduce (docs/design.md, "1-bit all-reduce"; comm layer).
 
-One phase skeleton (``_run_pieces``: pieces, async all-to-all, server step, async all-gather, decode) runs
-either set of phase kernels: ``_ReferencePhases`` through the ``sign1`` codec's encode/decode (the spec)
-or ``_FusedPhases`` through the codec layer's fused CPU sign phases (``codecs.sign_fused``), bit-identical
-to it. The skeleton alone decides the order of reads, writes and collectives, so both paths issue the
-same collectives with the same bytes. Off the CPU the pieces run as one batch instead (``comm.sign_batched``:
-the same values, one collective per group of equal pieces, no host sync).
+The compressed collectives' engine (``collectives.engine.run_pipelined``: async all-to-all, server step, async
+all-gather, decode) runs one of three reducers: ``_ReferencePhases`` per piece through the ``sign1`` codec's
+encode/decode (the spec), ``_FusedPhases`` per piece through the codec layer's fused CPU sign phases
+(``codecs.sign_fused``), bit-identical to it, or, off the CPU, ``comm.sign_batched``'s groups of equal pieces as
+one batch (the same values, one collective per group, no host sync). The engine alone decides the order of
+reads, writes and collectives, so the per-piece paths issue the same collectives with the same bytes.
 
 Example::
 
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, get_codec, sign_fused
+from lightning_qcomm.collectives.engine import run_pipelined
 from lightning_qcomm.comm.call_check import _check_consistent
 from lightning_qcomm.comm.chunked import (
     FP32_BYTES,
@@ -36,8 +37,8 @@ from lightning_qcomm.comm.chunked import (
     _update_error,
 )
 from lightning_qcomm.comm.ledger import get_ledger
-from lightning_qcomm.comm.sign_batched import BatchedPhases, run_batched, selected_path
-from lightning_qcomm.comm.transport import _all_gather_async, _all_to_all_async, _rank_world, _wait
+from lightning_qcomm.comm.sign_batched import BatchedPhases, piece_groups, selected_path
+from lightning_qcomm.comm.transport import _rank_world
 
 DEFAULT_ONEBIT_PIECE_NUMEL = 1 << 18  # min elements per rank per pipelined piece (32 KB of signs per rank)
 
@@ -88,16 +89,50 @@ def onebit_server_error_numel(numel: int, group: dist.ProcessGroup | None = None
 
 
 # ------------------------------------------------------------------ the phase kernels
-class _ReferencePhases:
+class _PieceReducer:
+    """``collectives.engine``'s reducer over the pieces, units (offset, length n, chunk c, server-error offset):
+    encode builds y = x + e_w zero-padded to N*c and hands it to ``worker``; reduce hands the received chunks
+    and the real length of this rank's chunk to ``server``; decode writes the piece's result through
+    ``decode_into``. Subclasses are the phase kernels."""
+
+    sign: Codec
+
+    def __init__(self, x: torch.Tensor, out_flat: torch.Tensor, worker_error: torch.Tensor, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.flat_x, self.out_flat = x.detach().reshape(-1), out_flat
+        self.flat_y_err = worker_error.detach().reshape(-1)
+
+    def chunk_nbytes(self, unit) -> int:
+        return self.sign.nbytes(unit[2])
+
+    def encode(self, unit) -> torch.Tensor:
+        o, n, c, _e = unit
+        y = torch.empty(self.world * c, dtype=torch.float32, device=self.flat_x.device)
+        torch.add(self.flat_x[o : o + n], self.flat_y_err[o : o + n], out=y[:n])
+        y[n:].zero_()
+        return self.worker(y, o, n, c)
+
+    def reduce(self, unit, recv: torch.Tensor) -> torch.Tensor:
+        _o, n, c, e_off = unit
+        valid = max(min(c, n - self.rank * c), 0)  # real (unpadded) elements of this rank's chunk
+        return self.server(recv, c, e_off, valid)
+
+    def decode(self, unit, gathered: torch.Tensor) -> None:
+        o, n, c, _e = unit
+        self.decode_into(gathered, c, self.out_flat[o : o + n])
+
+
+class _ReferencePhases(_PieceReducer):
     """The three per-piece steps through the sign1 codec's encode/decode (the spec). New residuals go to
     temporary buffers and enter the error buffers at the end where finite (``_update_error``)."""
 
-    def __init__(self, worker_error: torch.Tensor, server_error: torch.Tensor, world: int, device, sign: Codec) -> None:
-        self.sign, self.world = sign, world
+    def __init__(self, x, out_flat, worker_error: torch.Tensor, server_error: torch.Tensor, rank, world, sign: Codec):
+        super().__init__(x, out_flat, worker_error, rank, world)
+        self.sign = sign
         self.worker_error, self.server_error = worker_error, server_error
         self.flat_es = server_error.detach().reshape(-1)
-        self.new_ew = torch.empty(worker_error.numel(), dtype=torch.float32, device=device)
-        self.new_es = torch.empty(self.flat_es.numel(), dtype=torch.float32, device=device)
+        self.new_ew = torch.empty(worker_error.numel(), dtype=torch.float32, device=x.device)
+        self.new_es = torch.empty(self.flat_es.numel(), dtype=torch.float32, device=x.device)
 
     def worker(self, y: torch.Tensor, o: int, n: int, c: int) -> torch.Tensor:
         """Payloads C(y[chunk j]) for every rank j; e_w[o:o+n] <- y - C(y)."""
@@ -122,7 +157,7 @@ class _ReferencePhases:
             es[valid:] = 0.0
         return mine
 
-    def decode(self, gathered: torch.Tensor, c: int, out: torch.Tensor) -> None:
+    def decode_into(self, gathered: torch.Tensor, c: int, out: torch.Tensor) -> None:
         """out <- concat_j C(z_j)[:len(out)]."""
         out.copy_(_decode_rows(self.sign, gathered, self.world, c).view(-1)[: out.numel()])
 
@@ -131,13 +166,14 @@ class _ReferencePhases:
         _update_error(self.server_error, self.new_es)
 
 
-class _FusedPhases:
+class _FusedPhases(_PieceReducer):
     """The same steps in fused CPU passes, bit for bit: per chunk one norm (torch) and one pass for the codes
     and the residual, written straight into the error buffers (finite residuals only) and the payloads; the
     server sum and the final decode are one pass each. Error buffers must be contiguous fp32 on the CPU."""
 
-    def __init__(self, worker_error: torch.Tensor, server_error: torch.Tensor, world: int) -> None:
-        self.sign, self.world = _sign_codec(), world
+    def __init__(self, x, out_flat, worker_error: torch.Tensor, server_error: torch.Tensor, rank, world) -> None:
+        super().__init__(x, out_flat, worker_error, rank, world)
+        self.sign = _sign_codec()
         self.flat_ew = worker_error.detach().view(-1)
         self.flat_es = server_error.detach().view(-1)
 
@@ -159,7 +195,7 @@ class _FusedPhases:
         sign_fused.encode_with_error(z, mine, es, valid, c)
         return mine
 
-    def decode(self, gathered: torch.Tensor, c: int, out: torch.Tensor) -> None:
+    def decode_into(self, gathered: torch.Tensor, c: int, out: torch.Tensor) -> None:
         p, n = self.sign.nbytes(c), out.numel()
         for j in range(self.world):
             length = max(min(c, n - j * c), 0)
@@ -170,49 +206,14 @@ class _FusedPhases:
         pass  # the residuals are already in the error buffers
 
 
-# ------------------------------------------------------------------ the skeleton
-def _run_pieces(
-    x: torch.Tensor,
-    worker_error: torch.Tensor,
-    phases: _ReferencePhases | _FusedPhases,
-    group,
-    rank: int,
-    world: int,
-    pieces: list[tuple[int, int]],
-) -> int:
-    """``onebit_all_reduce``'s pieces, pipelined; returns the payload bytes of one chunk summed over pieces.
-    x is read whole (phase 1) before it is written (phase 3)."""
-    sign = phases.sign
-    flat_x = x.detach().reshape(-1)
-    flat_ew = worker_error.detach().reshape(-1)
-    out_flat = _fp32_output(x)
-    total_p = 0
-    phase1 = []
-    es_off = 0
+def _piece_units(pieces: list[tuple[int, int]], world: int) -> list[tuple[int, int, int, int]]:
+    """(offset, n, c, server-error offset) of every piece: this rank's chunks of the pieces, in piece order."""
+    units, es_off = [], 0
     for o, n in pieces:
         c = _chunk_len(n, world)
-        y = torch.empty(world * c, dtype=torch.float32, device=x.device)
-        torch.add(flat_x[o : o + n], flat_ew[o : o + n], out=y[:n])
-        y[n:].zero_()
-        send = phases.worker(y, o, n, c)
-        recv = torch.empty_like(send)
-        phase1.append((o, n, c, es_off, recv, send, _all_to_all_async(recv, send, group, world)))
+        units.append((o, n, c, es_off))
         es_off += c
-        total_p += sign.nbytes(c)
-    phase2 = []
-    for o, n, c, e_off, recv, _send, work in phase1:
-        _wait(work)
-        valid = max(min(c, n - rank * c), 0)  # real (unpadded) elements of this rank's chunk
-        mine = phases.server(recv, c, e_off, valid)
-        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=x.device)
-        phase2.append((o, n, c, gathered, mine, _all_gather_async(gathered, mine, group, world)))
-    del phase1
-    for o, n, c, gathered, _mine, work in phase2:
-        _wait(work)
-        phases.decode(gathered, c, out_flat[o : o + n])
-    phases.finish()
-    _copy_back(x, out_flat)
-    return total_p
+    return units
 
 
 def onebit_all_reduce(
@@ -294,17 +295,18 @@ def onebit_all_reduce(
         and sign_fused.available(x, _chunk_len(pieces[0][1], world))
     )
     path = selected_path(x, fused)
+    out_flat = _fp32_output(x)
     if path == "batched":  # every piece in one set of multi-row ops (comm.sign_batched)
-        phases = BatchedPhases(sign, worker_error, server_error, rank, world, x.device)
-        out_flat = _fp32_output(x)
-        total_p = run_batched(x, out_flat, phases, group, pieces)
-        _copy_back(x, out_flat)
+        reducer = BatchedPhases(sign, x, out_flat, worker_error, server_error, rank, world)
+        units = piece_groups(pieces, world)
     else:
         if path == "fused":
-            phases = _FusedPhases(worker_error, server_error, world)
+            reducer = _FusedPhases(x, out_flat, worker_error, server_error, rank, world)
         else:
-            phases = _ReferencePhases(worker_error, server_error, world, x.device, sign)
-        total_p = _run_pieces(x, worker_error, phases, group, rank, world, pieces)
+            reducer = _ReferencePhases(x, out_flat, worker_error, server_error, rank, world, sign)
+        units = _piece_units(pieces, world)
+    total_p = run_pipelined(reducer, units, group, world)  # x is read whole before out_flat is written
+    _copy_back(x, out_flat)
     get_ledger().record(
         "all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag
     )

@@ -1,0 +1,94 @@
+"""The pipelined two-phase exchange every compressed all-reduce runs (collectives layer).
+
+A compressed all-reduce over N ranks moves each unit of work (a piece of the input, or a group of equal pieces)
+through two collectives, with the math of the unit in a *reducer*:
+
+1. ``reducer.encode(u)``: this rank's payloads for every rank j, row j for rank j; ``all_to_all_single``;
+2. ``reducer.reduce(u, recv)``: from the N rows received (row r from rank r) the payload of this rank's reduced
+   chunk; ``all_gather_single``;
+3. ``reducer.decode(u, gathered)``: the result of the unit from the N reduced chunks, identical on every rank;
+
+and ``reducer.finish()`` once every unit is decoded (error buffers move on there). The engine alone decides the
+order of the collectives and of the reducers' calls, so every reducer issues the same collectives in the same
+order on every rank:
+
+* every unit's all-to-all is issued, asynchronously, as soon as the unit is encoded;
+* unit k is reduced and its all-gather issued once its all-to-all is done, while later units are on the wire;
+* units are decoded in order once their all-gathers are done; the input is read whole (step 1 of every unit)
+  before any unit's result is written (step 3), so a reducer may decode into the input's own storage.
+
+Two blocking phases in a row would leave the link idle between them (BENCHMARKS.md §3, "Why two blocking phases
+lose the link"). The send and receive buffers of step 1 are freed before the first decode.
+
+Reducers: the plain fp32 sum with error feedback (``comm.quantized``), the 1-bit average with worker and server
+error, per piece (``comm.sign_collective``: the reference and the fused CPU passes) or as one batch of pieces
+(``comm.sign_batched``).
+
+Example::
+
+    total_p = run_pipelined(reducer, units, group, world)   # bytes of one chunk's payload, summed over units
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from lightning_qcomm.comm.transport import _all_gather_async, _all_to_all_async, _wait
+
+
+class Reducer(Protocol):
+    """The math of one compressed all-reduce's units (see the module docstring); one instance per call."""
+
+    def encode(self, unit: Any) -> torch.Tensor:
+        """uint8 payloads for every rank, row j for rank j (any shape whose flat order is row-major)."""
+
+    def reduce(self, unit: Any, recv: torch.Tensor) -> torch.Tensor:
+        """uint8 payload of this rank's reduced chunk, from ``recv`` (``encode``'s shape, row r from rank r)."""
+
+    def decode(self, unit: Any, gathered: torch.Tensor) -> None:
+        """Write the unit's result from ``gathered``: the N reduced payloads, flat, rank order."""
+
+    def chunk_nbytes(self, unit: Any) -> int:
+        """Bytes of one rank's payload of the unit (the ledger's P)."""
+
+    def finish(self) -> None:
+        """Once, after every unit is decoded."""
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.view(-1)
+
+
+def run_pipelined(reducer: Reducer, units: Sequence[Any], group, world: int) -> int:
+    """Run ``units`` through ``reducer`` pipelined (module docstring); returns sum over units of
+    ``reducer.chunk_nbytes(u)``.
+
+    Example::
+
+        total_p = run_pipelined(reducer, pieces, group, dist.get_world_size(group))
+    """
+    total_p = 0
+    phase1 = []
+    for u in units:
+        send = reducer.encode(u)
+        recv = torch.empty_like(send)
+        phase1.append((u, recv, send, _all_to_all_async(_flat(recv), _flat(send), group, world)))
+        total_p += reducer.chunk_nbytes(u)
+    phase2 = []
+    for u, recv, _send, work in phase1:
+        _wait(work)
+        mine = reducer.reduce(u, recv)
+        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)
+        phase2.append((u, gathered, mine, _all_gather_async(gathered, _flat(mine), group, world)))
+    del phase1
+    for u, gathered, _mine, work in phase2:
+        _wait(work)
+        reducer.decode(u, gathered)
+    reducer.finish()
+    return total_p
+
+
+__all__ = ["Reducer", "run_pipelined"]
