@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(
-        "| 1-bit all-reduce form | launching aten ops / step | momentum sync (comm/onebit.py) | Triton launches / step "
+        "| 1-bit all-reduce form | launching aten ops / step | momentum sync (adapters/onebit/sync.py) | Triton launches / step "
         "| host syncs / step |"
     )
     print("|---|---:|---:|---:|---:|")

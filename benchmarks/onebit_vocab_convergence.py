@@ -131,9 +131,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
+    from lightning_qcomm.adapters.onebit import sync as onebit_mod
     from lightning_qcomm.callbacks import OneBitAdamCallback
     from lightning_qcomm.callbacks.comm_logger import counting_allreduce_hook
-    from lightning_qcomm.comm import onebit as onebit_mod
     from lightning_qcomm.comm.ledger import CommLedger, get_ledger, set_ledger
     from lightning_qcomm.optim.variance_refresh import VarianceRefresh
 
@@ -272,7 +272,7 @@ def main() -> None:
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.variants = args.variants.split(",")
     args.cb = json.loads(args.cb)
-    from lightning_qcomm.comm import onebit as onebit_mod
+    from lightning_qcomm.adapters.onebit import sync as onebit_mod
 
     args.real_reduce = onebit_mod.onebit_all_reduce
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Peak extra CPU memory of one QSDP gradient reduce-scatter, against the world size (issue 19 item 6).
 
-``python benchmarks/qsdp_rs_memory.py`` runs ``comm.fsdp.QuantizedReduceScatter`` on torch's fake process group
+``python benchmarks/qsdp_rs_memory.py`` runs ``adapters.fsdp2.comms.QuantizedReduceScatter`` on torch's fake process group
 (no peers: the all-to-all moves nothing, every allocation of the real path still happens) at N = 2, 4, 8,
 under ``torch.profiler`` with ``profile_memory=True``: the running sum of every allocation and free during the
 call (the input and the output existed before) gives the peak. The fake group completes an exchange at once;
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState, QuantizedReduceScatter
+from lightning_qcomm.adapters.fsdp2.shim import ParamShard
 from lightning_qcomm.codecs import Codec, get_codec
-from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedReduceScatter
-from lightning_qcomm.comm.fsdp_shim import ParamShard
 from lightning_qcomm.comm.transport import PieceLayout
 
 OUT = Path(__file__).resolve().parent / "results" / "qsdp_rs_memory.md"

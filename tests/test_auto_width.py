@@ -18,9 +18,9 @@ import pytest
 import torch
 from _launch import free_port, lightning_env, rank_results, spawn, write_rank_result
 
+from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
 from lightning_qcomm.comm import auto_trial
 from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths, choose_measured
-from lightning_qcomm.comm.ddp_config import QuantDDPConfig
 
 
 def _clock(durations):
@@ -116,7 +116,7 @@ def test_a_resumed_hook_without_a_choice_trials_after_the_warm_up():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
+    from lightning_qcomm.adapters.ddp.hooks import QuantDDPHookState
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -141,7 +141,7 @@ def test_a_32_bit_step_after_compressed_ones_sends_the_residual_exactly():
     from _launch import FakeBucket
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
+    from lightning_qcomm.adapters.ddp.hooks import QuantDDPHookState, quant_ddp_comm_hook
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -180,7 +180,7 @@ def test_bad_settings_are_refused_and_settings_without_effect_warned():
         QuantDDPConfig(codec="auto").build_codec()
     assert QuantDDPConfig(codec="auto").resolve_auto(32).codec == "none"
     assert QuantDDPConfig(codec="auto").resolve_auto(4).build_codec().bits == 4
-    from lightning_qcomm.comm.ddp_config import warn_if_not_contractive
+    from lightning_qcomm.adapters.ddp.config import warn_if_not_contractive
 
     with pytest.warns(UserWarning, match="auto_recheck_steps has no effect without codec='auto'"):
         warn_if_not_contractive(QuantDDPConfig(codec="uniform", bits=8, auto_recheck_steps=10), "test")

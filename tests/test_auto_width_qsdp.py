@@ -19,10 +19,10 @@ import pytest
 import torch
 from _launch import free_port, lightning_env, rank_results, spawn, write_rank_result
 
+from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState
+from lightning_qcomm.adapters.fsdp2.shim import installed_comms
 from lightning_qcomm.comm import auto_trial
 from lightning_qcomm.comm.auto_trial import UNCOMPRESSED
-from lightning_qcomm.comm.fsdp import QSDPCommState
-from lightning_qcomm.comm.fsdp_shim import installed_comms
 from lightning_qcomm.parallel.qsdp import auto_codecs, new_trial
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
 

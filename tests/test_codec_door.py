@@ -1,4 +1,5 @@
-"""The comm layer reaches a codec only through the codec layer's public door (docs/design.md, "Architecture").
+"""The comm, collectives and adapters layers reach a codec only through the codec layer's public door (docs/design.md,
+"Architecture").
 
 A collective codes through ``Codec.encode`` / ``decode``, the rows functions and ops of ``codecs.rows``
 (``qcomm::encode_rows`` / ``decode_rows``) and ``codecs.sign_fused``; it does not import the codec layer's
@@ -27,10 +28,10 @@ PRIVATE_MODULES = (
 # (file, call) private calls of comm modules on objects that are not codecs
 NON_CODEC_PRIVATE = {
     ("comm_worker.py", "pg._get_backend"),
-    ("fsdp_deferred.py", "torch._C._current_graph_task_id"),
-    ("fsdp_shim.py", "module._get_fsdp_state"),
+    ("fsdp2/deferred.py", "torch._C._current_graph_task_id"),
+    ("fsdp2/shim.py", "module._get_fsdp_state"),
     ("nonfinite.py", "torch._foreach_norm"),
-    ("onebit_overlap.py", "target._on_grad"),
+    ("onebit/overlap.py", "target._on_grad"),
 }
 
 
@@ -46,10 +47,11 @@ def private_codec_uses(comm_dir: Path) -> list[str]:
     """'file:line: what' for every import of a private codec backend or private codec-layer name, and every
     call of a ``_private`` attribute on anything but ``self`` / ``cls`` not in ``NON_CODEC_PRIVATE``."""
     problems = []
-    for path in sorted(comm_dir.glob("*.py")):
+    for path in sorted(comm_dir.rglob("*.py")):
+        name = path.relative_to(comm_dir).as_posix()
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
-            where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+            where = f"{name}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Import):
                 problems += [f"{where}: imports {a.name}" for a in node.names if _is_private_module(a.name)]
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_qcomm."):
@@ -66,14 +68,16 @@ def private_codec_uses(comm_dir: Path) -> list[str]:
                 if isinstance(recv, ast.Name) and recv.id in ("self", "cls"):
                     continue
                 call = ast.unparse(node.func)
-                if (path.name, call) not in NON_CODEC_PRIVATE:
+                if (name, call) not in NON_CODEC_PRIVATE:
                     problems.append(f"{where}: calls {call}")
     return problems
 
 
 def test_comm_reaches_codecs_only_through_the_door():
-    problems = private_codec_uses(ROOT / "comm") + private_codec_uses(ROOT / "collectives")
-    assert not problems, "comm reaches below the codec layer's public door:\n" + "\n".join(problems)
+    problems = [p for layer in ("comm", "collectives", "adapters") for p in private_codec_uses(ROOT / layer)]
+    assert not problems, "comm, collectives or adapters reach below the codec layer's public door:\n" + "\n".join(
+        problems
+    )
 
 
 def test_checker_sees_every_form(tmp_path):

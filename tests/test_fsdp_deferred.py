@@ -1,9 +1,9 @@
-"""DeferredReduceScatters on its own: the flush callback (comm.fsdp_deferred), without FSDP."""
+"""DeferredReduceScatters on its own: the flush callback (adapters.fsdp2.deferred), without FSDP."""
 
 import pytest
 import torch
 
-from lightning_qcomm.comm.fsdp_deferred import DeferredReduceScatters
+from lightning_qcomm.adapters.fsdp2.deferred import DeferredReduceScatters
 
 
 def _done() -> torch.futures.Future:

@@ -1,4 +1,4 @@
-"""FSDP2's private state is read in one module (``comm/fsdp_shim.py``), each torch release gets its branch there, a
+"""FSDP2's private state is read in one module (``adapters/fsdp2/shim.py``), each torch release gets its branch there, a
 feature this torch lacks is refused naming the first release that has it, and the package names the supported
 torch range when imported on an older one (docs/design.md, "The FSDP2 shim").
 
@@ -22,10 +22,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_qcomm.comm import fsdp_shim
+from lightning_qcomm.adapters.fsdp2 import shim as fsdp_shim
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_qcomm"
-SHIM = PACKAGE / "comm" / "fsdp_shim.py"
+SHIM = PACKAGE / "adapters" / "fsdp2" / "shim.py"
 FSDP2_CLASSES = ("FSDPParam", "FSDPParamGroup", "FSDPState", "FSDPCommContext", "FSDPStateContext")
 # names torch's FSDP2 sources define that are just as much Lightning's or ours (a strategy's ``_device``, a model's
 # ``init``): not evidence of reaching into FSDP2

@@ -384,9 +384,9 @@ def _auto_flush(steps: int = 4) -> dict:
     import torch.distributed as dist
     from _launch import FakeBucket
 
+    from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
+    from lightning_qcomm.adapters.ddp.hooks import QuantDDPHookState, quant_ddp_comm_hook
     from lightning_qcomm.comm.auto_trial import UNCOMPRESSED
-    from lightning_qcomm.comm.ddp_config import QuantDDPConfig
-    from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
     from lightning_qcomm.comm.topology import Topology, node_groups
 
     world, rank, n = dist.get_world_size(), dist.get_rank(), 4099  # odd: the last shard is padded
@@ -751,7 +751,7 @@ def test_param_shards_layout_and_round_trip():
 
 def test_hierarchical_arguments_are_checked():
     from lightning_qcomm import OneBitAdamCallback, QuantDDPStrategy
-    from lightning_qcomm.comm.ddp_config import QuantDDPConfig
+    from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
     from lightning_qcomm.comm.topology import hierarchical_topology
 
     assert QuantDDPStrategy(hierarchical=True, node_size=2).config.hierarchical

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from _launch import FakeBucket
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
+from lightning_qcomm.adapters.ddp.hooks import QuantDDPHookState, quant_ddp_comm_hook
+from lightning_qcomm.adapters.onebit.sync import OneBitGradHookState, onebit_adam_grad_hook
 from lightning_qcomm.comm.comm_worker import CommWorker
-from lightning_qcomm.comm.ddp_config import QuantDDPConfig
-from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
-from lightning_qcomm.comm.onebit import OneBitGradHookState, onebit_adam_grad_hook
 
 
 def test_overlapped_hook_returns_before_its_collective_runs():

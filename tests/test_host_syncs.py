@@ -16,6 +16,11 @@ from _launch import FakeBucket
 from _sync_guard import NoHostSync
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
+from lightning_qcomm.adapters.ddp.hooks import QuantDDPHookState, quant_ddp_comm_hook
+from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
+from lightning_qcomm.adapters.fsdp2.shim import ParamShard
+from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm import (
     onebit_all_reduce,
@@ -24,11 +29,6 @@ from lightning_qcomm.comm import (
     quantized_all_reduce,
     quantized_reduce_scatter,
 )
-from lightning_qcomm.comm.ddp_config import QuantDDPConfig
-from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
-from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
-from lightning_qcomm.comm.fsdp_shim import ParamShard
-from lightning_qcomm.comm.onebit import OneBitMomentumSync
 
 WORLD = 4
 D = 5003

@@ -22,9 +22,9 @@ from _sync_guard import OPENED_OPS, run_opened
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_qcomm.adapters.fsdp2.row_codec import RowCodec, Segment
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm import quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
-from lightning_qcomm.comm.row_codec import RowCodec, Segment
 
 WORLDS = (2, 4, 8)
 D = 24_581  # odd; a chunk is not a multiple of the bucket, of 8 or of N

@@ -3,7 +3,8 @@
 
     0  codecs, kernels, _checks          the math of the codes and the kernels that run it
     1  comm, collectives                 collectives (their engine), ledger, DDP/FSDP hooks over torch.distributed
-    2  memory, optim                     adapters: saved-activation storage, OneBitAdam
+    2  adapters, memory, optim           adapters: the DDP hook, FSDP2's comms, the 1-bit momentum sync,
+                                         saved-activation storage, OneBitAdam
     3  parallel                          the plain-torch entry points and their configs
     4  strategies, callbacks, fabric,    Lightning glue; the package root
        cli, cli_checks, demo, consolidate, root
@@ -31,6 +32,7 @@ LAYERS = {
     "kernels": 0,
     "comm": 1,
     "collectives": 1,
+    "adapters": 2,
     "optim": 2,
     "memory": 2,
     "parallel": 3,

@@ -230,8 +230,8 @@ def test_aggregate_nodes_per_node_bytes_and_bound_ratio():
 def test_an_ablation_patch_ends_with_its_entry(monkeypatch):
     """A worker runs a whole schedule in one process: an ablation that patches a module (QSDP's reduce-scatters
     inline) must leave the next entry, the default it is compared with, unpatched."""
-    import lightning_qcomm.comm.ddp_hooks as ddp_hooks
-    import lightning_qcomm.comm.fsdp_install as fsdp_install
+    import lightning_qcomm.adapters.ddp.hooks as ddp_hooks
+    import lightning_qcomm.adapters.fsdp2.install as fsdp_install
     from benchmarks.netbench import worker
     from benchmarks.netbench.variants import build_variant
 

@@ -1,4 +1,4 @@
-"""OneBitAdam (optimizer), comm.onebit (fused momentum sync, warm-up hook) and OneBitAdamCallback (Lightning).
+"""OneBitAdam (optimizer), adapters.onebit.sync (fused momentum sync, warm-up hook) and OneBitAdamCallback (Lightning).
 
 Single process: bit-exact equality with torch.optim.AdamW / Adam during warm-up (per-group lr, betas, eps),
 the freeze (v <- v̂), argument validation, bucket layout, a world-of-one compressed step against the formula
@@ -36,8 +36,8 @@ import pytest
 import torch
 from _launch import free_port, rank_results, spawn, write_rank_result
 
+from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync, bucket_layout
 from lightning_qcomm.callbacks.onebit_adam import CHECKPOINT_KEY, OneBitAdamCallback
-from lightning_qcomm.comm.onebit import OneBitMomentumSync, bucket_layout
 from lightning_qcomm.optim import OneBitAdam
 from lightning_qcomm.parallel import rank_files
 
@@ -493,8 +493,8 @@ def _torch_ddp_checks(rank: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from lightning_qcomm.adapters.onebit.sync import OneBitGradHookState, onebit_adam_grad_hook
     from lightning_qcomm.comm.ledger import CommLedger, set_ledger
-    from lightning_qcomm.comm.onebit import OneBitGradHookState, onebit_adam_grad_hook
 
     out: dict = {}
     ledger = CommLedger(keep_records=True)

@@ -4,8 +4,9 @@ from a wheel and from an editable install's finder, and importing it would fail 
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 

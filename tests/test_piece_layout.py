@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from _launch import free_port, rank_results, run_checks, spawn, write_rank_result
 
+from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState, QuantizedReduceScatter
+from lightning_qcomm.adapters.fsdp2.shim import ParamShard
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm import transport
-from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedReduceScatter
-from lightning_qcomm.comm.fsdp_shim import ParamShard
 from lightning_qcomm.comm.transport import PieceLayout, all_to_all_pieces
 
 WORLD = 3

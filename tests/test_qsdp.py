@@ -19,7 +19,7 @@ import torch
 from _launch import free_port, rank_results, set_rank_env, spawn, write_rank_result
 from torch import nn
 
-from lightning_qcomm.comm.fsdp_shim import padded_shard_data
+from lightning_qcomm.adapters.fsdp2.shim import padded_shard_data
 from lightning_qcomm.strategies.qsdp import QSDPStrategy, register_qsdp_strategies
 
 VOCAB, DIM, HEADS, SEQ, LAYERS = 128, 128, 4, 32, 2
@@ -384,7 +384,7 @@ def test_overlapped_all_gather_is_bit_identical_to_inline(two_ranks):
         gathers_in = inline["threads"]["all_gather_single"] + inline["threads"]["all_gather_into_tensor"]
         assert "lightning_qcomm-qsdp" in gathers_ov, ov["threads"]
         assert "lightning_qcomm-qsdp" not in gathers_in, inline["threads"]
-        # the gradient reduce-scatters too, finished at the end of backward (comm.fsdp_deferred)
+        # the gradient reduce-scatters too, finished at the end of backward (adapters.fsdp2.deferred)
         assert ov["threads"]["all_to_all_single"] == ["lightning_qcomm-qsdp"], ov["threads"]
         assert inline["threads"]["all_to_all_single"] == ["MainThread"], inline["threads"]
         assert ov["losses"] == inline["losses"]
@@ -425,8 +425,8 @@ def test_bf16_mixed_with_quantize_master(two_ranks):
 def test_row_codec_segments(bucket):
     """Mixed raw/quantized segments: raw ones are bit-exact, quantized ones equal the codec's own round trip
     (batched over rows when bucket boundaries align with rows, per row otherwise), sizes match row_nbytes."""
+    from lightning_qcomm.adapters.fsdp2.comms import RowCodec, Segment
     from lightning_qcomm.codecs import derive_seed, get_codec
-    from lightning_qcomm.comm.fsdp import RowCodec, Segment
 
     codec = get_codec("uniform" if bucket else "sign1", bits=4 if bucket else 1, bucket_size=bucket)
     segs = [Segment(16, True), Segment(5, False), Segment(0, True), Segment(13, True)]

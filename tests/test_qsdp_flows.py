@@ -330,8 +330,8 @@ def _reduce_scatter_dtypes(rank, world, res):
     """A quantized weight segment and a raw bias segment in one bf16/fp16/fp32 reduce-scatter: the bias
     comes back as the exact sum of the two ranks' rows (computed in fp32, rounded once), the weight
     within one quantization step of the other rank's bucket plus one rounding to the output dtype."""
+    from lightning_qcomm.adapters.fsdp2.comms import ParamShard, QSDPCommState, QuantizedReduceScatter
     from lightning_qcomm.codecs import get_codec
-    from lightning_qcomm.comm.fsdp import ParamShard, QSDPCommState, QuantizedReduceScatter
 
     group = torch.distributed.group.WORLD
     codec = get_codec("uniform", bits=8, bucket_size=1024)
@@ -623,7 +623,7 @@ def test_torch_internals_are_checked(monkeypatch):
 
     from torch.distributed.fsdp import FSDPModule
 
-    from lightning_qcomm.comm.fsdp_shim import check_fsdp_param_internals, check_torch_fsdp_api
+    from lightning_qcomm.adapters.fsdp2.shim import check_fsdp_param_internals, check_torch_fsdp_api
 
     check_torch_fsdp_api()  # this torch passes
     monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")

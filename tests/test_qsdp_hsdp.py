@@ -30,7 +30,7 @@ from _launch import free_port, spawn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_qcomm.comm.fsdp_shim import all_reduce_hook, is_root
+from lightning_qcomm.adapters.fsdp2.shim import all_reduce_hook, is_root
 from lightning_qcomm.parallel import QSDPConfig, apply_qsdp
 from lightning_qcomm.parallel.hsdp import fsdp_groups
 
@@ -286,7 +286,7 @@ def test_overlapped_inter_node_average_is_bit_identical_to_inline(runs, case):
 @pytest.mark.parametrize("case", list(ABORTED_TWINS))
 def test_calls_left_by_a_backward_that_raised_end_as_inline(runs, case):
     """A backward that raises runs no end-of-backward flush: the calls it deferred are written at the next
-    collective or by the handle's recovery (comm.fsdp_deferred.settle_stale), so the gradients the next backward
+    collective or by the handle's recovery (adapters.fsdp2.deferred.settle_stale), so the gradients the next backward
     accumulates into, and every later step, equal the inline run's bit for bit (before, they held the unwritten
     outputs)."""
     if "reset_refused" in runs[0]:

@@ -18,8 +18,8 @@ import pytest
 import torch
 from _launch import FakeBucket, free_port, rank_results, spawn, write_rank_result
 
-from lightning_qcomm.comm.ddp_config import QuantDDPConfig
-from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
+from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
+from lightning_qcomm.adapters.ddp.hooks import QuantDDPHookState, quant_ddp_comm_hook
 from lightning_qcomm.strategies.quant_ddp import CHECKPOINT_KEY, QuantDDPStrategy, register_quant_ddp_strategies
 
 # ---------------------------------------------------------------------------------------------- tiny problem

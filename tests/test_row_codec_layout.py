@@ -1,6 +1,6 @@
 """RowCodec.encode writing rows in place (issue 19 item 6) keeps the wire bytes of its definition, bit for bit.
 
-The definition (comm/row_codec.py): a raw segment is its bytes; a quantized segment of whole byte-aligned
+The definition (adapters/fsdp2/row_codec.py): a raw segment is its bytes; a quantized segment of whole byte-aligned
 buckets is ``codec.encode(rows[:, seg].reshape(-1), seg_seed)`` cut into rows (one flat tensor, one seed);
 any other quantized segment is ``codec.encode(rows[j, seg], derive_seed(seg_seed, j)).to_bytes()`` per row.
 Checked on fused-size segments (coded row by row by the C pass, the flat ones with a counter offset), small
@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_qcomm.adapters.fsdp2.row_codec import RowCodec, Segment
 from lightning_qcomm.codecs import cpu_fused, derive_seed, get_codec
 from lightning_qcomm.codecs.rows import encode_flat, encode_flat_row_into
-from lightning_qcomm.comm.row_codec import RowCodec, Segment
 from lightning_qcomm.comm.transport import PieceLayout
 
 FUSED = cpu_fused.FUSED_MIN_NUMEL

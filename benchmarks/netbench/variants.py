@@ -372,7 +372,7 @@ def build_variant(
         return strat, BenchLM, {}, []
     if name in ("qsdp_w8g8_rs_inline", "qsdp_w4g4_rs_inline"):
         # the ablation: weight all-gathers overlapped, gradient reduce-scatters inline (nothing deferred)
-        import lightning_qcomm.comm.fsdp_install as fsdp_install
+        import lightning_qcomm.adapters.fsdp2.install as fsdp_install
 
         ablation_patch(fsdp_install, "deferrable", lambda module: lambda input_tensor: False)
         bits = 8 if name.startswith("qsdp_w8") else 4
@@ -385,7 +385,7 @@ def build_variant(
     if name.endswith("_p17"):  # the ablation: quantized_all_reduce's pieces >= 2^17 elements per rank
         import functools
 
-        import lightning_qcomm.comm.ddp_hooks as ddp_hooks
+        import lightning_qcomm.adapters.ddp.hooks as ddp_hooks
 
         ablation_patch(
             ddp_hooks, "quantized_all_reduce", functools.partial(ddp_hooks.quantized_all_reduce, piece_numel=1 << 17)

@@ -2,7 +2,7 @@
 
     Trainer(strategy="ddp", callbacks=[OneBitAdamCallback(freeze_step=100)])
 
-What it does (the math is ``optim.OneBitAdam``, the compressed momentum average ``comm.onebit``):
+What it does (the math is ``optim.OneBitAdam``, the compressed momentum average ``adapters.onebit.sync``):
 
 * **Optimizer.** At ``on_fit_start`` (after the strategy built the optimizer, before a checkpoint's
   optimizer state is loaded) the single optimizer from ``configure_optimizers`` must be
@@ -16,7 +16,7 @@ What it does (the math is ``optim.OneBitAdam``, the compressed momentum average 
   agree with it (ValueError otherwise). Unset callback arguments mean OneBitAdam's defaults.
 * **Gradient all-reduce** (``parallel.onebit_adam.OneBitAdamDDP``, the plain-torch recipe, also for Fabric).
   On a DDP-wrapped model without a comm hook (``strategy="ddp"``, CPU or CUDA) it registers
-  ``comm.onebit.onebit_adam_grad_hook``: an fp32 average recorded in the ``CommLedger``
+  ``adapters.onebit.sync.onebit_adam_grad_hook``: an fp32 average recorded in the ``CommLedger``
   (tag "grads"). If the model already has a hook (``strategy="quant_ddp"``), that hook keeps
   carrying the warm-up gradients (compressed by QuantDDP's codec and recorded by it). Once the
   variance is frozen, before the next forward, DDP's gradient synchronisation is switched off
@@ -64,8 +64,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_qcomm._checks import check_bool, check_int
+from lightning_qcomm.adapters.onebit.sync import OneBitGradHookState
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
-from lightning_qcomm.comm.onebit import OneBitGradHookState
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.comm.topology import NodeGroups, Topology, hierarchical_topology, node_groups
 from lightning_qcomm.optim.onebit_adam import OneBitAdam, OneBitAdamConfig

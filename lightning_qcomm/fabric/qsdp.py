@@ -31,8 +31,8 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_qcomm._checks import check_bool, check_timeout
+from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState
 from lightning_qcomm.comm.comm_worker import BackgroundComm
-from lightning_qcomm.comm.fsdp import QSDPCommState
 from lightning_qcomm.fabric._base import QCommFabricStrategy, config_from
 from lightning_qcomm.parallel.hsdp import another_topology_message, hsdp_mesh, mesh_topology
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint, new_trial

@@ -29,9 +29,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_qcomm.adapters.ddp.config import QuantDDPConfig, warn_if_not_contractive
+from lightning_qcomm.adapters.ddp.hooks import QuantDDPHookState
 from lightning_qcomm.comm.comm_worker import BackgroundComm
-from lightning_qcomm.comm.ddp_config import QuantDDPConfig, warn_if_not_contractive
-from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.topology import NodeGroups, Topology, node_groups
 from lightning_qcomm.fabric._base import QCommFabricStrategy, check_fabric_ddp_kwargs, check_one_module, config_from
@@ -51,7 +51,7 @@ class QuantDDPFabricStrategy(QCommFabricStrategy, DDPStrategy):
     """Fabric strategy: DDP whose gradient all-reduce is quantized (QSGD, QSGDinf, NUQSGD, uniform int-b, FP8).
 
     Args:
-        config: a ``comm.ddp_config.QuantDDPConfig``; or, instead, its fields as keyword arguments
+        config: a ``adapters.ddp.config.QuantDDPConfig``; or, instead, its fields as keyword arguments
             (``codec="nuqsgd", bits=4``, the arguments of ``QuantDDPStrategy``, the Trainer's class).
         kwargs: the other keyword arguments go to Fabric's ``DDPStrategy`` (``start_method``, ``timeout``, ...)
             and from there to ``DistributedDataParallel`` (``find_unused_parameters``, ``bucket_cap_mb``, ...).

@@ -3,7 +3,7 @@
 This file owns the optimizer math (run in multi-tensor form by ``optim.adam_foreach``; ``optim.adam_math`` states it
 per parameter) and when the variance freezes (the settings and their checks are
 ``optim.onebit_adam_config``, the freeze on the state ``optim.variance_freeze``); the compressed momentum average is
-``comm.onebit.OneBitMomentumSync`` and the Lightning glue (replacing Adam/AdamW, switching DDP's
+``adapters.onebit.sync.OneBitMomentumSync`` and the Lightning glue (replacing Adam/AdamW, switching DDP's
 gradient all-reduce off, per-rank checkpoints) is ``callbacks.onebit_adam.OneBitAdamCallback``.
 
 Per parameter p with gradient g, lr η, betas (β1, β2), eps ε, weight decay λ, t = the parameter's step count:
@@ -46,7 +46,7 @@ during warm-up have no v and are not updated after the freeze (warned once). A p
 still enters the 1-bit average, read-only, so the bucket layout does not change; the flag must be the same on
 every rank).
 
-**Overlap** (``overlap=True``, the default; ``comm.onebit_overlap``): from the second compression step on, each
+**Overlap** (``overlap=True``, the default; ``adapters.onebit.overlap``): from the second compression step on, each
 bucket's new m is formed out of place and its 1-bit average started from the parameters' gradient hooks while
 backward still runs (a background thread, a process group of its own); the step waits for every bucket and applies
 the update, bit-identical to the inline sync. The non-finite verdict is read from the averaged momentum (the same on
@@ -55,7 +55,7 @@ count untouched, but the error buffers, already used on the wire, hold that step
 per step (a second gradient before the step raises); on CUDA, one rank, or ``overlap=False``: inline, logged once.
 
 **Auto-freeze** (``auto_freeze_threshold`` = τ): every ``auto_freeze_interval`` = k steps it measures
-r = ‖v̂_t - v̂_{t-k}‖₂ / ‖v̂_t‖₂ over all parameters (max over ranks: ``comm.onebit.max_over_ranks``,
+r = ‖v̂_t - v̂_{t-k}‖₂ / ‖v̂_t‖₂ over all parameters (max over ranks: ``adapters.onebit.sync.max_over_ranks``,
 one 8-byte all-reduce, ledger tag "control"); after ``auto_freeze_patience`` consecutive checks with
 r < τ the variance freezes. ``freeze_step`` stays an upper bound on the warm-up. Costs one extra copy of v
 during warm-up.
@@ -88,9 +88,9 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_qcomm.adapters.onebit.overlap import MomentumOverlap
+from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync, max_over_ranks, max_over_ranks_tensor
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard, all_finite
-from lightning_qcomm.comm.onebit import OneBitMomentumSync, max_over_ranks, max_over_ranks_tensor
-from lightning_qcomm.comm.onebit_overlap import MomentumOverlap
 from lightning_qcomm.optim.adam_foreach import bucket_candidates, bucket_update_, warmup_step_
 from lightning_qcomm.optim.adam_math import moment_dtype
 from lightning_qcomm.optim.onebit_adam_config import (

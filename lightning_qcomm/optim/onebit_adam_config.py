@@ -44,7 +44,7 @@ class OneBitAdamConfig:
             ``"propagate"``-s. With ``overlap`` the verdict is read from the averaged momentum instead (no
             extra all-reduce; see ``optim.onebit_adam``, "Overlap").
         overlap: start each momentum bucket's 1-bit average during backward, as soon as its gradients are
-            final (``comm.onebit_overlap``), instead of after it. Needs one backward per optimizer step.
+            final (``adapters.onebit.overlap``), instead of after it. Needs one backward per optimizer step.
         scale_block: B, elements per 1-bit scale (an int >= 8; default ``DEFAULT_SCALE_BLOCK``): each block of B
             consecutive momentum elements travels as signs and its own fp32 rms, 1 + 32/B bits per element. 0: one
             scale per chunk of a bucket (up to 2^18 elements per rank and piece), the original 1-bit Adam code.

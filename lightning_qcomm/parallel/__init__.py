@@ -10,7 +10,7 @@ Example::
     onebit = onebit_adam_ddp(ddp_model, OneBitAdam(ddp_model.parameters(), freeze_step=100))
 """
 
-from lightning_qcomm.comm.ddp_config import QuantDDPConfig
+from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
 from lightning_qcomm.parallel.local_sgd import LocalSGD
 from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig
 from lightning_qcomm.parallel.onebit_adam import OneBitAdamDDP, onebit_adam_ddp

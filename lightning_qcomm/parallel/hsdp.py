@@ -29,12 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.comm import quantized_all_reduce
 from lightning_qcomm.comm.comm_worker import CommWorker
-from lightning_qcomm.comm.fsdp import QSDPCommState
 
-SEED_INTER = 4  # beside comm.fsdp's SEED_WEIGHTS / SEED_GRADS / SEED_MASTER
+SEED_INTER = 4  # beside adapters.fsdp2.comms's SEED_WEIGHTS / SEED_GRADS / SEED_MASTER
 HSDP_DIMS = ("inter", "intra")
 
 
@@ -46,7 +46,7 @@ class InterNodeGradAverage:
     of the width ``state.trial`` gives the current step.
 
     With a ``worker`` (and ``worker_group``: the same ranks as ``inter``, used by nothing else) the average of a
-    call that only FSDP2's views read afterwards (``comm.fsdp_deferred.deferrable``) runs on the worker while the
+    call that only FSDP2's views read afterwards (``adapters.fsdp2.deferred.deferrable``) runs on the worker while the
     rest of backward computes: the hook snapshots ``reduce_output`` into an fp32 buffer and returns, and the
     deferred flush at the end of backward writes the average into it and replays FSDP2's post-divide. Same
     seed, same ranks in the same order: bit-identical to the inline call. ``deferred_calls`` counts them.
@@ -123,10 +123,10 @@ def install_inter_node_average(
     worker_group: dist.ProcessGroup | None = None,
 ) -> list[InterNodeGradAverage]:
     """Set an ``InterNodeGradAverage`` as the all-reduce hook of every FSDP group in ``modules`` (group-id
-    order, as ``comm.fsdp_install.install_qsdp_comms`` or ``fsdp_groups`` return them); with ``worker`` and
+    order, as ``adapters.fsdp2.install.install_qsdp_comms`` or ``fsdp_groups`` return them); with ``worker`` and
     ``worker_group`` (a copy of the mesh's ``inter`` group) the averages overlap the rest of backward."""
-    from lightning_qcomm.comm.fsdp_deferred import deferrable
-    from lightning_qcomm.comm.fsdp_shim import post_divide_factor
+    from lightning_qcomm.adapters.fsdp2.deferred import deferrable
+    from lightning_qcomm.adapters.fsdp2.shim import post_divide_factor
 
     inter = mesh.get_group("inter")
     local = mesh.get_local_rank("intra")
@@ -229,7 +229,7 @@ def fsdp_groups(root: torch.nn.Module) -> list[torch.nn.Module]:
     """The FSDP modules under ``root`` that own parameters, in ``root.modules()`` order (the group ids)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from lightning_qcomm.comm.fsdp import fsdp_param_shards
+    from lightning_qcomm.adapters.fsdp2.comms import fsdp_param_shards
 
     return [m for m in root.modules() if isinstance(m, FSDPModule) and fsdp_param_shards(m)]
 

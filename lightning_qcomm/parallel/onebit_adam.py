@@ -5,7 +5,7 @@ things around it, which this file owns (docs/design.md, "1-bit Adam"):
 
 1. the momentum all-reduce on DDP's process group (``OneBitAdam.set_process_group``);
 2. during the warm-up, the averaged gradient: a DDP model without a comm hook gets
-   ``comm.onebit.onebit_adam_grad_hook`` (an fp32 average counted in the ``CommLedger``); a model that has
+   ``adapters.onebit.sync.onebit_adam_grad_hook`` (an fp32 average counted in the ``CommLedger``); a model that has
    one (``QuantDDP``'s) keeps it;
 3. once the variance is frozen, no gradient all-reduce at all: DDP's gradient synchronisation is switched
    off (``require_backward_grad_sync = False``, what ``no_sync()`` does) before the next forward, and the
@@ -44,7 +44,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_qcomm.comm.onebit import OneBitGradHookState, onebit_adam_grad_hook
+from lightning_qcomm.adapters.onebit.sync import OneBitGradHookState, onebit_adam_grad_hook
 from lightning_qcomm.comm.topology import NodeGroups, hierarchical_topology, node_groups
 from lightning_qcomm.optim.onebit_adam import OneBitAdam
 from lightning_qcomm.parallel.step_hooks import attach_step_hooks

@@ -3,7 +3,7 @@
 What it does, in order (torchtitan's ``apply_fsdp`` shape): refuse what QSDP cannot shard (FSDP1 modules, a
 module without parameters); ``fully_shard`` the groups of ``parallel.sharding.plan_fsdp_groups`` on the 1-D
 data-parallel ``mesh`` unless the module is sharded already (then its grouping is kept); check that every
-trainable parameter is in a group; install the quantized all-gather / reduce-scatter of ``comm.fsdp`` on
+trainable parameter is in a group; install the quantized all-gather / reduce-scatter of ``adapters.fsdp2.comms`` on
 every ``FSDPModule`` (on CPU with ``overlap_comm``, the weight all-gathers run on a background thread over a
 process group of their own, and each group prefetches the next one's weights in forward). It returns a
 ``QSDPHandle``: the groups and the one piece of state training must advance, the RNG step (once per
@@ -42,21 +42,21 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths
-from lightning_qcomm.comm.comm_worker import BackgroundComm
-from lightning_qcomm.comm.consistency import check_same_config
-from lightning_qcomm.comm.fsdp import (
+from lightning_qcomm.adapters.fsdp2.comms import (
     QSDPCommState,
     check_torch_fsdp_api,
     fsdp_param_shards,
     install_requires_grad_syncs,
     is_quantized_param,
 )
-from lightning_qcomm.comm.fsdp_install import QSDPCommConfig, install_qsdp_comms
-from lightning_qcomm.comm.fsdp_master import project_master_weights
-from lightning_qcomm.comm.fsdp_shim import fsdp_roots, require
+from lightning_qcomm.adapters.fsdp2.install import QSDPCommConfig, install_qsdp_comms
+from lightning_qcomm.adapters.fsdp2.master import project_master_weights
+from lightning_qcomm.adapters.fsdp2.shim import fsdp_roots, require
+from lightning_qcomm.adapters.onebit.sync import max_over_ranks_each, max_over_ranks_tensor
+from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths
+from lightning_qcomm.comm.comm_worker import BackgroundComm
+from lightning_qcomm.comm.consistency import check_same_config
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.comm.onebit import max_over_ranks_each, max_over_ranks_tensor
 from lightning_qcomm.parallel.hsdp import check_hsdp_mesh, fsdp_groups, install_inter_node_average
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
 from lightning_qcomm.parallel.sharding import plan_fsdp_groups
@@ -158,7 +158,7 @@ class QSDPHandle:
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: FSDP2's recovery (``FSDPModule.reset_iter_state``) on
         every root FSDP group, once the calls the failed backward deferred are written as inline calls would have
-        been (``comm.fsdp_deferred``). Gradients it had already reduced stay; ``zero_grad`` drops them.
+        been (``adapters.fsdp2.deferred``). Gradients it had already reduced stay; ``zero_grad`` drops them.
 
         Example::
 

@@ -52,9 +52,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_qcomm.adapters.ddp.config import QuantDDPConfig, warn_if_not_contractive
+from lightning_qcomm.adapters.ddp.hooks import QuantDDPHookState, quant_ddp_comm_hook
 from lightning_qcomm.comm.comm_worker import BackgroundComm
-from lightning_qcomm.comm.ddp_config import QuantDDPConfig, warn_if_not_contractive
-from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.topology import NodeGroups, Topology, hierarchical_topology, node_groups
 from lightning_qcomm.parallel.step_hooks import attach_step_hooks

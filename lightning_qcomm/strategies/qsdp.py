@@ -49,11 +49,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_qcomm._checks import START_METHODS, build_as, check_bool, check_choice, check_int, check_timeout
+from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState, sync_unsharded_requires_grad
+from lightning_qcomm.adapters.onebit.sync import max_over_ranks_tensor
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
-from lightning_qcomm.comm.fsdp import QSDPCommState, sync_unsharded_requires_grad
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.comm.onebit import max_over_ranks_tensor
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.parallel.hsdp import hsdp_mesh, mesh_topology
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint, new_trial

@@ -1,6 +1,6 @@
 """QuantDDPStrategy: Lightning's DDP with gradient buckets all-reduced through a codec (Lightning layer).
 
-This file owns the Lightning glue only: the settings are a ``comm.ddp_config.QuantDDPConfig``; the hook
+This file owns the Lightning glue only: the settings are a ``adapters.ddp.config.QuantDDPConfig``; the hook
 comes from ``parallel.quant_ddp_hook`` and is registered on the wrapped model on CPU/gloo as well as CUDA
 (Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` only on CUDA); this file counts optimizer steps for
 the hook, checkpoints the hook state per rank, and registers the names of ``presets.QUANT_DDP_PRESETS``.
@@ -47,10 +47,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_qcomm._checks import START_METHODS, build_as, check_choice, check_timeout
+from lightning_qcomm.adapters.ddp.config import DDP_CODECS, QuantDDPConfig, warn_if_not_contractive
+from lightning_qcomm.adapters.ddp.hooks import QuantDDPHookState
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
-from lightning_qcomm.comm.ddp_config import DDP_CODECS, QuantDDPConfig, warn_if_not_contractive
-from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.comm.topology import NodeGroups, Topology, node_groups
@@ -86,7 +86,7 @@ def check_no_comm_hook_kwargs(owner: str, ddp_kwargs: dict[str, Any]) -> None:
 class QuantDDPStrategy(DDPStrategy):
     """DDP whose gradient all-reduce is quantized (QSGD, QSGDinf, NUQSGD, uniform int-b, FP8).
 
-    The arguments from ``codec`` to ``nonfinite`` are the fields of ``comm.ddp_config.QuantDDPConfig`` (same names,
+    The arguments from ``codec`` to ``nonfinite`` are the fields of ``adapters.ddp.config.QuantDDPConfig`` (same names,
     defaults and checks); the strategy keeps them as ``self.config``. Under Lightning Fabric use
     ``QuantDDPFabricStrategy`` (Fabric takes only its own strategy classes and refuses this one).
 

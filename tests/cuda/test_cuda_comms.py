@@ -21,11 +21,11 @@ from _launch import FakeBucket
 from conftest import NO_CUDA, ensure_kernels
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
+from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
+from lightning_qcomm.adapters.fsdp2.shim import ParamShard
 from lightning_qcomm.codecs import get_codec
 from lightning_qcomm.comm import quantized_all_reduce
-from lightning_qcomm.comm.ddp_config import QuantDDPConfig
-from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
-from lightning_qcomm.comm.fsdp_shim import ParamShard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 WORLD = 8
@@ -57,8 +57,8 @@ class no_host_sync:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_ddp_hook_side_stream_future_and_no_host_sync(fake_world, dtype, monkeypatch):
-    from lightning_qcomm.comm import ddp_hooks
-    from lightning_qcomm.comm.ddp_hooks import QuantDDPHookState, quant_ddp_comm_hook
+    from lightning_qcomm.adapters.ddp import hooks as ddp_hooks
+    from lightning_qcomm.adapters.ddp.hooks import QuantDDPHookState, quant_ddp_comm_hook
 
     fake_world()
     streams = []

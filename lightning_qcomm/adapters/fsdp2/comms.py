@@ -3,12 +3,12 @@
 This file owns the bridge between FSDP2's flat communication buffers and the codecs. FSDP2 (torch 2.11 to 2.15)
 lets a module replace its collectives with ``FSDPModule.set_custom_all_gather`` /
 ``set_custom_reduce_scatter``; the objects installed here implement those interfaces
-(FSDP2's ``AllGather`` / ``ReduceScatter``, reached through ``comm.fsdp_shim``: ``allocate`` plus
-``__call__``; ``comm.fsdp_install`` installs them). They run synchronously and return ``None``, except with a
+(FSDP2's ``AllGather`` / ``ReduceScatter``, reached through ``adapters.fsdp2.shim``: ``allocate`` plus
+``__call__``; ``adapters.fsdp2.install`` installs them). They run synchronously and return ``None``, except with a
 ``CommWorker`` on CPU: the all-gather then runs on that thread and returns a ``FutureWork`` (FSDP2 waits on it
 before reading the gathered weights), so a prefetched group's all-gather overlaps compute; and a reduce-scatter
 whose output FSDP2 only takes views of runs there too, its sum written into the output when backward ends
-(``comm.fsdp_deferred``), so it overlaps the rest of backward.
+(``adapters.fsdp2.deferred``), so it overlaps the rest of backward.
 
 Buffer layout (FSDP2's ``_fsdp_collectives``, the same in torch 2.11 to 2.15): one FSDP param group = one flat buffer per collective.
 Per rank, the buffer is the concatenation, in ``fsdp_params`` order, of each parameter's *padded* dim-0
@@ -16,7 +16,7 @@ shard (``padded_sharded_param_size``). The all-gather input is this rank's row (
 ``rank * S``); the output is N such rows. The reduce-scatter input is N rows (row j goes to rank j) with
 the same per-row layout (only parameters that have a gradient this step); the output is one row.
 
-Each row travels in the wire format of ``comm/row_codec.py`` (``RowCodec``: large matrices quantized per
+Each row travels in the wire format of ``adapters/fsdp2/row_codec.py`` (``RowCodec``: large matrices quantized per
 parameter segment, vectors and small tensors raw in the buffer dtype).
 
 * All-gather (weights): this rank encodes its row, ``all_gather_single`` of the bytes (``all_gather_bytes``:
@@ -56,12 +56,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.codecs.base import FLOAT_DTYPES
-from lightning_qcomm.comm.auto_trial import WidthTrial
-from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork
-from lightning_qcomm.comm.fsdp_deferred import DeferredReduceScatters
-from lightning_qcomm.comm.fsdp_shim import (
+from lightning_qcomm.adapters.fsdp2.deferred import DeferredReduceScatters
+from lightning_qcomm.adapters.fsdp2.row_codec import RowCodec, Segment, is_quantized_param
+from lightning_qcomm.adapters.fsdp2.shim import (
     AllGather,
     ParamShard,
     ReduceScatter,
@@ -71,8 +68,11 @@ from lightning_qcomm.comm.fsdp_shim import (
     install_requires_grad_syncs,
     sync_unsharded_requires_grad,
 )
+from lightning_qcomm.codecs import Codec, derive_seed
+from lightning_qcomm.codecs.base import FLOAT_DTYPES
+from lightning_qcomm.comm.auto_trial import WidthTrial
+from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork
 from lightning_qcomm.comm.ledger import get_ledger
-from lightning_qcomm.comm.row_codec import RowCodec, Segment, is_quantized_param
 from lightning_qcomm.comm.transport import PieceLayout, all_gather_bytes, all_to_all_pieces
 
 log = logging.getLogger(__name__)
@@ -298,7 +298,7 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         rc = self._row_codec(s_numel, input_tensor.dtype, self._layout(s_numel), codec)
         seed = derive_seed(self.state.seed, SEED_GRADS, self.state.step, self.group_id, rank, self._calls)
         if self.worker is not None and not divide and self._deferrable is not None and self._deferrable(input_tensor):
-            # the rest of backward runs meanwhile; the sum is written into the output at its end (comm.fsdp_deferred)
+            # the rest of backward runs meanwhile; the sum is written into the output at its end (adapters.fsdp2.deferred)
             total = torch.empty(s_numel, dtype=torch.float32, device=input_tensor.device)
             job = functools.partial(self._sum_rows, total, input_tensor, rc, seed, self.worker_group)
             self.state.deferred.add(self.worker.submit(job), output_tensor, total, float(world))

@@ -1,5 +1,5 @@
 """QSDP's master-weight projection (``quantize_master=True``): the sharded fp32 master weights rounded onto the
-weight codec's lattice after each optimizer step, the variant the QSDP paper analyses (comm layer; docs/design.md,
+weight codec's lattice after each optimizer step, the variant the QSDP paper analyses (adapter layer; docs/design.md,
 "QSDP").
 
 Example::
@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_qcomm.adapters.fsdp2.comms import SEED_MASTER, QSDPCommState
+from lightning_qcomm.adapters.fsdp2.row_codec import is_quantized_param
+from lightning_qcomm.adapters.fsdp2.shim import padded_shard_data, shard_rank
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
-from lightning_qcomm.comm.fsdp import SEED_MASTER, QSDPCommState
-from lightning_qcomm.comm.fsdp_shim import padded_shard_data, shard_rank
-from lightning_qcomm.comm.row_codec import is_quantized_param
 
 
 @torch.no_grad()

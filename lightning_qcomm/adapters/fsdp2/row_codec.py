@@ -1,4 +1,4 @@
-"""RowCodec: the wire format of one row of an FSDP2 flat communication buffer (DESIGN §2 "QSDP").
+"""RowCodec: the wire format of one row of an FSDP2 flat communication buffer (adapter layer; docs/design.md, "QSDP").
 
 A row is the concatenation, in ``fsdp_params`` order, of each parameter's padded dim-0 shard. It is split
 into *segments*, one per parameter shard. A segment is quantized with the codec when the parameter is
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_qcomm.adapters.fsdp2.shim import ParamShard
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.codecs.rows import (
     c_pass_available,
@@ -42,7 +43,6 @@ from lightning_qcomm.codecs.rows import (
     encode_rows,
     rows_one_by_one,
 )
-from lightning_qcomm.comm.fsdp_shim import ParamShard
 from lightning_qcomm.comm.transport import PieceLayout
 
 DECODE_BLOCK_NUMEL = 1 << 24  # elements decoded per codec call at most (bounds the fp32 temporary)

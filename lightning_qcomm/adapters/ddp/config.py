@@ -2,7 +2,7 @@
 
 One class for every way in: ``QuantDDPStrategy`` (Trainer), ``QuantDDPFabricStrategy`` (Fabric) and
 ``quant_ddp_hook`` (plain ``DistributedDataParallel``) build it from the same typed primitives, and
-``comm.ddp_hooks.QuantDDPHookState`` reads it. Error feedback with a codec that is not contractive is
+``adapters.ddp.hooks.QuantDDPHookState`` reads it. Error feedback with a codec that is not contractive is
 warned about by ``warn_if_not_contractive`` where it is put to use (it typically diverges, see
 ``relative_compression_error``).
 

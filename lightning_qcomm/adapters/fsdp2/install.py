@@ -1,6 +1,6 @@
-"""Installing the QSDP comms on an FSDP2 model (comm layer; docs/design.md, "QSDP").
+"""Installing the QSDP comms on an FSDP2 model (adapter layer; docs/design.md, "QSDP").
 
-``install_qsdp_comms`` puts a ``QuantizedAllGather`` and a ``QuantizedReduceScatter`` (``comm.fsdp``) on every
+``install_qsdp_comms`` puts a ``QuantizedAllGather`` and a ``QuantizedReduceScatter`` (``adapters.fsdp2.comms``) on every
 ``FSDPModule`` that owns parameters, with the codecs, thresholds and ledger scope of a ``QSDPCommConfig``, and
 makes FSDP2 pass SUM and divide by N itself.
 
@@ -17,17 +17,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec
-from lightning_qcomm.comm.comm_worker import CommWorker
-from lightning_qcomm.comm.fsdp import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
-from lightning_qcomm.comm.fsdp_deferred import deferrable
-from lightning_qcomm.comm.fsdp_shim import (
+from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
+from lightning_qcomm.adapters.fsdp2.deferred import deferrable
+from lightning_qcomm.adapters.fsdp2.shim import (
     check_fsdp_module_internals,
     check_torch_fsdp_api,
     fsdp_param_shards,
     install_requires_grad_sync,
     live_requires_grad,
 )
+from lightning_qcomm.codecs import Codec
+from lightning_qcomm.comm.comm_worker import CommWorker
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def install_qsdp_comms(
     Group ids follow ``root.modules()`` order, identical on every rank. Returns the modules, in group-id order.
     ``worker`` / ``worker_group``: run CPU weight all-gathers on that thread and group (see
     ``QuantizedAllGather``), and the reduce-scatters whose output FSDP2 only takes views of, finished at the end of
-    backward (``comm.fsdp_deferred``).
+    backward (``adapters.fsdp2.deferred``).
     Installing again (a later Trainer stage, another strategy) replaces the comms and the hooks.
     Refuses (RuntimeError naming torch's version) a torch whose FSDP2 lacks an internal these comms read.
     """

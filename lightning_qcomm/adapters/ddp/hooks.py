@@ -62,14 +62,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
+from lightning_qcomm.adapters.ddp.plan import BucketPlan, append_segment, gather_segments, scatter_segments
+from lightning_qcomm.adapters.ddp.relayout import LayoutReplay, VirtualBucket
+from lightning_qcomm.adapters.onebit.sync import max_over_ranks_each
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths
 from lightning_qcomm.comm.comm_worker import CommWorker
-from lightning_qcomm.comm.ddp_config import QuantDDPConfig
-from lightning_qcomm.comm.ddp_plan import BucketPlan, append_segment, gather_segments, scatter_segments
-from lightning_qcomm.comm.ddp_relayout import LayoutReplay, VirtualBucket
 from lightning_qcomm.comm.hierarchical import ParamShards, hierarchical_all_reduce, local_index, shard_numel
-from lightning_qcomm.comm.onebit import max_over_ranks_each
 from lightning_qcomm.comm.quantized import quantized_all_reduce
 from lightning_qcomm.comm.side_stream import SideStream
 from lightning_qcomm.comm.topology import NodeGroups
@@ -81,7 +81,7 @@ class QuantDDPHookState:
     """State of ``quant_ddp_comm_hook`` for one DDP instance on one rank.
 
     Args:
-        config: ``QuantDDPConfig`` (``comm.ddp_config``).
+        config: ``QuantDDPConfig`` (``adapters.ddp.config``).
         param_names: maps each trainable parameter to a stable name (checkpoint keys), in the
             module's definition order (``named_parameters``).
         process_group: the group the hook's collectives use (None: default group). With a ``worker``,
@@ -386,4 +386,4 @@ def quant_ddp_comm_hook(state: QuantDDPHookState, bucket: dist.GradBucket) -> to
     return fut
 
 
-__all__ = ["QuantDDPHookState", "quant_ddp_comm_hook"]  # their config: comm.ddp_config.QuantDDPConfig
+__all__ = ["QuantDDPHookState", "quant_ddp_comm_hook"]  # their config: adapters.ddp.config.QuantDDPConfig

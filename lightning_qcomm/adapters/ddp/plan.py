@@ -1,5 +1,5 @@
 """How one DDP gradient bucket is split for the quantized hook: the (offset, numel) segments of its quantized and
-its plain elements, in the canonical order (adapter layer; docs/design.md, "QuantDDP"; ``comm.ddp_hooks`` builds
+its plain elements, in the canonical order (adapter layer; docs/design.md, "QuantDDP"; ``adapters.ddp.hooks`` builds
 and uses them).
 
 Example::

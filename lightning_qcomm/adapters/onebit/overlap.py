@@ -1,4 +1,4 @@
-"""1-bit momentum buckets launched from backward, as their gradients become ready (comm layer; docs/design.md,
+"""1-bit momentum buckets launched from backward, as their gradients become ready (adapter layer; docs/design.md,
 "1-bit Adam", "Overlap").
 
 After the freeze 1-bit Adam has no gradient all-reduce; its one collective is the momentum average, and inline it
@@ -40,8 +40,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync
 from lightning_qcomm.comm.comm_worker import BackgroundComm, CommWorker
-from lightning_qcomm.comm.onebit import OneBitMomentumSync
 from lightning_qcomm.comm.topology import NodeGroups
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Replay of a saved DDP bucket layout over DDP's current buckets, so a resumed run compresses as the
-uninterrupted one did (comm layer; used by ``ddp_hooks``).
+uninterrupted one did (adapter layer; used by ``ddp_hooks``).
 
 Why. A bucket's compressed all-reduce depends on which parameters share the bucket: the chunk each rank
 owns, the codec's scale buckets and the seed are all per bucket. DDP starts every run, a resumed one too,

@@ -8,7 +8,7 @@ package's sources to hold that): the per-parameter layout of a param group's fla
 and real shard sizes, original size, placement, sharded parameter and padded shard data), the unsharded parameter
 FSDP2 creates at the first all-gather, the shard rank, the root states, the post-divide FSDP2 applies after the
 all-reduce hook, and whether a reduce-scatter's output is only viewed afterwards (``foreach_reduce``'s order,
-which ``comm.fsdp_deferred`` relies on).
+which ``adapters.fsdp2.deferred`` relies on).
 
 What moves between releases (read from each release's ``torch/distributed/fsdp/_fully_shard/``):
 
@@ -69,7 +69,7 @@ FSDP_PARAM_ATTRS = (
 )
 # FSDPModule features newer than the range's oldest release: name -> first release with it
 FIRST_RELEASE = {"reset_iter_state": "2.13"}
-# foreach_reduce's parameters, per reviewed release: the order comm.fsdp_deferred relies on holds for these
+# foreach_reduce's parameters, per reviewed release: the order adapters.fsdp2.deferred relies on holds for these
 _FOREACH_REDUCE_2_11 = (  # torch 2.11 to 2.14: one cast of the whole output to the group's _orig_dtype
     "fsdp_params unsharded_grads reduce_scatter_group reduce_scatter_stream reduce_scatter_comm orig_dtype "
     "reduce_dtype device gradient_divide_factor all_reduce_group all_reduce_stream all_reduce_grads "
@@ -279,7 +279,7 @@ def reduce_contract() -> str | None:
 
 def output_only_viewed(module: torch.nn.Module, dtype: torch.dtype, in_all_reduce_hook: bool) -> bool:
     """Whether, after ``module``'s reduce-scatter (or, ``in_all_reduce_hook``, its all-reduce hook) returns, FSDP2
-    only divides its output in place and takes views of it (comm.fsdp_deferred's contract): a reviewed
+    only divides its output in place and takes views of it (adapters.fsdp2.deferred's contract): a reviewed
     ``foreach_reduce``, a 1-D mesh (no HSDP all-reduce), no custom divide factor, no all-reduce hook (unless asked
     by it), no cast of the output, no gradient to accumulate into and no post-accumulate-grad hook."""
     contract = reduce_contract()

@@ -1,4 +1,4 @@
-"""QSDP gradient reduce-scatters finished at the end of backward instead of inline (comm layer; docs/design.md,
+"""QSDP gradient reduce-scatters finished at the end of backward instead of inline (adapter layer; docs/design.md,
 "QSDP", "Overlap").
 
 FSDP2 (torch 2.11 to 2.15, ``_fsdp_collectives.foreach_reduce``) calls the custom reduce-scatter synchronously and, right
@@ -21,7 +21,7 @@ snapshot the output, average the copy on the worker and return; the flush then w
 the post-divide (2) that FSDP2 applied to the unwritten output after the hook.
 
 ``deferrable(module)`` says, at each call, whether the conditions hold for that FSDP module's param group (they are
-read from FSDP2's internals by ``comm.fsdp_shim.output_only_viewed``); otherwise the call runs inline. Only on a
+read from FSDP2's internals by ``adapters.fsdp2.shim.output_only_viewed``); otherwise the call runs inline. Only on a
 torch whose ``foreach_reduce`` is one of the reviewed shapes (2.11 to 2.14, 2.15; ``fsdp_shim.reduce_contract``);
 on any other every call runs inline, logged once.
 
@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_qcomm.comm.fsdp_shim import output_only_viewed
+from lightning_qcomm.adapters.fsdp2.shim import output_only_viewed
 
 _DEFERRABLE_DTYPES = (torch.float32, torch.bfloat16)  # FSDP2 divides these by N after the call, nothing before it
 
