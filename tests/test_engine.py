@@ -2,9 +2,9 @@
 
 * The engine's order: every unit encoded (its all-to-all issued) before the first reduce; reduces, then decodes,
   in unit order; ``finish`` once, last. A reducer may decode into its input's storage only because of it.
-* No collective of the package issues the pipelined exchange's asynchronous all-to-all / all-gather itself: the
-  quantized all-reduce, the 1-bit all-reduce per piece and batched, and through them the hierarchical forms all
-  call the engine (read from the sources with ``ast``).
+* No collective of the package moves the compressed exchange's bytes itself: the quantized all-reduce, the 1-bit
+  all-reduce per piece and batched (and through them the hierarchical forms), the quantized reduce-scatter and
+  all-gather and QSDP's reduce-scatter and all-gather call the engine (read from the sources with ``ast``).
 * Through the engine the all-reduces keep their results bit for bit: tests/test_collectives.py,
   tests/test_onebit_batched.py and the launch counts in tests/test_fused_launches.py.
 """
@@ -19,7 +19,9 @@ import torch
 from lightning_qcomm.collectives.engine import run_pipelined
 
 ROOT = Path(__file__).resolve().parents[1] / "lightning_qcomm"
-ASYNC_EXCHANGES = ("_all_to_all_async", "_all_gather_async")
+# the byte transfers of the compressed exchange (comm.transport); ``_all_gather`` of raw values (no codec) is not one
+EXCHANGES = ("_all_to_all_async", "_all_gather_async", "_all_to_all", "all_to_all_bytes", "all_to_all_pieces")
+EXCHANGES += ("all_gather_bytes",)
 
 
 class _Recorder:
@@ -64,7 +66,7 @@ def test_engine_encodes_every_unit_before_it_reduces_and_decodes_in_order():
 
 
 def async_exchange_callers(root: Path) -> list[str]:
-    """'module:line' of every call of the pipelined exchange's async collectives outside the engine."""
+    """'module:line' of every call of the compressed exchange's byte transfers outside the engine and transport."""
     found = []
     for path in sorted(root.rglob("*.py")):
         if path.relative_to(root).as_posix() in ("collectives/engine.py", "comm/transport.py"):
@@ -73,12 +75,12 @@ def async_exchange_callers(root: Path) -> list[str]:
             if isinstance(node, ast.Call):
                 fn = node.func
                 name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
-                if name in ASYNC_EXCHANGES:
+                if name in EXCHANGES:
                     found.append(f"{path.relative_to(root)}:{node.lineno}")
     return found
 
 
-def test_only_the_engine_issues_the_pipelined_exchange():
+def test_only_the_engine_moves_the_compressed_bytes():
     assert async_exchange_callers(ROOT) == []
 
 
@@ -86,3 +88,24 @@ def test_the_source_check_can_fail(tmp_path):
     (tmp_path / "comm").mkdir()
     (tmp_path / "comm" / "mine.py").write_text("def f(r, s, g):\n    return _all_to_all_async(r, s, g, 2)\n")
     assert async_exchange_callers(tmp_path) == ["comm/mine.py:2"]
+
+
+def test_reduce_scatter_frees_the_send_buffer_before_it_reduces():
+    import weakref
+
+    seen = {}
+
+    def encode():
+        send = torch.arange(6, dtype=torch.uint8)
+        seen["send"] = weakref.ref(send)
+        return send
+
+    def reduce(recv):
+        seen["alive"] = seen["send"]() is not None
+        return int(recv.sum())
+
+    from lightning_qcomm.collectives.engine import run_all_gather, run_reduce_scatter
+
+    assert run_reduce_scatter(encode, reduce, group=None, world=1) == 15
+    assert seen["alive"] is False
+    assert run_all_gather(lambda: torch.tensor([3, 4], dtype=torch.uint8), lambda g: g.tolist(), None, 1) == [3, 4]

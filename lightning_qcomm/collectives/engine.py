@@ -24,6 +24,11 @@ Reducers: the plain fp32 sum with error feedback (``comm.quantized``), the 1-bit
 error, per piece (``comm.sign_collective``: the reference and the fused CPU passes) or as one batch of pieces
 (``comm.sign_batched``).
 
+The reduce-scatter and the all-gather are each one phase of the same exchange, so they run its two halves alone:
+``run_reduce_scatter`` (encode, all-to-all, reduce: the quantized reduce-scatter's plain sum, QSDP's sum with the
+own row exact) and ``run_all_gather`` (encode, all-gather, decode: the quantized all-gather, QSDP's weights).
+Their transfers are blocking, cut into concurrent column pieces on CPU/gloo (``comm.transport``).
+
 Example::
 
     total_p = run_pipelined(reducer, units, group, world)   # bytes of one chunk's payload, summed over units
@@ -31,12 +36,22 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from lightning_qcomm.comm.transport import _all_gather_async, _all_to_all_async, _wait
+from lightning_qcomm.comm.transport import (
+    PieceLayout,
+    _all_gather,
+    _all_gather_async,
+    _all_to_all,
+    _all_to_all_async,
+    _wait,
+    all_to_all_pieces,
+)
+
+T = TypeVar("T")
 
 
 class Reducer(Protocol):
@@ -91,4 +106,44 @@ def run_pipelined(reducer: Reducer, units: Sequence[Any], group, world: int) -> 
     return total_p
 
 
-__all__ = ["Reducer", "run_pipelined"]
+def run_reduce_scatter(
+    encode: Callable[[], torch.Tensor],
+    reduce: Callable[[torch.Tensor], T],
+    group,
+    world: int,
+    layout: PieceLayout | None = None,
+) -> T:
+    """Phase 1 alone: ``reduce(recv)`` of the rows ``encode()`` sends (row j to rank j), returned.
+
+    ``layout``: the rows are stored piece by piece (``transport.PieceLayout``, QSDP's reduce-scatter), exchanged
+    block by block with no copies; else as N plain rows (``transport.all_to_all_bytes``). The send buffer is freed
+    before ``reduce`` runs: beside the wire buffers the reducer's own temporaries are all the memory it takes.
+
+    Example::
+
+        out = run_reduce_scatter(lambda: encode_rows(codec, rows, seeds), lambda recv: decode_sum(recv), group, world)
+    """
+    send = encode()
+    recv = torch.empty_like(send)
+    if layout is not None:
+        all_to_all_pieces(recv, send, layout, group)
+    else:
+        _all_to_all(recv, send, group, world)
+    del send
+    return reduce(recv)
+
+
+def run_all_gather(encode: Callable[[], torch.Tensor], decode: Callable[[torch.Tensor], T], group, world: int) -> T:
+    """Phase 2 alone: ``decode(gathered)`` of every rank's ``encode()`` payload, gathered flat in rank order.
+
+    Example::
+
+        run_all_gather(lambda: payload, lambda gathered: rc.decode(gathered.view(world, -1), out), group, world)
+    """
+    mine = encode()
+    gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)
+    _all_gather(gathered, _flat(mine), group, world)
+    return decode(gathered)
+
+
+__all__ = ["Reducer", "run_all_gather", "run_pipelined", "run_reduce_scatter"]

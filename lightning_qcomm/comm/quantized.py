@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.collectives.engine import run_pipelined
+from lightning_qcomm.collectives.engine import run_all_gather, run_pipelined, run_reduce_scatter
 from lightning_qcomm.comm.call_check import _check_consistent
 from lightning_qcomm.comm.chunked import (
     FP32_BYTES,
@@ -54,7 +54,7 @@ from lightning_qcomm.comm.chunked import (
     _update_error,
 )
 from lightning_qcomm.comm.ledger import get_ledger
-from lightning_qcomm.comm.transport import _all_gather, _all_to_all, _rank_world, _reduce_scatter_single
+from lightning_qcomm.comm.transport import _all_gather, _rank_world, _reduce_scatter_single
 
 DEFAULT_PIECE_NUMEL = 1 << 15  # min elements per rank per pipelined piece of quantized_all_reduce (32 KB at 8 bits)
 MAX_ALL_REDUCE_PIECES = 16  # ... and at most this many pieces per call
@@ -99,11 +99,13 @@ def quantized_all_gather(
         _all_gather(flat_out, src, group, world)
         p = src.numel() * src.element_size()
     else:
-        mine = _encode_bytes(codec, shard.detach().reshape(-1), derive_seed(seed, rank))
-        p = mine.numel()
-        buf = torch.empty(world * p, dtype=torch.uint8, device=shard.device)
-        _all_gather(buf, mine, group, world)
-        flat_out.copy_(_decode_rows(codec, buf, world, s).view(-1))
+
+        def decode(gathered: torch.Tensor) -> int:
+            flat_out.copy_(_decode_rows(codec, gathered, world, s).view(-1))
+            return gathered.numel() // world
+
+        mine = derive_seed(seed, rank)
+        p = run_all_gather(lambda: _encode_bytes(codec, shard.detach().reshape(-1), mine), decode, group, world)
     get_ledger().record("all_gather", world * p, world * s * FP32_BYTES, world, _payload(p, world), tag)
     return out
 
@@ -156,13 +158,15 @@ def quantized_reduce_scatter(
         p = s * src.element_size()
     else:
         p = codec.nbytes(s)
-        send = _encode_rows(codec, rows, [derive_seed(seed, 1, rank, j) for j in range(world)])
-        recv = torch.empty_like(send)
-        _all_to_all(recv, send, group, world)
-        acc = _decode_rows(codec, recv, world, s).sum(dim=0)
-        if op == "avg":
-            acc /= world
-        out.copy_(acc.view(out.shape))
+
+        def reduce(recv: torch.Tensor) -> None:
+            acc = _decode_rows(codec, recv, world, s).sum(dim=0)
+            if op == "avg":
+                acc /= world
+            out.copy_(acc.view(out.shape))
+
+        seeds = [derive_seed(seed, 1, rank, j) for j in range(world)]
+        run_reduce_scatter(lambda: _encode_rows(codec, rows, seeds), reduce, group, world)
     get_ledger().record("reduce_scatter", world * p, world * s * FP32_BYTES, world, _payload(world * p, world), tag)
     return out
 

@@ -19,10 +19,12 @@ the same per-row layout (only parameters that have a gradient this step); the ou
 Each row travels in the wire format of ``adapters/fsdp2/row_codec.py`` (``RowCodec``: large matrices quantized per
 parameter segment, vectors and small tensors raw in the buffer dtype).
 
-* All-gather (weights): this rank encodes its row, ``all_gather_single`` of the bytes (``all_gather_bytes``:
-  concurrent pieces on gloo), then every rank decodes all N rows, its own included, so every rank computes
+Both run on the collectives' engine (``collectives.engine``), each one phase of its exchange:
+
+* All-gather (weights, ``run_all_gather``): this rank encodes its row, ``all_gather_single`` of the bytes
+  (concurrent pieces on gloo), then every rank decodes all N rows, its own included, so every rank computes
   with identical weights.
-* Reduce-scatter (grads): encode the N rows into the send buffer, ``all_to_all_pieces`` (both buffers in the
+* Reduce-scatter (grads, ``run_reduce_scatter``): encode the N rows into the send buffer, ``all_to_all_pieces`` (both buffers in the
   transport's ``PieceLayout``: its concurrent pieces copy nothing), decode the received rows one at a time to
   fp32 and add them in rank order, the own row exact (it never left the rank); write the shard.
   ``set_force_sum_reduction_for_comms(True)`` makes FSDP pass ``SUM`` and divide by N itself.
@@ -70,10 +72,11 @@ from lightning_qcomm.adapters.fsdp2.shim import (
 )
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
+from lightning_qcomm.collectives.engine import run_all_gather, run_reduce_scatter
 from lightning_qcomm.comm.auto_trial import WidthTrial
 from lightning_qcomm.comm.comm_worker import CommWorker, FutureWork
 from lightning_qcomm.comm.ledger import get_ledger
-from lightning_qcomm.comm.transport import PieceLayout, all_gather_bytes, all_to_all_pieces
+from lightning_qcomm.comm.transport import PieceLayout
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +220,14 @@ class QuantizedAllGather(_QSDPComm, AllGather):
         world = group.size()
         s_numel = input_tensor.numel()
         rc = self._row_codec(s_numel, input_tensor.dtype, self.params, codec)
-        payload = rc.encode(input_tensor.reshape(1, s_numel), seed).reshape(-1)
-        gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-        all_gather_bytes(gathered, payload, group=group)
-        rc.decode(gathered.view(world, -1), output_tensor.view(world, s_numel))
-        _record("all_gather", world * payload.numel(), world * s_numel, world, payload.numel(), "weights" + self.scope)
+
+        def decode(gathered: torch.Tensor) -> int:
+            rc.decode(gathered.view(world, -1), output_tensor.view(world, s_numel))
+            return gathered.numel() // world
+
+        encode = lambda: rc.encode(input_tensor.reshape(1, s_numel), seed).reshape(-1)  # noqa: E731
+        p = run_all_gather(encode, decode, group, world)
+        _record("all_gather", world * p, world * s_numel, world, p, "weights" + self.scope)
 
 
 class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
@@ -320,22 +326,24 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         s_numel = total.numel()
         rows, device = input_tensor.view(world, s_numel), input_tensor.device
         layout = PieceLayout.for_rows(world, rc.row_nbytes(input_tensor.dtype), device)
-        send = rc.encode(rows, seed, layout.empty(device), layout)
-        recv = layout.empty(device)
-        all_to_all_pieces(recv, send, layout, group=group)
-        del send  # freed before the decode, which reads the received rows only
-        row = torch.empty(s_numel, dtype=torch.float32, device=device) if world > 1 else total
-        scratch = torch.empty(layout.row_bytes, dtype=torch.uint8, device=device) if layout.pieced else None
-        for j in range(world):  # rank order, the same order on every rank
-            dst = total if j == 0 else row
-            if j == rank:
-                dst.copy_(rows[rank])  # the own row never left this rank: keep it exact
-            else:
-                wire = layout.read_row(recv, j, scratch).view(1, -1)
-                rc.decode(wire, dst.view(1, s_numel), wire_dtype=input_tensor.dtype)
-            if j > 0:
-                total += row
-        _record("reduce_scatter", recv.numel(), world * s_numel, world, recv.numel(), "grads" + self.scope)
+
+        def reduce(recv: torch.Tensor) -> int:  # the send buffer is freed by now: it reads the received rows only
+            row = torch.empty(s_numel, dtype=torch.float32, device=device) if world > 1 else total
+            scratch = torch.empty(layout.row_bytes, dtype=torch.uint8, device=device) if layout.pieced else None
+            for j in range(world):  # rank order, the same order on every rank
+                dst = total if j == 0 else row
+                if j == rank:
+                    dst.copy_(rows[rank])  # the own row never left this rank: keep it exact
+                else:
+                    wire = layout.read_row(recv, j, scratch).view(1, -1)
+                    rc.decode(wire, dst.view(1, s_numel), wire_dtype=input_tensor.dtype)
+                if j > 0:
+                    total.add_(row)  # in place: the closure only reads the name
+            return recv.numel()
+
+        encode = lambda: rc.encode(rows, seed, layout.empty(device), layout)  # noqa: E731
+        nbytes = run_reduce_scatter(encode, reduce, group, world, layout=layout)
+        _record("reduce_scatter", nbytes, world * s_numel, world, nbytes, "grads" + self.scope)
 
 
 def _record(op: str, collective_bytes: int, logical_numel: int, world: int, payload_bytes: int, tag: str) -> None:
