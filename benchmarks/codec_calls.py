@@ -59,7 +59,7 @@ def quant_ddp_calls(name: str, bits: int, n: int = 103424) -> dict:
     benchmark model's pieces over 2 ranks), and the parts of one row's encode: the C pass alone, and the
     scales and params built in torch ops before it (``cpu_fused._plain_scales_params``)."""
     from lightning_qcomm.codecs import cpu_fused
-    from lightning_qcomm.comm.chunked import _decode_rows, _encode_rows
+    from lightning_qcomm.collectives.chunked import _decode_rows, _encode_rows
 
     codec = get_codec(name, bits=bits)
     x = torch.randn(2, n) * 1e-3

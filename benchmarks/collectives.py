@@ -54,11 +54,11 @@ def local_transfers():
     """Compute floor: the collectives' two payload transfers become local copies (all-to-all keeps this
     rank's own bytes, all-gather repeats them), so the call does exactly its N-rank encode/decode work
     and sends nothing."""
-    from lightning_qcomm.comm import quantized, sign_collective
+    from lightning_qcomm.collectives import engine
 
     names = ("_all_to_all", "_all_gather", "_all_to_all_async", "_all_gather_async")
-    modules = (quantized, sign_collective)  # the collectives bind the transport helpers at import
-    saved = [(mod, name, getattr(mod, name)) for mod in modules for name in names if hasattr(mod, name)]
+    # every compressed collective moves its payloads through the engine, which binds these at import
+    saved = [(engine, name, getattr(engine, name)) for name in names]
 
     def all_to_all(recv, send, group, world):
         recv.copy_(send)
@@ -81,13 +81,8 @@ def worker(cfg: dict) -> None:
 
     from benchmarks.netns import iface_bytes
     from lightning_qcomm.codecs import get_codec
-    from lightning_qcomm.comm import (
-        CommLedger,
-        onebit_all_reduce,
-        onebit_server_error_numel,
-        quantized_all_reduce,
-        set_ledger,
-    )
+    from lightning_qcomm.collectives import onebit_all_reduce, onebit_server_error_numel, quantized_all_reduce
+    from lightning_qcomm.comm import CommLedger, set_ledger
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)

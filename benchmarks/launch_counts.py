@@ -191,7 +191,7 @@ def all_reduce_rows(log: list[str], numel: int = (1 << 15) + 37, codecs=("unifor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from lightning_qcomm.codecs import get_codec
-    from lightning_qcomm.comm import quantized_all_reduce
+    from lightning_qcomm.collectives import quantized_all_reduce
 
     rows = []
     for label in codecs:

@@ -17,7 +17,7 @@ Parameters: a GPT-2-small-shaped list (tied embeddings, 12 layers, 148 tensors, 
 pipelining piece by s², so the number of buckets and pieces per step stays that of the full model (475 pieces at
 N = 1). Gradients are random; the world is one process (N = 1, as one GPU), or ``--world N`` on torch's ``fake``
 process group (no data moves). Each form of the 1-bit all-reduce is counted: ``reference`` (the per-piece
-reference phases, what a GPU ran before ``comm.sign_batched``) and ``batched``::
+reference phases, what a GPU ran before ``collectives.sign_batched``) and ``batched``::
 
     OMP_NUM_THREADS=1 python benchmarks/onebit_step_ops.py --scale 0.125
     OMP_NUM_THREADS=1 python benchmarks/onebit_step_ops.py --scale 0.125 --world 4
@@ -49,6 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 PIECE_NUMEL = 1 << 18  # onebit_all_reduce's default piece (elements per rank)
 BUCKET_MB = 32.0  # OneBitAdam's default bucket
 NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "set_"}
+SYNC = "adapters/onebit/sync.py"  # the momentum sync's module, as ``_layer`` names it
+CHECK = "comm/nonfinite.py"  # the gradient check's
 
 
 def gpt2_shapes(scale: float) -> list[tuple[int, ...]]:
@@ -95,15 +97,18 @@ def _caller() -> str:
 
 
 def _layer() -> str:
-    """Who launched an op: the outermost lightning_qcomm/comm module on the stack (``onebit.py``: the momentum
-    sync and the codecs it calls; ``nonfinite.py``: the gradient check), else ``optim`` (the optimizer's math), or
-    ``harness`` outside lightning_qcomm (this script making the random gradients)."""
+    """Who launched an op: the outermost module of lightning_qcomm's comm, collectives or adapters on the stack,
+    as its path under the package (``adapters/onebit/sync.py``: the momentum sync and the codecs it calls;
+    ``comm/nonfinite.py``: the gradient check), else ``optim`` (the optimizer's math), or ``harness`` outside
+    lightning_qcomm (this script making the random gradients)."""
     frame, found = sys._getframe(2), "harness"
+    package = f"lightning_qcomm{os.sep}"
     while frame is not None:
         path = frame.f_code.co_filename
-        if f"lightning_qcomm{os.sep}comm{os.sep}" in path:
-            found = os.path.basename(path)
-        elif found == "harness" and f"lightning_qcomm{os.sep}" in path and "_python_dispatch" not in path:
+        inside = path.split(package, 1)[1] if package in path else ""
+        if inside.split(os.sep, 1)[0] in ("comm", "collectives", "adapters"):
+            found = inside.replace(os.sep, "/")
+        elif found == "harness" and inside and "_python_dispatch" not in path:
             found = "optim"
         frame = frame.f_back
     return found
@@ -112,7 +117,7 @@ def _layer() -> str:
 def count(path: str, scale: float, world: int, steps: int, nonfinite: str, triton_log: list | None = None) -> dict:
     """Per compressed step: launches, syncs and the pieces of every bucket, with ``sign_batched.PATH = path``;
     ``triton_log``: the launch log of ``launch_counts.cuda_path_on_cpu`` (the Triton kernels, interpreted)."""
-    from lightning_qcomm.comm import onebit_pieces, sign_batched
+    from lightning_qcomm.collectives import onebit_pieces, sign_batched
     from lightning_qcomm.optim import OneBitAdam
 
     sign_batched.PATH = path
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---:|---:|---:|---:|")
     for p, r in rows.items():
-        sync_ops = r["by_layer"].get("onebit.py", 0)
+        sync_ops = r["by_layer"].get(SYNC, 0)
         print(f"| {p} | {r['launches']:.0f} | {sync_ops:.0f} | {r['triton']:.0f} | {r['syncs']:.0f} |")
     for p, r in rows.items():
         print(f"\n{p}: launches by caller {r['by_layer']}; top ops {r['top_ops']}")

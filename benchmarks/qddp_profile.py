@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_model import GPT, MODEL_PRESETS  # noqa: E402
 from lightning_qcomm.codecs import get_codec  # noqa: E402
-from lightning_qcomm.comm.chunked import _chunk_len, _decode_rows, _encode_bytes, _encode_rows  # noqa: E402
-from lightning_qcomm.comm.quantized import all_reduce_pieces  # noqa: E402
+from lightning_qcomm.collectives.chunked import _chunk_len, _decode_rows, _encode_bytes, _encode_rows  # noqa: E402
+from lightning_qcomm.collectives.quantized import all_reduce_pieces  # noqa: E402
 
 WORLD = 2
 CODECS = {"qddp_uniform8": ("uniform", 8), "qddp_nuqsgd4": ("nuqsgd", 4), "qddp_qsgd4": ("qsgd", 4)}

@@ -34,18 +34,15 @@ from lightning_qcomm.codecs import (
     register_codec,
     resolve_codec,
 )
-from lightning_qcomm.comm import (
-    CommLedger,
-    ensure_ledger,
-    get_ledger,
+from lightning_qcomm.collectives import (
     hierarchical_all_reduce,
     hierarchical_onebit_all_reduce,
     onebit_all_reduce,
     quantized_all_gather,
     quantized_all_reduce,
     quantized_reduce_scatter,
-    set_ledger,
 )
+from lightning_qcomm.comm import CommLedger, ensure_ledger, get_ledger, set_ledger
 from lightning_qcomm.consolidate import consolidate_checkpoint
 from lightning_qcomm.fabric import (
     LocalSGDFabricStrategy,

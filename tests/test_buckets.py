@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_qcomm.comm.averaging import TensorAverager
+from lightning_qcomm.collectives.averaging import TensorAverager
 from lightning_qcomm.comm.buckets import bucket_layout
 
 

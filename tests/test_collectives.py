@@ -18,21 +18,17 @@ import torch.distributed as dist
 from _launch import free_port, rank_results, spawn, write_rank_result
 
 from lightning_qcomm.codecs import derive_seed, get_codec
-from lightning_qcomm.comm import (
-    CommLedger,
-    all_gather_bytes,
+from lightning_qcomm.collectives import (
     all_reduce_pieces,
-    all_to_all_bytes,
-    get_ledger,
     onebit_all_reduce,
     onebit_pieces,
     onebit_server_error_numel,
     quantized_all_gather,
     quantized_all_reduce,
     quantized_reduce_scatter,
-    set_ledger,
     wire_bytes_formula,
 )
+from lightning_qcomm.comm import CommLedger, all_gather_bytes, all_to_all_bytes, get_ledger, set_ledger
 
 COLLECTIVE_TIMEOUT_S = 60
 D = 1001  # not divisible by 2, 3, the bucket (64) or 8

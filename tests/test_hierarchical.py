@@ -17,8 +17,8 @@ import torch.distributed as dist
 from _launch import free_port, rank_results, run_checks, spawn, write_rank_result
 
 from lightning_qcomm.codecs import get_codec
-from lightning_qcomm.comm.hierarchical import hierarchical_all_reduce, shard_numel
-from lightning_qcomm.comm.quantized import all_reduce_pieces, quantized_all_reduce
+from lightning_qcomm.collectives.hierarchical import hierarchical_all_reduce, shard_numel
+from lightning_qcomm.collectives.quantized import all_reduce_pieces, quantized_all_reduce
 from lightning_qcomm.comm.topology import Topology, node_groups, resolve_node_size
 
 WORLD, NODE = 4, 2
@@ -150,8 +150,8 @@ def check_inter_node_bytes(rank, groups):
 def check_onebit_equals_reference(rank, groups):
     """hierarchical_onebit_all_reduce = the exact node mean of this rank's shard, onebit_all_reduce'd over the inter
     group with this rank's errors, all-gathered in the node: bit for bit, over two steps (errors carried)."""
-    from lightning_qcomm.comm import onebit_all_reduce, onebit_server_error_numel
-    from lightning_qcomm.comm.hierarchical import hierarchical_onebit_all_reduce
+    from lightning_qcomm.collectives import onebit_all_reduce, onebit_server_error_numel
+    from lightning_qcomm.collectives.hierarchical import hierarchical_onebit_all_reduce
 
     topo = groups.topology
     c = shard_numel(D, NODE)
@@ -176,8 +176,8 @@ def check_onebit_equals_reference(rank, groups):
 
 
 def check_onebit_inter_node_bytes(rank, groups):
-    from lightning_qcomm.comm import onebit_all_reduce, onebit_pieces, onebit_server_error_numel
-    from lightning_qcomm.comm.hierarchical import hierarchical_onebit_all_reduce
+    from lightning_qcomm.collectives import onebit_all_reduce, onebit_pieces, onebit_server_error_numel
+    from lightning_qcomm.collectives.hierarchical import hierarchical_onebit_all_reduce
 
     topo = groups.topology
     n_nodes, n = topo.num_nodes, topo.world_size

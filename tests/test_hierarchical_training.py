@@ -580,7 +580,7 @@ def _two_phase_bytes(numel: int, size: int, off_peers: int) -> int:
     """Off-node bytes of one precision-preserving all-reduce: per piece, the all-to-all sends one chunk to each
     off-node peer and the all-gather one chunk to each (``tests/test_hierarchical.py``)."""
     from lightning_qcomm.codecs import get_codec
-    from lightning_qcomm.comm import all_reduce_pieces
+    from lightning_qcomm.collectives import all_reduce_pieces
 
     codec = get_codec("uniform", 8, CODEC_BUCKET)
     return sum(2 * off_peers * codec.nbytes(-(-ln // size)) for _, ln in all_reduce_pieces(numel, size, codec))
@@ -736,7 +736,7 @@ def test_resume_on_another_topology_resets_residuals_with_one_warning(runs, layo
 
 # ------------------------------------------------------------------------------------------ no processes
 def test_param_shards_layout_and_round_trip():
-    from lightning_qcomm.comm.hierarchical import ParamShards
+    from lightning_qcomm.collectives.hierarchical import ParamShards
 
     shards = ParamShards([5, 3], node_size=2)
     assert (shards.chunks, shards.shard_numel) == ((3, 2), 5)

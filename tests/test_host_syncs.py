@@ -22,7 +22,7 @@ from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState, QuantizedAllGath
 from lightning_qcomm.adapters.fsdp2.shim import ParamShard
 from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync
 from lightning_qcomm.codecs import get_codec
-from lightning_qcomm.comm import (
+from lightning_qcomm.collectives import (
     onebit_all_reduce,
     onebit_server_error_numel,
     quantized_all_gather,
@@ -116,9 +116,9 @@ def test_onebit_all_reduce_and_momentum_sync():
 
 @pytest.mark.parametrize("block", [None, 64])
 def test_onebit_all_reduce_batched_accelerator_form(monkeypatch, block):
-    """The form a GPU runs (``comm.sign_batched``: every piece in one batch), forced on CPU tensors: full pieces,
+    """The form a GPU runs (``collectives.sign_batched``: every piece in one batch), forced on CPU tensors: full pieces,
     a short last piece with padding, fp16 input, a NaN, the momentum sync's buckets."""
-    from lightning_qcomm.comm import sign_batched
+    from lightning_qcomm.collectives import sign_batched
 
     monkeypatch.setattr(sign_batched, "PATH", "batched")
     x = torch.randn(D)

@@ -2,14 +2,15 @@
 "Architecture"; README, "Architecture").
 
     0  codecs, kernels, _checks          the math of the codes and the kernels that run it
-    1  comm, collectives                 collectives (their engine), ledger, DDP/FSDP hooks over torch.distributed
-    2  adapters, memory, optim           adapters: the DDP hook, FSDP2's comms, the 1-bit momentum sync,
+    1  comm                              transport, ledger, topology, process groups over torch.distributed
+    2  collectives                       the compressed collectives and their engine
+    3  adapters, memory, optim           adapters: the DDP hook, FSDP2's comms, the 1-bit momentum sync,
                                          saved-activation storage, OneBitAdam
-    3  parallel                          the plain-torch entry points and their configs
-    4  strategies, callbacks, fabric,    Lightning glue; the package root
+    4  parallel                          the plain-torch entry points and their configs
+    5  strategies, callbacks, fabric,    Lightning glue; the package root
        cli, cli_checks, demo, consolidate, root
 
-(docs/design.md's picture: codecs -> comm -> adapters -> plain-torch entry points -> Lightning.)
+(docs/design.md's picture: codecs -> comm -> collectives -> adapters -> plain-torch entry points -> Lightning.)
 
 Imports within one layer are free. Every import counts, also those inside functions and under
 ``TYPE_CHECKING``. Read with ``ast``, nothing is imported.
@@ -31,20 +32,20 @@ LAYERS = {
     "codecs": 0,
     "kernels": 0,
     "comm": 1,
-    "collectives": 1,
-    "adapters": 2,
-    "optim": 2,
-    "memory": 2,
-    "parallel": 3,
-    "strategies": 4,
-    "callbacks": 4,
-    "fabric": 4,
-    "cli": 4,
-    "cli_checks": 4,
-    "demo": 4,
-    "consolidate": 4,
-    "__main__": 4,
-    "": 4,  # the package root (lightning_qcomm/__init__.py re-exports every layer)
+    "collectives": 2,
+    "adapters": 3,
+    "optim": 3,
+    "memory": 3,
+    "parallel": 4,
+    "strategies": 5,
+    "callbacks": 5,
+    "fabric": 5,
+    "cli": 5,
+    "cli_checks": 5,
+    "demo": 5,
+    "consolidate": 5,
+    "__main__": 5,
+    "": 5,  # the package root (lightning_qcomm/__init__.py re-exports every layer)
 }
 
 
@@ -160,8 +161,8 @@ def test_checker_sees_upward_imports_of_every_form(tmp_path):
     found = upward_imports(pkg, PACKAGE, mapped=(tmp_path / "kernels",))
     assert [p.split(": ", 1)[1] for p in found] == [
         "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm.comm (layer 1)",
-        "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm.strategies.s (layer 4)",
-        "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm (layer 4)",
+        "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm.strategies.s (layer 5)",
+        "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm (layer 5)",
         "lightning_qcomm.codecs.a (layer 0) imports lightning_qcomm.comm (layer 1)",
         "lightning_qcomm.kernels.cuda.k (layer 0) imports lightning_qcomm.comm.c (layer 1)",
     ], found

@@ -392,7 +392,7 @@ def _averager_worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from lightning_qcomm.codecs import get_codec
-    from lightning_qcomm.comm.averaging import TensorAverager
+    from lightning_qcomm.collectives.averaging import TensorAverager
 
     ledger = CommLedger()
     set_ledger(ledger)

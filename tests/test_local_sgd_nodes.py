@@ -354,7 +354,7 @@ def test_quantized_diloco_agrees_across_ranks_close_to_fp32_and_shrinks_inter_by
     parameters are θ_g after the last sync; loss within issue 16's 8-bit band (1%) of the fp32 DiLoCo run; the
     inter-node all-reduce of each rank's shard sends the codec's bytes instead of 4 per element."""
     from lightning_qcomm import LocalSGDConfig
-    from lightning_qcomm.comm import all_reduce_pieces
+    from lightning_qcomm.collectives import all_reduce_pieces
 
     n_params = sum(p.numel() for p in runs[0]["ddp"])
     shard = -(-n_params // 2)  # each rank of a node sends its half of the node's parameters across

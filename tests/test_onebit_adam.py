@@ -997,7 +997,7 @@ def test_lightning_callback_replaces_adamw_and_switches_phase(results):
 def test_lightning_ledger_bytes_per_phase(results):
     """fp32 grads during warm-up (ratio 1), then momentum at ceil(c/8) + 4 ceil(c/256) B per chunk of c = ceil(d/2)
     elements (the default scale_block=256): ~1/32 (1 + 32/256) of fp32."""
-    from lightning_qcomm.comm.wire_bytes import wire_bytes_formula
+    from lightning_qcomm.collectives.wire_bytes import wire_bytes_formula
 
     d = sum(p.numel() for p in _net().parameters())
     totals = results[0]["onebit"]["totals"]

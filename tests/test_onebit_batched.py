@@ -1,6 +1,6 @@
 """The batched (accelerator) form of the 1-bit all-reduce gives the per-piece reference's bits.
 
-``comm.sign_batched`` runs every piece of a bucket in one set of multi-row ops; it must leave the same outputs,
+``collectives.sign_batched`` runs every piece of a bucket in one set of multi-row ops; it must leave the same outputs,
 worker errors and server errors as ``sign_collective._ReferencePhases`` piece by piece, and record the same
 ledger bytes. Checked over several steps (the error buffers carry over), with full pieces, a short last piece
 whose last chunks are short or empty on some ranks, one scale per chunk and per block, a NaN step and fp16
@@ -22,8 +22,9 @@ from _launch import free_port, rank_results, spawn, write_rank_result
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_qcomm.codecs import cpu_fused, scaling
-from lightning_qcomm.comm import CommLedger, onebit_all_reduce, onebit_pieces, set_ledger, sign_batched
-from lightning_qcomm.comm.sign_batched import piece_groups
+from lightning_qcomm.collectives import onebit_all_reduce, onebit_pieces, sign_batched
+from lightning_qcomm.collectives.sign_batched import piece_groups
+from lightning_qcomm.comm import CommLedger, set_ledger
 
 M = 96  # elements per rank per piece
 

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import onebit_step_ops  # noqa: E402
 from lightning_qcomm.codecs import cpu_fused, scaling  # noqa: E402
-from lightning_qcomm.comm import sign_batched  # noqa: E402
+from lightning_qcomm.collectives import sign_batched  # noqa: E402
 
 
 def test_batched_momentum_sync_launches_fewer_ops_and_syncs_nothing(monkeypatch):
@@ -20,9 +20,10 @@ def test_batched_momentum_sync_launches_fewer_ops_and_syncs_nothing(monkeypatch)
     rows = {p: onebit_step_ops.count(p, scale=1 / 32, world=1, steps=1, nonfinite="propagate") for p in PATHS}
     ref, new = rows["reference"], rows["batched"]  # pieces of 256 elements: whole bytes of codes
     assert ref["pieces"] == new["pieces"] > 4 * ref["buckets"]  # several pieces per bucket
-    assert new["by_layer"]["onebit.py"] * 4 < ref["by_layer"]["onebit.py"], rows
+    assert new["by_layer"][onebit_step_ops.SYNC] * 4 < ref["by_layer"][onebit_step_ops.SYNC], rows
     assert new["by_layer"]["optim"] == ref["by_layer"]["optim"]
-    assert not any("lightning_qcomm/comm/" in site for site in new["sync_sites"]), new["sync_sites"]
+    layers = ("lightning_qcomm/comm/", "lightning_qcomm/collectives/", "lightning_qcomm/adapters/")
+    assert not any(layer in site for site in new["sync_sites"] for layer in layers), new["sync_sites"]
 
 
 PATHS = ("reference", "batched")
@@ -43,4 +44,4 @@ def test_compressed_step_reads_the_host_once_at_four_ranks(monkeypatch):
     finally:
         dist.destroy_process_group()
     assert row["syncs"] == 1, row["sync_sites"]
-    assert row["by_layer"]["nonfinite.py"] < 16, row["by_layer"]  # not one check per parameter (148)
+    assert row["by_layer"][onebit_step_ops.CHECK] < 16, row["by_layer"]  # not one check per parameter (148)

@@ -1,4 +1,4 @@
-"""CPU kernels of the 1-bit sign path of ``comm.onebit_all_reduce``: the checked entry points of the sign ops.
+"""CPU kernels of the 1-bit sign path of ``collectives.onebit_all_reduce``: the checked entry points of the sign ops.
 
 ``sign_scale`` is the sign1 codec's one-bucket scale (its fp32 L2 norm by torch, as ``Codec.encode``), and
 ``sign_encode_err`` / ``sign_server_sum`` / ``sign_decode`` check their buffers and call the ``qcomm::sign_*``

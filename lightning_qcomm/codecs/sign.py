@@ -8,7 +8,7 @@ the scale must be the same bits on every backend.
 
 per bucket of d real elements (one bucket = the whole tensor when ``bucket_size`` is None). Codes are
 1 for x < 0, packed 8 per byte; the scale is one fp32 per bucket. Deterministic and biased: use it
-with error feedback (``comm.onebit_all_reduce``). The scale is never flagged (``codecs.scaling``): it is at
+with error feedback (``collectives.onebit_all_reduce``). The scale is never flagged (``codecs.scaling``): it is at
 most ``max |x|``, and computed from the fp64 norm where the fp32 one overflows or is subnormal.
 """
 

@@ -1,4 +1,4 @@
-"""The fused 1-bit phases: the codec layer's door to the fused CPU sign kernels for ``comm.onebit_all_reduce``.
+"""The fused 1-bit phases: the codec layer's door to the fused CPU sign kernels for ``collectives.onebit_all_reduce``.
 
 With C(y) = (||y||_2 / sqrt(len y)) * sign(y) (the ``sign1`` codec with one bucket, sign(0) = +1) and a payload of
 c elements = ceil(c/8) code bytes then the scale as fp32, the three phases are, each one pass, bit-identical to the

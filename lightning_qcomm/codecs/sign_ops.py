@@ -1,4 +1,4 @@
-"""The 1-bit sign ops of ``comm.onebit_all_reduce``'s fused path: schemas, fake kernels and default kernels.
+"""The 1-bit sign ops of ``collectives.onebit_all_reduce``'s fused path: schemas, fake kernels and default kernels.
 
     qcomm::sign_encode_err(y, scale, payload!, err!, valid, err_len)   one sign1 payload of y, and y - C(y)
     qcomm::sign_server_sum(buf, world, c, server_error, valid, z!)     z = (sum_r C_r) / world + e_s, in rank order

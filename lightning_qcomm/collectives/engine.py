@@ -20,9 +20,9 @@ order on every rank:
 Two blocking phases in a row would leave the link idle between them (BENCHMARKS.md §3, "Why two blocking phases
 lose the link"). The send and receive buffers of step 1 are freed before the first decode.
 
-Reducers: the plain fp32 sum with error feedback (``comm.quantized``), the 1-bit average with worker and server
-error, per piece (``comm.sign_collective``: the reference and the fused CPU passes) or as one batch of pieces
-(``comm.sign_batched``).
+Reducers: the plain fp32 sum with error feedback (``collectives.quantized``), the 1-bit average with worker and server
+error, per piece (``collectives.sign_collective``: the reference and the fused CPU passes) or as one batch of pieces
+(``collectives.sign_batched``).
 
 The reduce-scatter and the all-gather are each one phase of the same exchange, so they run its two halves alone:
 ``run_reduce_scatter`` (encode, all-to-all, reduce: the quantized reduce-scatter's plain sum, QSDP's sum with the

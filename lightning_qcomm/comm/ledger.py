@@ -5,7 +5,7 @@ Each record carries, for this rank:
 * ``op``: the torch.distributed primitive (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast),
 * ``tag``: what the traffic is for (grads, weights, param_average, momentum, control, ...), optionally with
   the link it crosses as a suffix: ``"grads@intra"`` (inside a node), ``"grads@inter"`` (between nodes; the
-  hierarchical collectives of ``comm.hierarchical`` record these). ``scope_of(tag)`` reads it back; a tag
+  hierarchical collectives of ``collectives.hierarchical`` record these). ``scope_of(tag)`` reads it back; a tag
   without a suffix is scope ``"flat"``: a collective over the whole group, which the ledger cannot split (its
   traffic crosses the nodes' links too when the world spans several nodes: counted as neither intra nor inter,
   docs/design.md "Byte accounting"). ``purpose_of(tag)`` is the tag without the suffix,

@@ -4,7 +4,7 @@ On ``M`` nodes of ``L`` ranks (``comm.topology``), each FSDP group is sharded wi
 ranks (``mesh["intra"]``): weight all-gathers and gradient reduce-scatters stay on the fast links,
 unquantized by default (``QSDPConfig.intra_node_bits=None``; a width quantizes them too, with QSDP's own
 comms). The ``M`` replicas of each shard then average their reduce-scattered gradient over the ``inter`` group
-(one rank per node) with the precision-preserving compressed all-reduce (``comm.quantized_all_reduce``:
+(one rank per node) with the precision-preserving compressed all-reduce (``collectives.quantized_all_reduce``:
 decode, fp32 sum, requantize), from FSDP2's all-reduce hook, which runs on the reduce-scatter output before
 FSDP2's post-divide. So g_shard ← (1/M) Σ_nodes D(Q(Σ_intra g / L)): the global mean gradient up to the two
 roundings, identical on the ``M`` replicas, so their optimizer shards stay equal. Each compressed byte crosses
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState
 from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.comm import quantized_all_reduce
+from lightning_qcomm.collectives import quantized_all_reduce
 from lightning_qcomm.comm.comm_worker import CommWorker
 
 SEED_INTER = 4  # beside adapters.fsdp2.comms's SEED_WEIGHTS / SEED_GRADS / SEED_MASTER

@@ -2,7 +2,7 @@
 
 Each rank trains its own replica (no ``DistributedDataParallel``, no per-step gradient all-reduce) and the
 replicas are averaged every H optimizer steps, H from a rule of ``parallel.sync_rules`` (constant, post-local,
-or the Quadratic Synchronization Rule); the averaging is ``comm.averaging.TensorAverager`` (docs/design.md,
+or the Quadratic Synchronization Rule); the averaging is ``collectives.averaging.TensorAverager`` (docs/design.md,
 "Local SGD and QSR"). Per optimizer step, in this order:
 
 * ``begin_step()``, before the step: a round starts if none is open; H is evaluated then from the lr this step
@@ -21,7 +21,7 @@ construction the parameters and buffers are broadcast from rank 0 (every replica
 
 ``scope="inter_node"`` (docs/design.md, "Local SGD across nodes"): the ranks of a node are data-parallel (their
 gradients are averaged over the node, fp32, every step, so they stay identical) and the nodes' replicas are
-averaged every H steps over the world hierarchically (``comm.hierarchical``: each buffer crosses the slow links
+averaged every H steps over the world hierarchically (``collectives.hierarchical``: each buffer crosses the slow links
 once). ``outer_optimizer="nesterov"`` turns each scheduled average into DiLoCo's outer step
 (``parallel.outer_optim``); forced averages (``sync()``) stay plain averages and leave the outer state alone.
 ``overlap=True`` runs each scheduled parameter average in the background during the next round and applies it at
@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_qcomm.comm.averaging import TensorAverager
+from lightning_qcomm.collectives.averaging import TensorAverager
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.comm.topology import NodeGroups, node_groups
 from lightning_qcomm.parallel.local_sgd_config import LocalSGDConfig, inter_node_topology

@@ -2,7 +2,7 @@
 
 One class for ``LocalSGDStrategy`` (Trainer), ``LocalSGDFabricStrategy`` (Fabric) and ``LocalSGD`` (plain
 torch). The period rule itself is ``parallel.sync_rules`` (``build_rule``); the averaging is
-``comm.averaging.TensorAverager``; ``inter_node_topology`` resolves the nodes ``scope="inter_node"`` runs on.
+``collectives.averaging.TensorAverager``; ``inter_node_topology`` resolves the nodes ``scope="inter_node"`` runs on.
 
 Example::
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.comm.averaging import TensorAverager
+from lightning_qcomm.collectives.averaging import TensorAverager
 from lightning_qcomm.comm.comm_worker import CommWorker, shared_background, shared_node_background
 from lightning_qcomm.comm.topology import NodeGroups
 from lightning_qcomm.parallel.outer_optim import NesterovOuterOptimizer

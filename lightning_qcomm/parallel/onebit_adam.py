@@ -13,7 +13,7 @@ things around it, which this file owns (docs/design.md, "1-bit Adam"):
    local gradient.
 
 Hierarchical (``hierarchical=True``, docs/design.md "Topology"): the momentum average of step 3 is exact (fp32)
-inside a node and 1-bit only across nodes (``comm.hierarchical.hierarchical_onebit_all_reduce``; each rank's
+inside a node and 1-bit only across nodes (``collectives.hierarchical.hierarchical_onebit_all_reduce``; each rank's
 error buffers belong to its 1/node_size shard of each bucket). Ranks per node: ``node_size``, else torchrun's
 ``LOCAL_WORLD_SIZE``; one node or one rank per node runs flat (warned once). The warm-up is unchanged.
 

@@ -4,7 +4,7 @@ Each rank trains its own replica and takes H optimizer steps between parameter a
 no per-step gradient all-reduce. H comes from a rule in ``parallel.sync_rules`` ("qsr": H = max(h_base,
 floor((alpha/lr)^power)), "constant", "post_local"). The settings are a ``parallel.LocalSGDConfig``; the
 schedule and the averaging are ``parallel.LocalSGD`` (the plain-torch averager, over
-``comm.averaging.TensorAverager``); this file is only the Lightning glue:
+``collectives.averaging.TensorAverager``); this file is only the Lightning glue:
 
 * **No DDP wrapper.** The module is not wrapped in ``DistributedDataParallel``: DDP would allocate
   gradient buckets, re-broadcast rank 0's buffers on every forward (fighting buffer averaging) and

@@ -25,7 +25,7 @@ from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
 from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState, QuantizedAllGather, QuantizedReduceScatter
 from lightning_qcomm.adapters.fsdp2.shim import ParamShard
 from lightning_qcomm.codecs import get_codec
-from lightning_qcomm.comm import quantized_all_reduce
+from lightning_qcomm.collectives import quantized_all_reduce
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 WORLD = 8

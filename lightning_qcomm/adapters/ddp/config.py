@@ -54,7 +54,7 @@ class QuantDDPConfig:
         nonfinite: a step with a NaN/Inf gradient is ``"skip"``-ped (the averaged gradients are the same on every
             rank, so every rank decides alike), ``"raise"``-s FloatingPointError, or ``"propagate"``-s.
         hierarchical: reduce each bucket exactly (fp32) inside a node and compress only across nodes
-            (``comm.hierarchical``: intra reduce-scatter, compressed all-reduce of 1/node_size of the bucket
+            (``collectives.hierarchical``: intra reduce-scatter, compressed all-reduce of 1/node_size of the bucket
             across nodes, intra all-gather); error feedback then keeps this rank's residual of its shard. On one
             node, or one rank per node, the flat all-reduce runs (warned once). docs/design.md, "Topology".
         node_size: ranks per node for ``hierarchical``; None takes the launcher's (Lightning's devices per node,

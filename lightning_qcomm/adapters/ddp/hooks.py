@@ -44,7 +44,7 @@ The members of each bucket are saved too: DDP starts a resumed run on its initia
 are the saved ones again the hook reduces by the saved layout (``ddp_relayout.LayoutReplay``), so a
 resumed run is bit-identical to an uninterrupted one whatever DDP's rebuild does.
 Hierarchical (``node_groups`` given, docs/design.md "Topology"): every all-reduce above becomes
-``comm.hierarchical.hierarchical_all_reduce`` -- fp32 reduce-scatter inside the node, the codec's all-reduce of
+``collectives.hierarchical.hierarchical_all_reduce`` -- fp32 reduce-scatter inside the node, the codec's all-reduce of
 1/L of the bucket across nodes, fp32 all-gather inside the node -- on the bucket's quantized elements laid out
 by ``ParamShards`` (each rank's shard holds the l-th ceil(n/L)-element piece of every parameter). The
 error-feedback residual is this rank's residual of its shard, kept per parameter name with ceil(n/L) elements,
@@ -67,10 +67,10 @@ from lightning_qcomm.adapters.ddp.plan import BucketPlan, append_segment, gather
 from lightning_qcomm.adapters.ddp.relayout import LayoutReplay, VirtualBucket
 from lightning_qcomm.adapters.onebit.sync import max_over_ranks_each
 from lightning_qcomm.codecs import Codec, derive_seed
+from lightning_qcomm.collectives.hierarchical import ParamShards, hierarchical_all_reduce, local_index, shard_numel
+from lightning_qcomm.collectives.quantized import quantized_all_reduce
 from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths
 from lightning_qcomm.comm.comm_worker import CommWorker
-from lightning_qcomm.comm.hierarchical import ParamShards, hierarchical_all_reduce, local_index, shard_numel
-from lightning_qcomm.comm.quantized import quantized_all_reduce
 from lightning_qcomm.comm.side_stream import SideStream
 from lightning_qcomm.comm.topology import NodeGroups
 

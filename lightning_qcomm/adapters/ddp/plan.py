@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_qcomm.comm.hierarchical import ParamShards
+from lightning_qcomm.collectives.hierarchical import ParamShards
 
 
 @dataclass

@@ -18,7 +18,7 @@ This file owns the collectives 1-bit Adam issues and knows nothing of Lightning 
   bucket) and one temporary flat bucket.
 
   Hierarchical (``process_group`` a ``comm.topology.NodeGroups``, docs/design.md "Topology"): each bucket goes
-  through ``comm.hierarchical.hierarchical_onebit_all_reduce`` instead -- exact fp32 mean inside the node, the
+  through ``collectives.hierarchical.hierarchical_onebit_all_reduce`` instead -- exact fp32 mean inside the node, the
   1-bit average of this rank's 1/L shard across the M nodes, all-gather inside the node -- so e_w holds
   ceil(d_b/L) and e_s ceil(ceil(d_b/L)/M) elements per bucket, and 1/L of the 1-bit bytes leave each rank's node.
 
@@ -47,17 +47,17 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.comm.buckets import bucket_layout
-from lightning_qcomm.comm.hierarchical import hierarchical_onebit_all_reduce, shard_numel
-from lightning_qcomm.comm.ledger import get_ledger
-from lightning_qcomm.comm.quantized import quantized_all_reduce
-from lightning_qcomm.comm.side_stream import SideStream
-from lightning_qcomm.comm.sign_collective import (
+from lightning_qcomm.collectives.hierarchical import hierarchical_onebit_all_reduce, shard_numel
+from lightning_qcomm.collectives.quantized import quantized_all_reduce
+from lightning_qcomm.collectives.sign_collective import (
     DEFAULT_ONEBIT_PIECE_NUMEL,
     check_block_numel,
     onebit_all_reduce,
     onebit_server_error_numel,
 )
+from lightning_qcomm.comm.buckets import bucket_layout
+from lightning_qcomm.comm.ledger import get_ledger
+from lightning_qcomm.comm.side_stream import SideStream
 from lightning_qcomm.comm.topology import NodeGroups
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 ``TensorAverager`` owns a fixed, ordered list of same-role tensors (parameters, floating buffers or
 optimizer-state tensors). ``average(round_idx)`` packs them into flat buckets of at most
 ``bucket_numel`` elements per (dtype, device), averages each bucket with
-``comm.quantized_all_reduce(..., op="avg", tag=tag)`` and writes the result back:
+``collectives.quantized_all_reduce(..., op="avg", tag=tag)`` and writes the result back:
 
     x_i <- (1/N) * sum_r x_i^(r)                                  (codec None: fp32 all-reduce)
     x_i <- a_i + D(Q(1/N * sum_r D(Q(x_i^(r) - a_i))))            (codec set, ``delta=True``)
@@ -16,7 +16,7 @@ them far better than the raw weights (the same reason DiLoCo and torchft average
 (``quantized_all_reduce`` decodes the same bytes everywhere). Every call records into the ledger.
 
 With ``node_groups`` (``comm.topology``) each bucket is averaged over the world by
-``comm.hierarchical.hierarchical_all_reduce``: exact fp32 inside a node, the codec only across nodes, each
+``collectives.hierarchical.hierarchical_all_reduce``: exact fp32 inside a node, the codec only across nodes, each
 buffer crossing the slow links once (1/node_size of it from each rank of a node); ledger tags
 ``f"{tag}@intra"`` / ``f"{tag}@inter"``. Local SGD across nodes uses it for tensors that are already equal
 inside a node, so the intra-node sum is exact and the result is the mean over nodes.
@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
+from lightning_qcomm.collectives.hierarchical import hierarchical_all_reduce
+from lightning_qcomm.collectives.quantized import quantized_all_reduce
 from lightning_qcomm.comm.buckets import bucket_layout
-from lightning_qcomm.comm.hierarchical import hierarchical_all_reduce
-from lightning_qcomm.comm.quantized import quantized_all_reduce
 from lightning_qcomm.comm.topology import NodeGroups
 
 DEFAULT_BUCKET_NUMEL = 25 * 1024 * 1024 // 4  # 25 MiB of fp32 per flat bucket, like DDP's bucket_cap_mb

@@ -3,7 +3,7 @@
 The compressed collectives' engine (``collectives.engine.run_pipelined``: async all-to-all, server step, async
 all-gather, decode) runs one of three reducers: ``_ReferencePhases`` per piece through the ``sign1`` codec's
 encode/decode (the spec), ``_FusedPhases`` per piece through the codec layer's fused CPU sign phases
-(``codecs.sign_fused``), bit-identical to it, or, off the CPU, ``comm.sign_batched``'s groups of equal pieces as
+(``codecs.sign_fused``), bit-identical to it, or, off the CPU, ``collectives.sign_batched``'s groups of equal pieces as
 one batch (the same values, one collective per group, no host sync). The engine alone decides the order of
 reads, writes and collectives, so the per-piece paths issue the same collectives with the same bytes.
 
@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, get_codec, sign_fused
-from lightning_qcomm.collectives.engine import run_pipelined
-from lightning_qcomm.comm.call_check import _check_consistent
-from lightning_qcomm.comm.chunked import (
+from lightning_qcomm.collectives.call_check import _check_consistent
+from lightning_qcomm.collectives.chunked import (
     FP32_BYTES,
     _check_piece_numel,
     _check_tensor,
@@ -36,8 +35,9 @@ from lightning_qcomm.comm.chunked import (
     _payload,
     _update_error,
 )
+from lightning_qcomm.collectives.engine import run_pipelined
+from lightning_qcomm.collectives.sign_batched import BatchedPhases, piece_groups, selected_path
 from lightning_qcomm.comm.ledger import get_ledger
-from lightning_qcomm.comm.sign_batched import BatchedPhases, piece_groups, selected_path
 from lightning_qcomm.comm.transport import _rank_world
 
 DEFAULT_ONEBIT_PIECE_NUMEL = 1 << 18  # min elements per rank per pipelined piece (32 KB of signs per rank)
@@ -242,7 +242,7 @@ def onebit_all_reduce(
         all:       x <- concat_j C(z_j)[:n], identical on every rank.
 
     Pieces are pipelined as in ``quantized_all_reduce`` (async all-to-all per piece; each piece's
-    all-gather issued once its all-to-all is done). Off the CPU (``comm.sign_batched``; ``sign_batched.PATH``
+    all-gather issued once its all-to-all is done). Off the CPU (``collectives.sign_batched``; ``sign_batched.PATH``
     selects) all pieces of equal length run as one batch: one all-to-all and one all-gather per group of them,
     the same values and bytes, a number of torch ops that does not grow with the number of pieces. Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1)
     bytes of scales per piece (1/32 of an fp32 ring all-reduce); with blocks, 4 bytes per B elements more
@@ -296,7 +296,7 @@ def onebit_all_reduce(
     )
     path = selected_path(x, fused)
     out_flat = _fp32_output(x)
-    if path == "batched":  # every piece in one set of multi-row ops (comm.sign_batched)
+    if path == "batched":  # every piece in one set of multi-row ops (collectives.sign_batched)
         reducer = BatchedPhases(sign, x, out_flat, worker_error, server_error, rank, world)
         units = piece_groups(pieces, world)
     else:

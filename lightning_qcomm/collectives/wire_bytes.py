@@ -11,9 +11,9 @@ Example::
 from __future__ import annotations
 
 from lightning_qcomm.codecs import Codec
-from lightning_qcomm.comm.chunked import FP32_BYTES, _chunk_len
-from lightning_qcomm.comm.quantized import DEFAULT_PIECE_NUMEL, all_reduce_pieces
-from lightning_qcomm.comm.sign_collective import DEFAULT_ONEBIT_PIECE_NUMEL, _sign_codec, onebit_pieces
+from lightning_qcomm.collectives.chunked import FP32_BYTES, _chunk_len
+from lightning_qcomm.collectives.quantized import DEFAULT_PIECE_NUMEL, all_reduce_pieces
+from lightning_qcomm.collectives.sign_collective import DEFAULT_ONEBIT_PIECE_NUMEL, _sign_codec, onebit_pieces
 
 
 def wire_bytes_formula(

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec
-from lightning_qcomm.comm.chunked import REDUCE_OPS
+from lightning_qcomm.collectives.chunked import REDUCE_OPS
 from lightning_qcomm.comm.ledger import get_ledger
 from lightning_qcomm.comm.transport import _all_gather_single
 

@@ -48,7 +48,7 @@ import torch
 
 from lightning_qcomm.codecs import Codec, Packed, packing
 from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows, row_bucketed
-from lightning_qcomm.comm.chunked import _chunk_len, _update_error
+from lightning_qcomm.collectives.chunked import _chunk_len, _update_error
 
 PATHS = ("auto", "batched", "reference")
 PATH = "auto"  # module switch: see the module docstring

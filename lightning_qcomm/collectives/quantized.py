@@ -2,7 +2,7 @@
 
 This file owns the process logic that moves codec payloads between ranks; the math of each codec lives in
 ``lightning_qcomm.codecs``, the bytes' transport in ``comm.transport``, the per-call cross-rank check in
-``comm.call_check`` and the byte accounting in ``comm.ledger`` (docs/design.md, "Collectives").
+``collectives.call_check`` and the byte accounting in ``comm.ledger`` (docs/design.md, "Collectives").
 
 Seeds: a caller passes ``seed`` (fold step and tensor id into it with ``codecs.derive_seed``). Internally
 the chunk rank r encodes for rank j in phase 1 uses ``derive_seed(seed, 1, r, j)`` and the reduced chunk
@@ -10,7 +10,7 @@ j (encoded by rank j) uses ``derive_seed(seed, 2, j)``; the all-gather shard of 
 ``derive_seed(seed, r)``. Every rank decodes every chunk, its own included, from the same bytes, so the
 results of ``quantized_all_gather`` and ``quantized_all_reduce`` are bit-identical on all ranks.
 
-Consistency check (``check=True``, the default): ``comm.call_check``; one 64-byte all-gather per call.
+Consistency check (``check=True``, the default): ``collectives.call_check``; one 64-byte all-gather per call.
 
 World size 1 (or torch.distributed not initialised, which is treated as a world of one): no
 torch.distributed call is made, the ledger records zero wire bytes, and the result is exactly what N
@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.collectives.engine import run_all_gather, run_pipelined, run_reduce_scatter
-from lightning_qcomm.comm.call_check import _check_consistent
-from lightning_qcomm.comm.chunked import (
+from lightning_qcomm.collectives.call_check import _check_consistent
+from lightning_qcomm.collectives.chunked import (
     FP32_BYTES,
     _check_codec,
     _check_piece_numel,
@@ -53,6 +52,7 @@ from lightning_qcomm.comm.chunked import (
     _payload,
     _update_error,
 )
+from lightning_qcomm.collectives.engine import run_all_gather, run_pipelined, run_reduce_scatter
 from lightning_qcomm.comm.ledger import get_ledger
 from lightning_qcomm.comm.transport import _all_gather, _rank_world, _reduce_scatter_single
 

@@ -41,9 +41,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_qcomm.codecs import Codec, derive_seed
+from lightning_qcomm.collectives.quantized import quantized_all_reduce
+from lightning_qcomm.collectives.sign_collective import onebit_all_reduce
 from lightning_qcomm.comm.ledger import get_ledger
-from lightning_qcomm.comm.quantized import quantized_all_reduce
-from lightning_qcomm.comm.sign_collective import onebit_all_reduce
 from lightning_qcomm.comm.topology import NodeGroups
 from lightning_qcomm.comm.transport import _reduce_scatter_single
 
