@@ -114,3 +114,15 @@ def test_scales_kernel_compiles_for_sm90(cid, int64, wire):
     )
     _check(ptx)
     assert "div.rn.f32" in ptx  # the correctly rounded division the reference does
+
+
+@pytest.mark.parametrize("module", [codec_kernels, wire_params], ids=lambda m: m.__name__.rsplit(".")[-1])
+def test_kernel_globals_equal_themselves(module):
+    """Triton checks at every launch that each global a kernel reads still equals (==) its value at compile time:
+    a NaN global (NaN != NaN) would fail every launch after the first compile, on a GPU only."""
+    kernels = [v for v in vars(module).values() if isinstance(v, triton.runtime.jit.JITFunction)]
+    assert kernels
+    for k in kernels:
+        _ = k.cache_key  # collects the globals the kernel and its callees read
+        changed = [name for (name, _), (val, _g) in k.used_global_vals.items() if val != val]
+        assert not changed, (k.fn.__name__, changed)
