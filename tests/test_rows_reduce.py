@@ -37,8 +37,10 @@ IDS = [f"{c[0]}-{c[1]}-{c[2]}" for c in CODECS]
 
 
 def _wire(codec, r: int, n: int, seed: int = 0) -> torch.Tensor:
-    """R payloads of n elements; row 1 holds a NaN and row 2 an Inf (their buckets decode to NaN)."""
+    """R payloads of n elements; row 0 holds a subnormal, row 1 a NaN and row 2 an Inf (their buckets decode to
+    NaN)."""
     rows = torch.randn(r, n, generator=torch.Generator().manual_seed(seed + 100 * r + n)) * 3
+    rows[0, n // 2] = 1e-40
     if r > 1:
         rows[1, min(7, n - 1)] = float("nan")
     if r > 2:
@@ -85,6 +87,7 @@ def _feedback_case(n: int, c: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     y, dec, held = (torch.randn(n, generator=g) * 5 for _ in range(3))
     y[2], dec[5], held[min(c, n - 1)] = float("nan"), float("inf"), float("-inf")
+    y[min(3, n - 1)], held[0] = 1e-41, -1e-39  # subnormals
     reduced = torch.randn(c, generator=g) * 5
     reduced[1] = float("inf")
     err = torch.randn(n, generator=g)
