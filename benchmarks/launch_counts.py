@@ -117,11 +117,11 @@ class _Counted:
 @contextlib.contextmanager
 def cuda_path_on_cpu() -> Iterator[list[str]]:
     """CPU tensors take the codec ops' CUDA kernels (Triton, interpreted) while active; yields the list the
-    Triton launches are appended to (kernel names: "encode", "decode", "wire")."""
+    Triton launches are appended to (kernel names: "encode", "decode", "wire", "sum", "feedback")."""
     from unittest import mock
 
-    from lightning_qcomm.codecs import ops, rows, rows_encode, scaling
-    from lightning_qcomm.kernels.cuda import codec_kernels, wire_params
+    from lightning_qcomm.codecs import ops, rows, rows_encode, rows_reduce, scaling
+    from lightning_qcomm.kernels.cuda import codec_kernels, reduce_kernels, wire_params
 
     if not codec_kernels._is_interpreted():
         raise RuntimeError("set TRITON_INTERPRET=1 before lightning_qcomm.kernels is imported")
@@ -134,11 +134,19 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
     lib.impl("decode_into", _opened(ops.decode_into_reference), "CPU", allow_override=True)
     lib.impl("encode_rows", _opened(rows_encode.encode_rows_cuda, as_python=True), "CPU", allow_override=True)
     lib.impl("decode_rows", _opened(rows.decode_rows_cuda, as_python=True), "CPU", allow_override=True)
-    lib.impl("decode_rows_into", _opened(rows.decode_rows_into_kernel, as_python=True), "CPU", allow_override=True)
+    lib.impl("decode_rows_into", _opened(rows.decode_rows_into_cuda, as_python=True), "CPU", allow_override=True)
+    lib.impl("decode_rows_sum", _opened(rows_reduce.decode_rows_sum_cuda, as_python=True), "CPU", allow_override=True)
+    lib.impl("feedback_update", _opened(rows_reduce.feedback_update_cuda, as_python=True), "CPU", allow_override=True)
     patches = [
         mock.patch.object(codec_kernels, "_encode_kernel", _Counted(codec_kernels._encode_kernel, "encode", log)),
         mock.patch.object(codec_kernels, "_decode_kernel", _Counted(codec_kernels._decode_kernel, "decode", log)),
         mock.patch.object(wire_params, "_wire_kernel", _Counted(wire_params._wire_kernel, "wire", log)),
+        mock.patch.object(
+            reduce_kernels, "_decode_sum_kernel", _Counted(reduce_kernels._decode_sum_kernel, "sum", log)
+        ),
+        mock.patch.object(
+            reduce_kernels, "_feedback_kernel", _Counted(reduce_kernels._feedback_kernel, "feedback", log)
+        ),
         mock.patch.object(scaling, "_HOST_BRANCHES", False),
     ]
     try:

@@ -26,6 +26,11 @@ FUSED_ENCODE = [("uniform", 8, {}), ("uniform", 4, {"stochastic": False}), ("fp8
 FUSED_ENCODE += [("fp8_e5m2", 8, {"rounding": "stochastic"}), ("qsgd", 4, {}), ("qsgd", 8, {}), ("qsgdinf", 4, {})]
 FUSED_ENCODE += [("nuqsgd", 4, {}), ("nuqsgd", 2, {}), ("sign1", 1, {"bucket_size": 256})]  # 1-bit Adam's blocks
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ALL_REDUCE_CODECS = ("uniform-8", "fp8_e4m3-8", "nuqsgd-4")
+# Launches of one quantized all-reduce of one bucket (error feedback on), Triton + torch + collectives: the phase-1
+# scales and codes, its decode (residual), the server's decode-and-sum, its scales and codes, the final decode and
+# the error-feedback tail (8 Triton); y = x + e and its zero padding (2 torch); all-to-all and all-gather.
+MAX_ALL_REDUCE_LAUNCHES = 12
 
 
 def _key(name, bits, opts) -> str:
@@ -96,7 +101,7 @@ def _worker() -> dict:
             r["codec"] + "".join(f"_{v}" for v in r["options"].values()): r for r in codec_rows(log, FUSED_ENCODE)
         }
         report["rows_encode"] = _rows_encode_launches(log)
-        report["all_reduce"] = all_reduce_rows(log, codecs=("uniform-8", "nuqsgd-4"))
+        report["all_reduce"] = all_reduce_rows(log, codecs=ALL_REDUCE_CODECS)
         with mock.patch.object(ops, "rows_kernel", lambda c, r, encode=True: False):
             report["all_reduce_torch_rows"] = all_reduce_rows(log, codecs=("uniform-8", "nuqsgd-4"))
     return report
@@ -147,6 +152,17 @@ def test_all_reduce_launches_flat_in_world_size(report, capsys):
             print(f"\nquantized_all_reduce {codec}, launches by N: rows kernels {fused}, torch rows {before}")
         assert fused[8] <= fused[2], fused
         assert all(fused[w] * 4 <= before[w] for w in fused), (fused, before)
+
+
+@pytest.mark.parametrize("codec", ALL_REDUCE_CODECS)
+def test_all_reduce_launches_per_bucket(report, codec):
+    """The per-bucket total of a quantized all-reduce at N = 2, 4, 8 (23 before the server step, its encode, the
+    final decode and the error-feedback tail were fused)."""
+    totals = {r["world"]: r for r in report["all_reduce"] if r["codec"] == codec}
+    assert sorted(totals) == [2, 4, 8]
+    for world, r in totals.items():
+        assert r["total"] == r["triton"] + r["torch"] + r["collectives"], r
+        assert r["total"] <= MAX_ALL_REDUCE_LAUNCHES, (codec, world, r)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lightning_qcomm.codecs import get_codec  # noqa: E402
-from lightning_qcomm.kernels.cuda import codec_kernels, wire_params  # noqa: E402
+from lightning_qcomm.kernels.cuda import codec_kernels, reduce_kernels, wire_params  # noqa: E402
 
 CODECS = {
     "uniform8": ("uniform", 8, {}),
@@ -69,7 +69,7 @@ def test_element_kernels_compile_for_sm90(cid, int64, rows):
         dec = _compile(
             codec_kernels._decode_kernel,
             {"codes_ptr": "*u8", "params_ptr": "*u8" if rows else "*fp32", "out_ptr": "*fp32", "n": "i32"}
-            | {"row_stride": "i32", "scale_off": "i32"},
+            | {"row_stride": "i32", "scale_off": "i32", "out_limit": "i32"},
             {**common, "P": p, "FP8_E4M3FN": ks.fp8_e4m3fn, "WIRE": wire, "ROWS": rows},
         )
         _check(dec)
@@ -114,3 +114,48 @@ def test_scales_kernel_compiles_for_sm90(cid, int64, wire):
     )
     _check(ptx)
     assert "div.rn.f32" in ptx  # the correctly rounded division the reference does
+
+
+@pytest.mark.parametrize("r", [2, 3, 8])
+@pytest.mark.parametrize("cid", ["uniform8", "uniform3", "qsgd4", "nuqsgd4", "fp8_e4m3", "fp8_e5m2_stochastic"])
+def test_decode_sum_kernel_compiles_for_sm90(cid, r):
+    """The server step's decode-and-sum: no FMA (each add and the times fl(1/R) rounded as the eager ops)."""
+    name, bits, opts = CODECS[cid]
+    codec = get_codec(name, bits, **opts)
+    ptx = _compile(
+        reduce_kernels._decode_sum_kernel,
+        {"wire_ptr": "*u8", "out_ptr": "*fp32", "n": "i32", "row_stride": "i32", "scale_off": "i32", "inv": "fp32"},
+        {**codec_kernels._spec(codec), "R": r, "AVG": True, "P": codec.scales_per_bucket}
+        | {
+            "FP8_E4M3FN": codec.kernel_spec().fp8_e4m3fn,
+            "GROUPS": codec_kernels.GROUPS_PER_PROGRAM,
+            "INT64_INDEX": False,
+        },
+    )
+    _check(ptx)
+
+
+@pytest.mark.parametrize("held", [0, 1, 2], ids=["fp32", "bf16", "fp16"])
+def test_feedback_kernel_compiles_for_sm90(held):
+    """The error-feedback tail: (S - held) * k, then the add, each rounded (no FMA)."""
+    ptx = _compile(
+        reduce_kernels._feedback_kernel,
+        {"y_ptr": "*fp32", "dec_ptr": "*fp32", "red_ptr": "*fp32", "held_ptr": "*fp32", "err_ptr": "*fp32"}
+        | {"n": "i32", "start": "i32", "c": "i32", "k": "fp32"},
+        {"HELD": held, "BLOCK": 1024},
+    )
+    _check(ptx)
+
+
+@pytest.mark.parametrize(
+    "module", [codec_kernels, wire_params, reduce_kernels], ids=lambda m: m.__name__.rsplit(".")[-1]
+)
+def test_kernel_globals_equal_themselves(module):
+    """Triton checks at every launch that each global a kernel reads still equals (==) its value at compile time:
+    a NaN global (NaN != NaN) would fail every launch after the first compile, on a GPU only."""
+    kernels = [v for v in vars(module).values() if isinstance(v, triton.runtime.jit.JITFunction)]
+    assert kernels
+    for k in kernels:
+        _ = k.cache_key  # collects the globals the kernel and its callees read
+        changed = [name for (name, _), (val, _g) in k.used_global_vals.items() if val != val]
+        assert not changed, (k.fn.__name__, changed)

@@ -126,6 +126,24 @@ def _encode_kernel(
 
 
 @triton.jit
+def unpack_codes(codes_ptr, g, lane, idx, inb, n, BITS: tl.constexpr, BITS_P2: tl.constexpr):
+    """int32 codes of the (GROUPS, 8) element tile ``idx`` (groups ``g``, lanes ``lane``) from the packed bytes."""
+    if BITS == 8:
+        c = tl.load(codes_ptr + idx, mask=inb, other=0).to(tl.int32)
+    else:
+        ngroups = (n + 7) // 8
+        j = tl.arange(0, BITS_P2)
+        src = g[:, None] * BITS + j[None, :]
+        byte = tl.load(codes_ptr + src, mask=(j[None, :] < BITS) & (g[:, None] < ngroups), other=0).to(tl.int32)
+        s = j[None, :] * 8 - lane[:, None] * BITS  # where byte j starts relative to code k's bits
+        shl = tl.minimum(tl.maximum(s, 0), 8)
+        shr = tl.minimum(tl.maximum(-s, 0), 8)
+        part = ((byte[:, None, :] << shl[None, :, :]) >> shr[None, :, :]) & ((1 << BITS) - 1)  # (GROUPS, 8, BITS_P2)
+        c = tl.sum(part, axis=2)
+    return c
+
+
+@triton.jit
 def _decode_kernel(
     codes_ptr,
     params_ptr,
@@ -133,6 +151,7 @@ def _decode_kernel(
     n,
     row_stride,
     scale_off,
+    out_limit,
     KIND: tl.constexpr,
     BITS: tl.constexpr,
     BITS_P2: tl.constexpr,
@@ -157,23 +176,12 @@ def _decode_kernel(
         row = tl.program_id(1).to(tl.int64)  # the codes at byte scale_off; values into out row `row` (n each)
         codes_ptr += row * row_stride
         out_ptr += row * n
+        out_limit -= row * n  # the flat out holds the first out_limit values of the (R, n) rows
     g = pid * GROUPS + tl.arange(0, GROUPS)
     lane = tl.arange(0, 8)
     idx = g[:, None] * 8 + lane[None, :]
     inb = idx < n
-    if BITS == 8:
-        c = tl.load(codes_ptr + idx, mask=inb, other=0).to(tl.int32)
-    else:
-        ngroups = (n + 7) // 8
-        j = tl.arange(0, BITS_P2)
-        src = g[:, None] * BITS + j[None, :]
-        byte = tl.load(codes_ptr + src, mask=(j[None, :] < BITS) & (g[:, None] < ngroups), other=0).to(tl.int32)
-        s = j[None, :] * 8 - lane[:, None] * BITS  # where byte j starts relative to code k's bits
-        shl = tl.minimum(tl.maximum(s, 0), 8)
-        shr = tl.minimum(tl.maximum(-s, 0), 8)
-        part = ((byte[:, None, :] << shl[None, :, :]) >> shr[None, :, :]) & ((1 << BITS) - 1)  # (GROUPS, 8, BITS_P2)
-        c = tl.sum(part, axis=2)
-
+    c = unpack_codes(codes_ptr, g, lane, idx, inb, n, BITS, BITS_P2)
     if ROWS:
         p0, p1, p2 = dec_params(codes_ptr + scale_off, idx, inb, KIND, P, BUCKET, LEVELS, True)
     elif WIRE:  # params_ptr holds the wire scales (P of them per bucket): the decode parameters are made here
@@ -181,7 +189,7 @@ def _decode_kernel(
     else:
         p0, p1, p2 = _load_params(params_ptr, idx, inb, P, BUCKET)
     val = dequantize(c, p0, p1, p2, KIND, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FP8_E4M3FN)
-    tl.store(out_ptr + idx, val, mask=inb)
+    tl.store(out_ptr + idx, val, mask=inb & (idx < out_limit))
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -280,22 +288,26 @@ def encode_rows(codec, rows: torch.Tensor, enc_params: torch.Tensor, keys: torch
     _launch_encode(codec, (programs, r), rows, params, out, n, (0, 0), keys, out.stride(0), nb_row, int64_index, True)
 
 
-def decode_rows(codec, wire: torch.Tensor, n: int) -> torch.Tensor:
+def decode_rows(codec, wire: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """(R, n) fp32 values of the R payloads (codes, then the scales' bytes) of ``wire`` (R, ``codec.nbytes(n)``)
-    uint8, row j equal to ``codec.decode(codec.from_bytes(wire[j], (n,), fp32))``. One launch."""
+    uint8, row j equal to ``codec.decode(codec.from_bytes(wire[j], (n,), fp32))``. One launch. ``out``: a
+    contiguous fp32 tensor of m elements, (R - 1) n < m <= R n, that takes the first m values of the rows
+    (row-major; the rest are not written), returned instead."""
     spec = _spec(codec)
     _check_device(wire, "wire")
     r, p = wire.shape
     if p != codec.nbytes(n) or wire.dtype != torch.uint8:
         raise ValueError(f"wire must be (R, {codec.nbytes(n)}) uint8 for rows of {n} elements, got {tuple(wire.shape)}")
     wire = wire.contiguous()
-    out = torch.empty(r, n, dtype=torch.float32, device=wire.device)
+    if out is None:
+        out = torch.empty(r, n, dtype=torch.float32, device=wire.device)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or not (r - 1) * n < out.numel() <= r * n:
+        raise ValueError(f"out must be contiguous fp32 with ({r} - 1) * {n} < numel <= {r} * {n}, got {out.numel()}")
     (programs,), int64_index = _grid(n)
     # the params pointer is unused: the rows form reads the scales behind each row's codes
     scale_off = packing.packed_nbytes(n, spec["BITS"])
-    _launch_decode(
-        codec, (programs, r), wire, wire, out, n, (p, scale_off), codec.scales_per_bucket, int64_index, rows=True
-    )
+    layout, s = (p, scale_off, out.numel()), codec.scales_per_bucket
+    _launch_decode(codec, (programs, r), wire, wire, out, n, layout, s, int64_index, rows=True)
     return out
 
 
@@ -349,12 +361,14 @@ def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int, wir
         )
     out = torch.empty(numel, dtype=torch.float32, device=codes.device)
     grid, int64_index = _grid(numel)
-    _launch_decode(codec, grid, codes.contiguous(), params, out, numel, (0, 0), params.shape[1], int64_index, wire=wire)
+    layout = (0, 0, numel)
+    _launch_decode(codec, grid, codes.contiguous(), params, out, numel, layout, params.shape[1], int64_index, wire=wire)
     return out
 
 
 def _launch_decode(codec, grid, codes, params, out, n, rows_layout, p, int64_index, wire=True, rows=False) -> None:
-    """One decode launch; ``rows_layout``: (payload stride, byte offset of the scales) of the rows form."""
+    """One decode launch; ``rows_layout``: (payload stride, byte offset of the scales) of the rows form, and the
+    values the flat ``out`` holds."""
     _decode_kernel[grid](
         codes,
         params,
@@ -362,6 +376,7 @@ def _launch_decode(codec, grid, codes, params, out, n, rows_layout, p, int64_ind
         n,
         rows_layout[0],
         rows_layout[1],
+        rows_layout[2],
         **_spec(codec),
         P=p,
         FP8_E4M3FN=codec.kernel_spec().fp8_e4m3fn,

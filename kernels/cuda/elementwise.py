@@ -13,8 +13,10 @@ import triton.language as tl
 
 from lightning_qcomm.codecs.kernel_spec import KernelKind
 
-_NAN = tl.constexpr(float("nan"))
-_INF = tl.constexpr(float("inf"))
+# fp32 quiet NaN and +Inf as bits: a NaN constexpr global would fail Triton's check that globals did not change
+# since compile (it compares with !=, and NaN != NaN), on every launch after the first compile
+_NAN_BITS = tl.constexpr(0x7FC00000)
+_INF_BITS = tl.constexpr(0x7F800000)
 # The kinds, as the C kernels number them (one enum: codecs.kernel_spec.KernelKind).
 _UNIFORM = tl.constexpr(int(KernelKind.UNIFORM))
 _QSGD = tl.constexpr(int(KernelKind.QSGD))
@@ -179,14 +181,15 @@ def dequantize(
         # subnormal: mant * 2^(EMIN - MBITS); normal: (2^MBITS + mant) * 2^(exp - bias - MBITS); all exact
         sig = tl.where(exp_field > 0, mant + (1 << MBITS), mant).to(tl.float32)
         mag = sig * _exp2_int(tl.maximum(exp_field - FP8_BIAS, EMIN) - MBITS)
+        bits = mag.to(tl.int32, bitcast=True)
         if FP8_E4M3FN:  # e4m3fn: only S.1111.111 is NaN, no infinities
             special = (exp_field == 15) & (mant == 7)
-            mag = tl.where(special, _NAN, mag)
+            bits = tl.where(special, _NAN_BITS, bits)
         else:  # e5m2 (IEEE-like): exponent 31 is Inf (mantissa 0) or NaN
             special = exp_field == 31
-            mag = tl.where(special, tl.where(mant == 0, _INF, _NAN), mag)
+            bits = tl.where(special, tl.where(mant == 0, _INF_BITS, _NAN_BITS), bits)
         # the sign by its bit, not -mag: Triton <= 3.6 lowers unary minus to 0 - x, which turns -0.0 into +0.0
         sign = (c & 0x80).to(tl.int32) << 24
-        val = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        val = (bits | sign).to(tl.float32, bitcast=True)
         val = val * p0 * p1
     return val

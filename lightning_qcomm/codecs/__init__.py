@@ -40,6 +40,7 @@ from lightning_qcomm.codecs.registry import (
 )
 from lightning_qcomm.codecs.rng import derive_seed
 from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows
+from lightning_qcomm.codecs.rows_reduce import decode_rows_sum, feedback_update
 
 CODEC_NAMES = codec_names()
 
@@ -82,8 +83,10 @@ __all__ = [
     "codec_spec",
     "decode_rows",
     "decode_rows_into",
+    "decode_rows_sum",
     "derive_seed",
     "encode_rows",
+    "feedback_update",
     "get_codec",
     "register_codec",
     "resolve_codec",

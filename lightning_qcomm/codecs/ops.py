@@ -14,6 +14,8 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
   ``offset`` starts the random counter there (a row of a longer tensor coded on its own, ``codecs.rows``);
 - ``sign_encode_err``, ``sign_server_sum``, ``sign_decode`` (``codecs.sign_ops``): CPU the C kernels,
   default the same arithmetic in torch.
+- ``decode_rows_sum``, ``feedback_update`` (``codecs.rows_reduce``): a compressed all-reduce's server step (N rows
+  decoded and summed) and error-feedback tail; CPU the eager ops, CUDA one Triton launch each.
 - ``encode_rows``, ``decode_rows``, ``decode_rows_into`` (``codecs.rows``): R rows of n elements, row j coded as
   a tensor of its own with seed j; CPU the C pass per row (rows of the fused path's size) or the codec's hooks
   over all rows' buckets at once (encode) / one flat decode; CUDA the Triton rows kernels (``rows_kernel``: two
@@ -47,7 +49,17 @@ import os
 
 import torch
 
-from lightning_qcomm.codecs import cpu_fused, packing, registry, rows, rows_encode, scaling, sign_ops, triton_probe  # noqa: F401
+from lightning_qcomm.codecs import (  # noqa: F401
+    cpu_fused,
+    packing,
+    registry,
+    rows,
+    rows_encode,
+    rows_reduce,
+    scaling,
+    sign_ops,
+    triton_probe,
+)
 from lightning_qcomm.codecs.kernel_spec import C_SPEC_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -62,6 +74,12 @@ _lib.define(f"decode_into(Tensor codes, Tensor scales, {_CODEC}, ScalarType dtyp
 _lib.define(f"encode_rows(Tensor rows, int[] seeds, {_CODEC}) -> Tensor")
 _lib.define(f"decode_rows(Tensor wire, int n, {_CODEC}) -> Tensor")
 _lib.define(f"decode_rows_into(Tensor wire, int n, {_CODEC}, Tensor(a!) out) -> ()")
+# The all-reduce's server step and error-feedback tail (``codecs.rows_reduce``): one launch each on CUDA.
+_lib.define(f"decode_rows_sum(Tensor wire, int n, {_CODEC}, bool avg) -> Tensor")
+_lib.define(
+    "feedback_update(Tensor y, Tensor dec, Tensor reduced, Tensor held, int start, float k, ScalarType held_dtype, "
+    "Tensor(a!) err) -> ()"
+)
 # The C kernels (CPU only; kernels/cpu/qcomm_ops.cpp), on flat contiguous tensors given the per-bucket parameters.
 _lib.define(
     f"c_encode_codes(Tensor x, Tensor params, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) out, int offset=0) -> ()"
@@ -150,13 +168,23 @@ def rows_kernel(c, rows: torch.Tensor, encode: bool = True) -> bool:
     return (not encode or kernels.fused_scales(c, rows.shape[1])) and _triton_for(c, rows.device)
 
 
-def decode_rows_kernel(c, wire: torch.Tensor, n: int) -> torch.Tensor:
+def decode_rows_kernel(c, wire: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """(R, n) fp32 values of the payloads ``wire`` (R, ``c.nbytes(n)``), row j
-    ``c.decode(c.from_bytes(wire[j], (n,), fp32))``, in one launch. Only where ``rows_kernel(c, ..., False)``."""
+    ``c.decode(c.from_bytes(wire[j], (n,), fp32))``, in one launch (``out``: a flat contiguous fp32 tensor of m
+    elements, (R - 1) n < m <= R n, that takes the first m values). Only where ``rows_kernel(c, ..., False)``."""
     from lightning_qcomm import kernels
 
     with triton_probe.on_device(wire.device):
-        return kernels.decode_rows(c, wire, n)
+        return kernels.decode_rows(c, wire, n, out)
+
+
+def decode_rows_sum_kernel(c, wire: torch.Tensor, n: int, avg: bool) -> torch.Tensor:
+    """(n,) fp32 sum (``avg``: times fl(1/R)) of the R payloads ``wire`` decoded, in torch's CUDA ``sum(dim=0)``
+    order (``codecs.rows_reduce``), in one launch. Only where ``rows_kernel(c, wire, False)``."""
+    from lightning_qcomm.kernels.cuda import reduce_kernels
+
+    with triton_probe.on_device(wire.device):
+        return reduce_kernels.decode_rows_sum(c, wire, n, avg)
 
 
 def encode_rows_kernel(c, rows: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
@@ -205,9 +233,23 @@ for _op, _cpu, _cuda, _default, _fake in (
         rows.decode_rows_fake,
     ),
     (
+        "decode_rows_sum",
+        rows_reduce.decode_rows_sum_reference,
+        rows_reduce.decode_rows_sum_cuda,
+        rows_reduce.decode_rows_sum_reference,
+        rows_reduce.decode_rows_sum_fake,
+    ),
+    (
+        "feedback_update",
+        rows_reduce.feedback_update_reference,
+        rows_reduce.feedback_update_cuda,
+        rows_reduce.feedback_update_reference,
+        rows_reduce.feedback_update_fake,
+    ),
+    (
         "decode_rows_into",
         rows.decode_rows_into_kernel,
-        rows.decode_rows_into_kernel,
+        rows.decode_rows_into_cuda,
         rows.decode_rows_into_kernel,
         rows.decode_rows_into_fake,
     ),

@@ -126,12 +126,26 @@ def _c_decode_row_into(codec: Codec, payload: torch.Tensor, n: int, out: torch.T
     cpu_fused.decode_wire(codec, payload[:ncode], scales, n, out=out.view(-1))
 
 
-def decode_rows_into_body(codec: Codec, wire: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
-    """``out.copy_(decode_rows(codec, wire, n))`` for an (R, n) ``out`` of any float dtype and strides; rows of
-    whole byte-aligned buckets decode straight into a contiguous fp32 ``out`` (no temporary)."""
+def decode_rows_into_body(codec: Codec, wire: torch.Tensor, n: int, out: torch.Tensor, triton: bool = False):
+    """``out.copy_(decode_rows(codec, wire, n))`` for an (R, n) ``out`` of any float dtype and strides, or the first
+    m values of the rows (row-major) into a flat ``out`` of m elements, (R - 1) n < m < R n; rows of whole
+    byte-aligned buckets decode straight into a contiguous fp32 ``out`` (no temporary), and so do all rows on
+    CUDA (``triton``: the rows kernel, one launch)."""
     p = _check_wire(codec, wire, n)
     wire = wire.reshape(-1, p)
     r = wire.shape[0]
+    m = out.numel()
+    partial = out.dim() == 1 and (r - 1) * n < m < r * n
+    if not partial and m != r * n:
+        raise ValueError(f"out must have R * n = {r} * {n} elements, or more than (R - 1) * n flat, got {m}")
+    if triton and n < _INT32_COUNTERS and out.dtype == torch.float32 and out.is_contiguous():
+        from lightning_qcomm.codecs import ops
+
+        if ops.rows_kernel(codec, wire, encode=False):  # CUDA: all rows in one launch, straight into out
+            ops.decode_rows_kernel(codec, wire, n, out=out.view(-1))
+            return out
+    if partial:
+        return out.copy_(decode_rows_body(codec, wire, n, triton).view(-1)[:m])
     if r == 1:  # the codec's own decode_into (straight into a contiguous fp32 row)
         codec.decode_into(codec.from_bytes(wire[0], (n,), torch.float32), out.view(n) if out.is_contiguous() else out)
         return out
@@ -168,8 +182,13 @@ def decode_rows_cuda(wire, n: int, codec: str, bits: int, bucket_size: int | Non
 
 
 def decode_rows_into_kernel(wire, n: int, codec: str, bits: int, bucket_size, stochastic: bool, out) -> None:
-    """``qcomm::decode_rows_into`` on every device (its decodes dispatch by device)."""
+    """``qcomm::decode_rows_into`` on every device but CUDA (its decodes dispatch by device)."""
     decode_rows_into_body(registry.codec_for_op(codec, bits, bucket_size, stochastic), wire, n, out)
+
+
+def decode_rows_into_cuda(wire, n: int, codec: str, bits: int, bucket_size, stochastic: bool, out) -> None:
+    """``qcomm::decode_rows_into`` on CUDA: the Triton rows kernel straight into a contiguous fp32 ``out``."""
+    decode_rows_into_body(registry.codec_for_op(codec, bits, bucket_size, stochastic), wire, n, out, triton=True)
 
 
 def decode_rows_fake(wire, n: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
@@ -221,7 +240,9 @@ def decode_rows(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
 
 def decode_rows_into(codec: Codec, wire: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
     """``out.copy_(decode_rows(codec, wire, n))`` for an (R, n) ``out`` of any float dtype and strides, returning
-    ``out``; rows of whole byte-aligned buckets decode straight into a contiguous fp32 ``out`` (no temporary).
+    ``out``; a flat ``out`` of m elements, (R - 1) n < m < R n, takes the first m values of the rows (the padding
+    of a chunked tensor's last row dropped). Rows of whole byte-aligned buckets decode straight into a contiguous
+    fp32 ``out`` (no temporary), and so do all rows of a codec with kernels on CUDA (one launch).
 
     Example::
 

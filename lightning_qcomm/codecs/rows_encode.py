@@ -159,13 +159,13 @@ def encode_rows_body(codec: Codec, rows: torch.Tensor, seeds: Sequence[int], tri
     """(R, codec.nbytes(n)) uint8 payloads, row j = ``codec.encode(rows[j], seeds[j]).to_bytes()`` bit for bit
     (checked ``rows`` and one int seed per row); ``triton``: the rows kernels may take them (the CUDA kernel)."""
     r, n = rows.shape
-    if r == 1:
-        return codec.encode(rows[0], seed=seeds[0]).to_bytes().view(1, -1)
     if triton and n < _INT32_COUNTERS:
         from lightning_qcomm.codecs import ops
 
-        if ops.rows_kernel(codec, rows):  # CUDA: every row in two launches
+        if ops.rows_kernel(codec, rows):  # CUDA: every row (one too) in two launches, straight into the payloads
             return ops.encode_rows_kernel(codec, rows, _row_keys(seeds, rows.device) if codec.stochastic else None)
+    if r == 1:
+        return codec.encode(rows[0], seed=seeds[0]).to_bytes().view(1, -1)
     if rows_one_by_one(codec, rows):
         return _per_row(codec, rows, seeds)
     if type(codec) not in _BATCHED or n >= _INT32_COUNTERS:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec, derive_seed
+from lightning_qcomm.codecs import Codec, decode_rows_into, decode_rows_sum, derive_seed, feedback_update
 from lightning_qcomm.collectives.call_check import _check_consistent
 from lightning_qcomm.collectives.chunked import (
     FP32_BYTES,
@@ -50,7 +50,6 @@ from lightning_qcomm.collectives.chunked import (
     _encode_rows,
     _fp32_output,
     _payload,
-    _update_error,
 )
 from lightning_qcomm.collectives.engine import run_all_gather, run_pipelined, run_reduce_scatter
 from lightning_qcomm.comm.ledger import get_ledger
@@ -200,10 +199,12 @@ class _SumReducer:
     """``quantized_all_reduce``'s math per piece (``collectives.engine`` runs the pieces): units are
     (k, offset, length, chunk length c) with seed s_k = ``_piece_seed(seed, k)``.
 
-    encode: y = x + e zero-padded to N*c; chunk j coded with ``derive_seed(s_k, 1, rank, j)``; the phase-1
-    residual y - D(Q(y)) kept. reduce: S = sum_r D(Q(y_r[rank])) in rank order (/N for avg), coded with
-    ``derive_seed(s_k, 2, rank)``. decode: x <- D(Q(S)) of every chunk; this rank's chunk's requantization
-    residual k * (S - held) added to its phase-1 residual. finish: e <- the residual where finite.
+    encode: y = x + e zero-padded to N*c; chunk j coded with ``derive_seed(s_k, 1, rank, j)``; y and its decoded
+    payloads kept (error feedback). reduce: S = sum_r D(Q(y_r[rank])) (/N for avg; ``codecs.decode_rows_sum``, one
+    launch on CUDA), coded with ``derive_seed(s_k, 2, rank)`` (``encode_rows``, one row). decode: x <- D(Q(S)) of
+    every chunk, straight into the output; then e <- (y - D(Q(y))) + [chunk rank] k (S - held) where finite
+    (``codecs.feedback_update``, one launch on CUDA). A piece's encode reads and its decode writes only its own
+    slice e[o : o + n], and the engine runs every encode before any decode.
     """
 
     def __init__(self, x, codec: Codec, rank: int, world: int, op: str, seed: int, error_feedback) -> None:
@@ -211,13 +212,12 @@ class _SumReducer:
         self.x_dtype, self.device = x.dtype, x.device
         self.flat_in = x.detach().reshape(-1)
         self.error_feedback = error_feedback
+        # e is written piece by piece where it lies: a non-contiguous buffer through a flat copy (``finish``)
         self.flat_err = None if error_feedback is None else error_feedback.detach().reshape(-1)
         self.out_flat = _fp32_output(x)
-        d = x.numel()
-        self.residual = None if error_feedback is None else torch.empty(d, dtype=torch.float32, device=x.device)
         self.avg = op == "avg"
         self.k_scale = world if self.avg else 1
-        self.res: dict[int, torch.Tensor | None] = {}
+        self.phase1: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.reduced: dict[int, torch.Tensor] = {}
 
     def chunk_nbytes(self, unit) -> int:
@@ -238,35 +238,36 @@ class _SumReducer:
                 head += err_head.to(torch.float32)
         s_k = _piece_seed(self.seed, k)
         send = _encode_rows(self.codec, y.view(world, c), [derive_seed(s_k, 1, self.rank, j) for j in range(world)])
-        self.res[k] = None if self.residual is None else y - _decode_rows(self.codec, send, world, c).view(-1)
+        if flat_err is not None:
+            self.phase1[k] = (y, _decode_rows(self.codec, send, world, c).view(-1))
         return send
 
     def reduce(self, unit, recv: torch.Tensor) -> torch.Tensor:
         k, _o, _n, c = unit
-        reduced = _decode_rows(self.codec, recv, self.world, c).sum(dim=0)
-        if self.avg:
-            reduced /= self.world
-        self.reduced[k] = reduced
-        return _encode_bytes(self.codec, reduced, derive_seed(_piece_seed(self.seed, k), 2, self.rank))
+        reduced = decode_rows_sum(self.codec, recv, c, avg=self.avg)
+        if self.flat_err is not None:
+            self.reduced[k] = reduced
+        seed = derive_seed(_piece_seed(self.seed, k), 2, self.rank)
+        return _encode_rows(self.codec, reduced.view(1, c), [seed])  # the payload's bytes, no concatenation
 
     def decode(self, unit, gathered: torch.Tensor) -> None:
         k, o, n, c = unit
-        rows = _decode_rows(self.codec, gathered, self.world, c)  # all N chunks in one codec call
-        self.out_flat[o : o + n] = rows.view(-1)[:n]
-        res, reduced = self.res.pop(k), self.reduced.pop(k)
-        if res is not None:
-            # what x finally holds is row rounded to x's dtype: that rounding is residual too (positions past
-            # the piece's n real elements are padding and dropped below)
-            held = (
-                rows[self.rank].to(self.x_dtype).to(torch.float32) if self.x_dtype != torch.float32 else rows[self.rank]
-            )
-            mine_res = res.view(self.world, c)[self.rank]
-            mine_res += (reduced - held).mul_(self.k_scale)  # on the view itself: no copy back
-            self.residual[o : o + n] = res[:n]
+        piece = self.out_flat[o : o + n]
+        if (self.world - 1) * c < n:  # all N chunks in one codec call, padding dropped, straight into the output
+            decode_rows_into(self.codec, gathered, c, piece)
+        else:  # chunks past the end hold padding only
+            piece.copy_(_decode_rows(self.codec, gathered, self.world, c).view(-1)[:n])
+        if self.flat_err is not None:
+            # what x finally holds is the output rounded to x's dtype: that rounding is residual too; positions
+            # past the piece's n real elements are padding and dropped
+            y, dec = self.phase1.pop(k)
+            start, err = self.rank * c, self.flat_err[o : o + n]
+            feedback_update(y[:n], dec[:n], self.reduced.pop(k), piece, start, self.k_scale, self.x_dtype, err)
 
     def finish(self) -> None:
-        if self.residual is not None:
-            _update_error(self.error_feedback, self.residual)
+        e = self.error_feedback
+        if e is not None and self.flat_err.data_ptr() != e.data_ptr():  # a non-contiguous e: written back once
+            e.copy_(self.flat_err.view(e.shape))
 
 
 def quantized_all_reduce(

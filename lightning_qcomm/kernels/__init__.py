@@ -55,7 +55,7 @@ else:
     def decode(codec, codes, dec_params, numel, wire=False):  # noqa: D103
         raise ImportError("lightning_qcomm.kernels.decode needs triton, which is not installed")
 
-    def decode_rows(codec, wire, n):  # noqa: D103
+    def decode_rows(codec, wire, n, out=None):  # noqa: D103
         raise ImportError("lightning_qcomm.kernels.decode_rows needs triton, which is not installed")
 
     def encode_rows(codec, rows, enc_params, keys, out):  # noqa: D103

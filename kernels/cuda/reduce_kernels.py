@@ -1,0 +1,196 @@
+"""Triton kernels of the compressed all-reduce's server and error-feedback steps: each one launch.
+
+* ``decode_rows_sum``: the N payloads a rank receives, decoded and summed into one fp32 chunk (``op="avg"``:
+  times 1/N), the kernel of ``qcomm::decode_rows_sum`` on CUDA. The additions are those of the eager ops it
+  replaces on a GPU, ``decode_rows(...).sum(dim=0)`` then ``/= N``: torch's CUDA reduction sums the N values of a
+  column (N <= ``MAX_SUM_ROWS``, one thread per column) in four running sums, row r into sum r % 4, each from
+  +0.0 and in rank order, then ((s0 + s1) + s2) + s3 (rank order itself for N <= 4); a CUDA ``/=`` by a Python
+  number multiplies by its fp32 reciprocal ``fl(1/N)``.
+* ``feedback_update``: the error-feedback residual of one piece and its write where finite (the kernel of
+  ``qcomm::feedback_update`` on CUDA), the same operations in the same order as the eager ops it replaces:
+
+      new[i] = y[i] - dec[i]                                           outside this rank's chunk
+      new[i] = (y[i] - dec[i]) + (S[i - start] - held[i]) * k          start <= i < start + c
+      err[i] = new[i] if new[i] is finite else err[i]
+
+  with ``held`` the final output rounded through x's dtype (bf16 / fp16: fp32 -> dtype -> fp32, round to nearest
+  even) and no FMA contraction.
+
+Example::
+
+    >>> acc = decode_rows_sum(codec, wire, n, avg=True)          # (n,) fp32, one launch
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_qcomm.codecs import packing
+
+from .codec_kernels import GROUPS_PER_PROGRAM, NUM_WARPS, _check_device, _grid, _spec, unpack_codes
+from .elementwise import dequantize, is_finite
+from .wire_params import dec_params
+
+MAX_SUM_ROWS = 8  # rows whose CUDA sum(dim=0) order the sum kernel is known to reproduce (one thread per column)
+HELD_DTYPES = {torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.float16: 2}  # fp32 -> dtype -> fp32
+
+
+@triton.jit
+def _decode_sum_kernel(
+    wire_ptr,
+    out_ptr,
+    n,
+    row_stride,
+    scale_off,
+    inv,
+    R: tl.constexpr,
+    AVG: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BITS_P2: tl.constexpr,
+    P: tl.constexpr,
+    BUCKET: tl.constexpr,
+    LEVELS: tl.constexpr,
+    SIGN_BIT: tl.constexpr,
+    EMIN: tl.constexpr,
+    MBITS: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_E4M3FN: tl.constexpr,
+    GROUPS: tl.constexpr,
+    INT64_INDEX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if INT64_INDEX:
+        pid = pid.to(tl.int64)
+        n = n.to(tl.int64)
+    g = pid * GROUPS + tl.arange(0, GROUPS)
+    lane = tl.arange(0, 8)
+    idx = g[:, None] * 8 + lane[None, :]
+    inb = idx < n
+    s0 = tl.zeros((GROUPS, 8), dtype=tl.float32)
+    s1 = tl.zeros((GROUPS, 8), dtype=tl.float32)
+    s2 = tl.zeros((GROUPS, 8), dtype=tl.float32)
+    s3 = tl.zeros((GROUPS, 8), dtype=tl.float32)
+    for r in tl.static_range(R):  # row r into running sum r % 4, in rank order
+        codes_ptr = wire_ptr + r * row_stride
+        c = unpack_codes(codes_ptr, g, lane, idx, inb, n, BITS, BITS_P2)
+        p0, p1, p2 = dec_params(codes_ptr + scale_off, idx, inb, KIND, P, BUCKET, LEVELS, True)
+        v = dequantize(c, p0, p1, p2, KIND, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FP8_E4M3FN)
+        if r % 4 == 0:
+            s0 = s0 + v
+        elif r % 4 == 1:
+            s1 = s1 + v
+        elif r % 4 == 2:
+            s2 = s2 + v
+        else:
+            s3 = s3 + v
+    acc = ((s0 + s1) + s2) + s3
+    if AVG:
+        acc = acc * inv
+    tl.store(out_ptr + idx, acc, mask=inb)
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> bf16 -> fp32, round to nearest even, by the bits (as torch's conversion; Triton's interpreter
+    truncates a bf16 cast); NaN stays NaN."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _feedback_kernel(
+    y_ptr,
+    dec_ptr,
+    red_ptr,
+    held_ptr,
+    err_ptr,
+    n,
+    start,
+    c,
+    k,
+    HELD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inb = i < n
+    new = tl.load(y_ptr + i, mask=inb, other=0.0) - tl.load(dec_ptr + i, mask=inb, other=0.0)
+    j = i - start
+    mine = inb & (j >= 0) & (j < c)
+    held = tl.load(held_ptr + i, mask=mine, other=0.0)
+    if HELD == 1:
+        held = _round_bf16(held)
+    elif HELD == 2:
+        held = held.to(tl.float16).to(tl.float32)
+    extra = (tl.load(red_ptr + j, mask=mine, other=0.0) - held) * k
+    new = tl.where(mine, new + extra, new)
+    tl.store(err_ptr + i, new, mask=inb & is_finite(new))
+
+
+def decode_rows_sum(codec, wire: torch.Tensor, n: int, avg: bool) -> torch.Tensor:
+    """(n,) fp32: the R payloads of ``wire`` (R, ``codec.nbytes(n)``), R <= ``MAX_SUM_ROWS``, decoded and summed
+    as the module docstring says (``avg``: times fl(1/R)). One launch."""
+    spec = _spec(codec)
+    _check_device(wire, "wire")
+    r, p = wire.shape
+    if p != codec.nbytes(n) or wire.dtype != torch.uint8 or not 1 <= r <= MAX_SUM_ROWS:
+        raise ValueError(
+            f"wire must be (R, {codec.nbytes(n)}) uint8, 1 <= R <= {MAX_SUM_ROWS}, got {tuple(wire.shape)} {wire.dtype}"
+        )
+    wire = wire.contiguous()
+    out = torch.empty(n, dtype=torch.float32, device=wire.device)
+    grid, int64_index = _grid(n)
+    _decode_sum_kernel[grid](
+        wire,
+        out,
+        n,
+        p,
+        packing.packed_nbytes(n, spec["BITS"]),
+        struct.unpack("f", struct.pack("f", 1.0 / r))[0],  # fl(1/R), as CUDA's division by a Python number
+        R=r,
+        AVG=avg,
+        **spec,
+        P=codec.scales_per_bucket,
+        FP8_E4M3FN=codec.kernel_spec().fp8_e4m3fn,
+        GROUPS=GROUPS_PER_PROGRAM,
+        INT64_INDEX=int64_index,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,  # each operation rounded, as the eager ops
+    )
+    return out
+
+
+def feedback_update(y, dec, reduced, held, start: int, k: float, held_dtype: torch.dtype, err) -> None:
+    """err[i] <- the new residual where finite (module docstring); ``y``, ``dec``, ``held``, ``err``: (n,)
+    contiguous fp32; ``reduced``: (c,) fp32, this rank's chunk at ``start``. One launch."""
+    n = y.numel()
+    for name, t in (("y", y), ("dec", dec), ("held", held), ("err", err), ("reduced", reduced)):
+        _check_device(t, name)
+        if t.dtype != torch.float32 or not t.is_contiguous() or (name != "reduced" and t.numel() != n):
+            raise ValueError(f"{name} must be contiguous fp32{'' if name == 'reduced' else f' of {n} elements'}")
+    if held_dtype not in HELD_DTYPES:
+        raise ValueError(f"held_dtype must be one of {list(HELD_DTYPES)}, got {held_dtype}")
+    block = 1024
+    _feedback_kernel[(triton.cdiv(n, block),)](
+        y,
+        dec,
+        reduced,
+        held,
+        err,
+        n,
+        start,
+        reduced.numel(),
+        float(k),
+        HELD=HELD_DTYPES[held_dtype],
+        BLOCK=block,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,  # (S - held) * k then the add: two roundings, as the eager ops
+    )
+
+
+__all__ = ["HELD_DTYPES", "MAX_SUM_ROWS", "decode_rows_sum", "feedback_update"]
