@@ -7,7 +7,8 @@
    kernel launches per all-reduce against the world size;
 2. times every codec's encode and decode of 2^26 fp32 elements against a device-to-device copy of the same
    tensor (CUDA events, median of ``REPS``), and reports the fraction of the copy's bandwidth each reaches
-   (bytes read + written per call; goal: >= 70% for uniform-8 and fp8);
+   (bytes read + written per call; goal: >= 70% for uniform-8 and fp8), and whether the codec's Triton kernels
+   passed their first-use check (``codecs.triton_probe``) or the torch reference ran instead, and why;
 3. trains a GPT-2-small-shaped and a LLaMA-style model under every strategy and callback against DDP
    (``benchmarks/gpu_e2e.py``: median step, ratio, peak memory, kernel launches per step) in the time left;
 4. writes ``benchmarks/results/gpu_check.md`` (and ``gpu_e2e.md``).
@@ -100,11 +101,12 @@ def run_tests(env: dict[str, str]) -> dict:
     return res
 
 
-def time_codecs() -> tuple[float, list[tuple[str, float, float, float, float]]]:
-    """(copy bandwidth GB/s, [(label, encode ms, decode ms, encode fraction, decode fraction)])."""
+def time_codecs() -> tuple[float, list[tuple[str, float, float, float, float, str]]]:
+    """(copy bandwidth GB/s, [(label, encode ms, decode ms, encode fraction, decode fraction, kernels)]); kernels:
+    "Triton", or "torch reference (<why>)" where the codec's first-use check failed."""
     import torch
 
-    from lightning_qcomm.codecs import get_codec
+    from lightning_qcomm.codecs import get_codec, triton_probe
 
     x = torch.randn(NUMEL, device="cuda")
     y = torch.empty_like(x)
@@ -131,7 +133,10 @@ def time_codecs() -> tuple[float, list[tuple[str, float, float, float, float]]]:
         enc_ms = median_ms(lambda codec=codec: codec.encode(x, seed=1))
         dec_ms = median_ms(lambda codec=codec, packed=packed: codec.decode(packed))
         moved = 4 * NUMEL + packed.nbytes  # fp32 in, payload out (encode); payload in, fp32 out (decode)
-        rows.append((label, enc_ms, dec_ms, moved / (enc_ms * 1e-3) / copy_bw, moved / (dec_ms * 1e-3) / copy_bw))
+        why = triton_probe.failure(codec, x.device)
+        kernels = "Triton" if triton_probe.triton_works(codec, x.device) else f"torch reference ({why})"
+        enc_f, dec_f = moved / (enc_ms * 1e-3) / copy_bw, moved / (dec_ms * 1e-3) / copy_bw
+        rows.append((label, enc_ms, dec_ms, enc_f, dec_f, kernels))
     return copy_bw / 1e9, rows
 
 
@@ -182,12 +187,13 @@ def write_report(where: str, tests: dict, copy_gbs: float, rows: list, total_s: 
         f"Fraction = (fp32 bytes + payload bytes) per call / time, over the copy's bandwidth; goal >= {GOAL:.0%} for",
         "uniform-8 and fp8.",
         "",
-        "| codec | encode ms | decode ms | encode fraction | decode fraction | goal |",
-        "|---|---:|---:|---:|---:|---|",
+        "| codec | encode ms | decode ms | encode fraction | decode fraction | goal | kernels |",
+        "|---|---:|---:|---:|---:|---|---|",
     ]
-    for label, enc_ms, dec_ms, enc_f, dec_f in rows:
+    for label, enc_ms, dec_ms, enc_f, dec_f, kernels in rows:
         goal = ("met" if min(enc_f, dec_f) >= GOAL else "NOT met") if label in GOAL_CODECS else ""
-        lines.append(f"| {label} | {enc_ms:.3f} | {dec_ms:.3f} | {enc_f:.0%} | {dec_f:.0%} | {goal} |")
+        kernels = kernels.replace("|", "/")
+        lines.append(f"| {label} | {enc_ms:.3f} | {dec_ms:.3f} | {enc_f:.0%} | {dec_f:.0%} | {goal} | {kernels} |")
     text = "\n".join(lines) + "\n"
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(text)

@@ -91,3 +91,58 @@ def test_verdict_is_per_codec_configuration(monkeypatch):
     monkeypatch.setattr(kernels, "encode", enc)
     assert triton_probe.triton_works(get_codec("uniform", bits=2), CPU) is False
     assert triton_probe.triton_works(get_codec("uniform", bits=8), CPU) is True
+
+
+def _decode_that(change):
+    """A decode stand-in: the reference's values, then ``change(values)``."""
+
+    def dec(codec, codes, p, n, wire=False):
+        out = codec.decode_reference(codes, codec._decode_params(p) if wire else p, n)
+        change(out)
+        return out
+
+    return dec
+
+
+def test_nan_equals_nan_whatever_its_bits(monkeypatch):
+    """A GPU's arithmetic makes NaNs of other bits than a CPU's (0x7fffffff against 0xffc00000): a decode that
+    agrees on every finite value and on where the NaNs are passes, whatever the NaNs' sign and payload."""
+
+    def other_nan_bits(out):
+        bits = out.view(torch.int32)
+        bits[out.isnan()] = 0x7FFFFFFF  # the canonical NaN of an NVIDIA GPU; the probe's NaN decodes to NaN
+        bits[out.isnan()] ^= 1 << 31  # and of the other sign
+
+    codec = get_codec("qsgd", bits=4, bucket_size=128)
+    monkeypatch.setattr(kernels, "decode", _decode_that(other_nan_bits))
+    assert triton_probe.triton_works(codec, CPU) is True
+    assert triton_probe.failure(codec, CPU) is None
+
+
+@pytest.mark.parametrize("change", ["finite value", "NaN for a number"])
+def test_a_disagreement_is_named_with_its_place_and_bits(change, monkeypatch, caplog):
+    """Anything but a NaN's bits is a disagreement: a finite value one ulp off, a NaN where the reference has a
+    number. The warning (and ``failure``) says which output, how many positions and the first, with its bits."""
+    codec = get_codec("uniform", bits=8, bucket_size=512)
+    x = triton_probe._probe_input(codec, CPU)
+    i = int(torch.isfinite(x).nonzero()[-1])  # a finite position, past the probe's NaN and infinities
+
+    def edit(out):
+        if change == "finite value":
+            out.view(torch.int32)[i] += 1
+        else:
+            out[i] = float("nan")
+
+    monkeypatch.setattr(kernels, "decode", _decode_that(edit))
+    with caplog.at_level(logging.WARNING, logger=triton_probe.__name__):
+        assert triton_probe.triton_works(codec, CPU) is False
+    why = triton_probe.failure(codec, CPU)
+    assert why is not None and "decode differs" in why and f"1 of {x.numel()} values differ, the first at {i}" in why
+    assert "0x" in why, why
+    assert why in caplog.text
+
+
+def test_zeros_of_other_signs_differ():
+    assert triton_probe._difference("values", torch.tensor([1.0, 0.0]), torch.tensor([1.0, -0.0])) is not None
+    assert triton_probe._difference("values", torch.tensor([float("nan")]), torch.tensor([-float("nan")])) is None
+    assert triton_probe._difference("codes", torch.tensor([3], dtype=torch.uint8), torch.tensor([4], dtype=torch.uint8))

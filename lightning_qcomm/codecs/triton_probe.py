@@ -4,8 +4,12 @@
 not support fails only when a kernel first compiles or runs. So before a codec's first CUDA encode, its Triton
 encode and decode run once on a small tensor of awkward length (two full buckets and a tail, NaN and ±inf
 included) next to the torch reference; unless both succeed and agree bit for bit, that codec uses the
-reference on that device from then on, with one warning naming the codec, the device and the error. The
-answer is cached per (codec configuration, device); the check makes its host syncs once, at first use.
+reference on that device from then on, with one warning naming the codec, the device and the error (for a
+disagreement: which output, how many positions, the first one with both values and their bits; ``failure``
+returns it). Agreement is per bit, except that any NaN equals any NaN: a NaN's sign and payload bits depend on
+the operations and the hardware that made it (a GPU's canonical NaN is 0x7fffffff, an x86 CPU's 0xffc00000),
+and only that it is NaN is part of a codec's contract. The answer is cached per (codec configuration, device);
+the check makes its host syncs once, at first use.
 
 Example::
 
@@ -22,6 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 _verdicts: dict[tuple, bool] = {}
+_failures: dict[tuple, str] = {}
 
 
 def on_device(device: torch.device):
@@ -49,21 +54,55 @@ def _check(codec, device: torch.device) -> None:
         codes, scales = kernels.encode_codec(codec, x, 5, out_max)  # what the ops' CUDA kernels run
         ref_out = codec.decode_reference(codes, codec._decode_params(scales), x.numel())
         out = kernels.decode_codec(codec, codes, scales, x.numel())
-    if not torch.equal(codes, ref_codes) or not torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32)):
-        raise RuntimeError("the Triton encode differs from the torch reference")
-    if not torch.equal(out.view(torch.int32), ref_out.view(torch.int32)):
-        raise RuntimeError("the Triton decode differs from the torch reference")
+    outputs = (("encode", "codes", ref_codes, codes), ("encode", "scales", ref_scales, scales))
+    for what, label, want, got in (*outputs, ("decode", "values", ref_out, out)):
+        difference = _difference(label, want, got)
+        if difference:
+            raise RuntimeError(f"the Triton {what} differs from the torch reference: {difference}")
+
+
+def _key(codec, device: torch.device) -> tuple:
+    return (tuple(sorted(codec.config().items())), str(device))
+
+
+def failure(codec, device: torch.device) -> str | None:
+    """Why ``codec``'s Triton kernels are not used on ``device`` (the first-use check's error), or None when they
+    are or were not checked yet."""
+    return _failures.get(_key(codec, device))
+
+
+def _difference(label: str, want: torch.Tensor, got: torch.Tensor) -> str | None:
+    """None when ``got`` equals ``want`` bit for bit, any NaN equal to any NaN; else which positions differ, the
+    first with both values (and the bits of floats)."""
+    if want.shape != got.shape or want.dtype != got.dtype:
+        return f"shape/dtype {tuple(got.shape)} {got.dtype}, reference {tuple(want.shape)} {want.dtype}"
+    if want.is_floating_point():  # every NaN as one bit pattern, then bit for bit (torch.equal: one host read)
+        wb, gb = (torch.where(t.isnan(), 0x7FC00000, t.view(torch.int32)) for t in (want, got))
+    else:
+        wb, gb = want, got
+    if torch.equal(wb, gb):
+        return None
+    where = (wb != gb).reshape(-1).nonzero()  # the details, on the way to an error only
+    i = int(where[0])
+    w, g = want.reshape(-1)[i], got.reshape(-1)[i]
+    if want.is_floating_point():
+        wv = f"{w.item()!r} (0x{w.view(torch.int32).item() & 0xFFFFFFFF:08x})"
+        gv = f"{g.item()!r} (0x{g.view(torch.int32).item() & 0xFFFFFFFF:08x})"
+    else:
+        wv, gv = str(w.item()), str(g.item())
+    return f"{where.numel()} of {want.numel()} {label} differ, the first at {i}: reference {wv}, Triton {gv}"
 
 
 def triton_works(codec, device: torch.device) -> bool:
     """True when the Triton kernels of ``codec`` ran on ``device`` and matched the reference (checked once)."""
-    key = (tuple(sorted(codec.config().items())), str(device))
+    key = _key(codec, device)
     verdict = _verdicts.get(key)
     if verdict is None:
         try:
             _check(codec, device)
             verdict = True
         except Exception as e:  # any failure of a kernel's compile or launch means: use the reference
+            _failures[key] = f"{type(e).__name__}: {e}"
             log.warning(
                 "lightning_qcomm: the Triton kernels of codec %s failed their first-use check on %s (%s: %s); "
                 "this codec uses the torch reference codecs there",
