@@ -161,7 +161,6 @@ def test_all_reduce_launches_per_bucket(report, codec):
     totals = {r["world"]: r for r in report["all_reduce"] if r["codec"] == codec}
     assert sorted(totals) == [2, 4, 8]
     for world, r in totals.items():
-        assert r["total"] == r["triton"] + r["torch"] + r["collectives"], r
         assert r["total"] <= MAX_ALL_REDUCE_LAUNCHES, (codec, world, r)
 
 

@@ -21,6 +21,7 @@ from lightning_qcomm.codecs import get_codec, ops, triton_probe
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.setattr(triton_probe, "_verdicts", {})
+    monkeypatch.setattr(triton_probe, "_failures", {})
     monkeypatch.setattr(kernels, "HAS_TRITON", True)
     monkeypatch.delenv("LIGHTNING_QCOMM_DISABLE_TRITON", raising=False)
     calls = {"encode": 0, "decode": 0}
@@ -146,3 +147,6 @@ def test_zeros_of_other_signs_differ():
     assert triton_probe._difference("values", torch.tensor([1.0, 0.0]), torch.tensor([1.0, -0.0])) is not None
     assert triton_probe._difference("values", torch.tensor([float("nan")]), torch.tensor([-float("nan")])) is None
     assert triton_probe._difference("codes", torch.tensor([3], dtype=torch.uint8), torch.tensor([4], dtype=torch.uint8))
+    half = torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)
+    assert triton_probe._difference("values", half, -half) is not None  # -1.0; the NaN's sign alone would pass
+    assert triton_probe._difference("values", half[1:], -half[1:]) is None

@@ -1,5 +1,5 @@
 """The server step and the error-feedback tail of a compressed all-reduce as torch ops of the codec layer, one
-launch each on CUDA (docs/design.md, "Collectives"):
+launch each on CUDA (docs/design.md, "Collectives")::
 
     decode_rows_sum(Tensor wire, int n, <codec>, bool avg) -> Tensor                                  ((n,) fp32)
     feedback_update(Tensor y, Tensor dec, Tensor reduced, Tensor held, int start, float k,
@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -42,6 +43,10 @@ from lightning_qcomm.codecs.rows import _check_wire, decode_rows_body
 from lightning_qcomm.codecs.rows_encode import _INT32_COUNTERS
 
 MAX_SUM_ROWS = 8  # the Triton sum reproduces torch's CUDA sum(dim=0) order up to this many rows
+FEEDBACK_BLOCK = 1024  # the feedback kernel's elements per program; its indices are int32
+HELD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # what the feedback kernel rounds
+_verdicts: dict[tuple, bool] = {}
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------- decode_rows_sum
@@ -50,15 +55,64 @@ def decode_rows_sum_body(codec: Codec, wire: torch.Tensor, n: int, avg: bool, tr
     p = _check_wire(codec, wire, n)
     rows = wire.reshape(-1, p)
     r = rows.shape[0]
-    if triton and r <= MAX_SUM_ROWS and 2 <= n < _INT32_COUNTERS:  # n = 1: torch sums R contiguous values
+    # n = 1: torch sums R contiguous values; the kernel's row offsets r * p are int32
+    if triton and r <= MAX_SUM_ROWS and 2 <= n < _INT32_COUNTERS and rows.numel() < _INT32_COUNTERS:
         from lightning_qcomm.codecs import ops
 
-        if ops.rows_kernel(codec, rows, encode=False):
+        if ops.rows_kernel(codec, rows, encode=False) and _sum_kernel_works(codec, r, rows.device):
             return ops.decode_rows_sum_kernel(codec, rows, n, avg)
+    return _eager_sum(codec, rows, n, avg, triton)
+
+
+def _eager_sum(codec: Codec, rows: torch.Tensor, n: int, avg: bool, triton: bool) -> torch.Tensor:
     acc = decode_rows_body(codec, rows, n, triton=triton).sum(dim=0)
     if avg:
-        acc /= r
+        acc /= rows.shape[0]
     return acc
+
+
+def _sum_kernel_works(codec: Codec, r: int, device: torch.device) -> bool:
+    """The sum kernel of R rows on ``device`` equals the eager decode-and-sum it replaces (bit for bit, any NaN
+    equal to any NaN) on a probe of R rows of 1061 elements with NaN and infinities, sum and mean: checked once
+    per (codec, R, device), its host syncs then; else the eager ops, with one warning. So the sum order the
+    kernel assumes of torch's CUDA reduction is verified on the GPU it runs on. Not on CPU tensors (Triton's
+    interpreter): the eager sum there is the CPU's, in another order for R > 4."""
+    from lightning_qcomm.codecs import ops, rows_encode, triton_probe
+
+    key = ("sum", tuple(sorted(codec.config().items())), r, str(device))
+    if device.type != "cuda":
+        return True
+    if key not in _verdicts:
+        g = torch.Generator().manual_seed(r)
+        x = torch.randn(r, 1061, generator=g) * 3
+        x[0, 3], x[r - 1, 7], x[r - 1, 8] = float("nan"), float("inf"), float("-inf")
+        wire = rows_encode.encode_rows_body(codec, x.to(device), list(range(r)), triton=False)
+
+        def check() -> None:
+            for avg in (False, True):
+                want = _eager_sum(codec, wire, 1061, avg, triton=True)
+                got = ops.decode_rows_sum_kernel(codec, wire.view(r, -1), 1061, avg)
+                difference = triton_probe._difference("sums", want, got)
+                if difference:
+                    raise RuntimeError(f"the Triton decode-and-sum differs from the eager ops: {difference}")
+
+        _verdicts[key] = _run_check(check, f"decode_rows_sum of {r} rows of {codec.config()}", device)
+    return _verdicts[key]
+
+
+def _run_check(check, what: str, device: torch.device) -> bool:
+    try:
+        check()
+        return True
+    except Exception as e:  # a kernel that fails to compile, launch or agree: the eager ops
+        log.warning(
+            "lightning_qcomm: %s failed its first-use check on %s (%s: %s); the eager ops run there",
+            what,
+            device,
+            type(e).__name__,
+            e,
+        )
+        return False
 
 
 def decode_rows_sum_reference(wire, n: int, codec: str, bits: int, bucket_size, stochastic: bool, avg: bool):
@@ -110,7 +164,6 @@ def feedback_update_reference(y, dec, reduced, held, start: int, k: float, held_
 
 def _feedback_triton(tensors, device: torch.device) -> bool:
     from lightning_qcomm import kernels
-    from lightning_qcomm.codecs import triton_probe
 
     if not kernels.HAS_TRITON or os.environ.get("LIGHTNING_QCOMM_DISABLE_TRITON") == "1":
         return False
@@ -118,16 +171,48 @@ def _feedback_triton(tensors, device: torch.device) -> bool:
         return False
     if not all(t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 1 for t in tensors):
         return False
-    return triton_probe.triton_works(registry.codec_for_op("uniform", 8, 512, True), device)
+    if tensors[0].numel() >= _INT32_COUNTERS - FEEDBACK_BLOCK:  # the kernel's indices are int32
+        return False
+    return _feedback_kernel_works(device)
+
+
+def _feedback_kernel_works(device: torch.device) -> bool:
+    """The feedback kernel on ``device`` equals the eager ops (bit for bit) on a probe with NaN, infinities and
+    subnormals, this rank's chunk inside and clipped, every held dtype: checked once per device, else the eager
+    ops, with one warning."""
+    key = ("feedback", str(device))
+    if key not in _verdicts:
+        from lightning_qcomm.kernels.cuda import reduce_kernels
+
+        def check() -> None:
+            from lightning_qcomm.codecs import triton_probe
+
+            g = torch.Generator().manual_seed(0)
+            y, dec, held, err = (torch.randn(1037, generator=g) * 5 for _ in range(4))
+            y[2], dec[5], held[300], y[3] = float("nan"), float("inf"), float("-inf"), 1e-41
+            red = torch.randn(260, generator=g) * 5
+            red[1] = float("inf")
+            for start in (0, 780, 1040):
+                for held_dtype in HELD_DTYPES:
+                    want = err.clone()
+                    feedback_update_reference(y, dec, red, held, start, 4.0, held_dtype, want)
+                    ops = [t.to(device) for t in (y, dec, red, held, err)]
+                    with triton_probe.on_device(device):
+                        reduce_kernels.feedback_update(*ops[:4], start, 4.0, held_dtype, ops[4])
+                    difference = triton_probe._difference("errors", want, ops[4].cpu())
+                    if difference:
+                        raise RuntimeError(f"the Triton error-feedback tail differs from the eager ops: {difference}")
+
+        _verdicts[key] = _run_check(check, "the error-feedback kernel", device)
+    return _verdicts[key]
 
 
 def feedback_update_cuda(y, dec, reduced, held, start: int, k: float, held_dtype, err) -> None:
     """``qcomm::feedback_update`` on CUDA: one Triton launch for contiguous fp32 operands, else the eager ops."""
     _check_feedback(y, dec, reduced, held, err)
-    from lightning_qcomm.kernels.cuda import reduce_kernels
-
-    if held_dtype in reduce_kernels.HELD_DTYPES and _feedback_triton((y, dec, reduced, held, err), y.device):
+    if held_dtype in HELD_DTYPES and _feedback_triton((y, dec, reduced, held, err), y.device):
         from lightning_qcomm.codecs import triton_probe
+        from lightning_qcomm.kernels.cuda import reduce_kernels
 
         with triton_probe.on_device(y.device):
             reduce_kernels.feedback_update(y, dec, reduced, held, start, k, held_dtype, err)

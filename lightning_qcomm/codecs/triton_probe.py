@@ -76,18 +76,24 @@ def _difference(label: str, want: torch.Tensor, got: torch.Tensor) -> str | None
     first with both values (and the bits of floats)."""
     if want.shape != got.shape or want.dtype != got.dtype:
         return f"shape/dtype {tuple(got.shape)} {got.dtype}, reference {tuple(want.shape)} {want.dtype}"
-    if want.is_floating_point():  # every NaN as one bit pattern, then bit for bit (torch.equal: one host read)
-        wb, gb = (torch.where(t.isnan(), 0x7FC00000, t.view(torch.int32)) for t in (want, got))
-    else:
-        wb, gb = want, got
-    if torch.equal(wb, gb):
+    floating = want.is_floating_point()
+    if floating:  # the bits, every NaN as 0 and where the NaNs are apart (torch.equal: host reads, once)
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]
+        wb, gb = (torch.where(t.isnan(), 0, t.view(bits)) for t in (want, got))
+        if torch.equal(want.isnan(), got.isnan()) and torch.equal(wb, gb):
+            return None
+        differ = (wb != gb) | (want.isnan() != got.isnan())
+    elif torch.equal(want, got):
         return None
-    where = (wb != gb).reshape(-1).nonzero()  # the details, on the way to an error only
+    else:
+        differ = want != got
+    where = differ.reshape(-1).nonzero()  # the details, on the way to an error only
     i = int(where[0])
     w, g = want.reshape(-1)[i], got.reshape(-1)[i]
-    if want.is_floating_point():
-        wv = f"{w.item()!r} (0x{w.view(torch.int32).item() & 0xFFFFFFFF:08x})"
-        gv = f"{g.item()!r} (0x{g.view(torch.int32).item() & 0xFFFFFFFF:08x})"
+    if floating:
+        mask, width = (1 << 8 * want.element_size()) - 1, 2 * want.element_size()
+        wv = f"{w.item()!r} (0x{w.view(bits).item() & mask:0{width}x})"
+        gv = f"{g.item()!r} (0x{g.view(bits).item() & mask:0{width}x})"
     else:
         wv, gv = str(w.item()), str(g.item())
     return f"{where.numel()} of {want.numel()} {label} differ, the first at {i}: reference {wv}, Triton {gv}"

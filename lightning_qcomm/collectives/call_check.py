@@ -1,4 +1,4 @@
-"""The cross-rank consistency check of one collective call (comm layer).
+"""The cross-rank consistency check of one collective call (collectives layer).
 
 Before moving data, the ranks all-gather one int64 row of what defines the call (op, numel, dtype, codec
 fingerprint, reduce op, world size, an op-specific integer, format version); if the rows differ every rank

@@ -1,5 +1,5 @@
 """What the chunked collectives share: argument checks, the chunk layout, payload coding of rows, and
-writing results and residuals back in place (comm layer).
+writing results and residuals back in place (collectives layer).
 
 Notation (docs/design.md, "Collectives"): d = elements of the logical tensor, N = world size, r = this rank.
 A flat tensor is split into N chunks of c = ceil(d / N) elements, the tail zero-padded; padding travels (and

@@ -1,4 +1,4 @@
-"""Hierarchical all-reduce: exact inside a node, compressed only across nodes (comm layer).
+"""Hierarchical all-reduce: exact inside a node, compressed only across nodes (collectives layer).
 
 With M nodes of L ranks (``comm.topology``), a flat tensor x of d elements on every rank, c = ceil(d / L):
 

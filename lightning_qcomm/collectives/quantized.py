@@ -1,4 +1,4 @@
-"""The quantized collectives: all-gather, reduce-scatter and the precision-preserving all-reduce (comm layer).
+"""The quantized collectives: all-gather, reduce-scatter and the precision-preserving all-reduce (collectives layer).
 
 This file owns the process logic that moves codec payloads between ranks; the math of each codec lives in
 ``lightning_qcomm.codecs``, the bytes' transport in ``comm.transport``, the per-call cross-rank check in

@@ -1,4 +1,4 @@
-"""The 1-bit all-reduce's pieces as one batch: the accelerator form of ``onebit_all_reduce`` (comm layer).
+"""The 1-bit all-reduce's pieces as one batch: the accelerator form of ``onebit_all_reduce`` (collectives layer).
 
 ``onebit_all_reduce`` cuts a bucket of d elements into pieces of n = N*m elements (``onebit_pieces``; N ranks,
 m = ``piece_numel``), the last piece shorter, and runs the error-compensated 1-bit exchange on every piece

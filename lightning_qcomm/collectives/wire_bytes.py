@@ -1,4 +1,4 @@
-"""Wire-byte formulas of the compressed collectives, for benchmarks and docs (comm layer).
+"""Wire-byte formulas of the compressed collectives, for benchmarks and docs (collectives layer).
 
 What one call sends per rank, from the same piece and chunk layout the collectives use (so a change
 there shows here); the ``CommLedger`` records the same quantities per call.

@@ -1,0 +1,89 @@
+"""Where ``codecs.rows_reduce`` sends the all-reduce's server step and error-feedback tail on CUDA: the Triton
+kernels only where Triton is there, the operands fit their int32 indexing and the kernels passed their own
+first-use check on that device; else the eager ops (with one warning where a check failed). Run on CPU tensors
+with the device test stood in."""
+
+from __future__ import annotations
+
+import builtins
+import logging
+
+import pytest
+import torch
+
+from lightning_qcomm import kernels
+from lightning_qcomm.codecs import rows_reduce
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.setattr(rows_reduce, "_verdicts", {}, raising=False)
+
+
+def _case(n: int = 1037, c: int = 260):
+    g = torch.Generator().manual_seed(1)
+    y, dec, held, err = (torch.randn(n, generator=g) for _ in range(4))
+    y[2] = float("nan")
+    return y, dec, torch.randn(c, generator=g), held, err
+
+
+def test_feedback_runs_the_eager_ops_where_triton_cannot_be_imported(monkeypatch):
+    """A CUDA machine without Triton (the [triton] extra is optional): the tail runs in eager ops, and the kernel
+    module (which imports triton) is never imported."""
+    monkeypatch.setattr(kernels, "HAS_TRITON", False)
+    real_import = builtins.__import__
+
+    def no_triton(name, globals=None, locals=None, fromlist=(), level=0):
+        wanted = [name, *(f"{name}.{f}" for f in fromlist or ())]
+        if any(w.split(".")[0] == "triton" or w.endswith("reduce_kernels") for w in wanted):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    y, dec, red, held, err = _case()
+    want = err.clone()
+    rows_reduce.feedback_update_reference(y, dec, red, held, 260, 4.0, torch.float32, want)
+    rows_reduce.feedback_update_cuda(y, dec, red, held, 260, 4.0, torch.float32, err)
+    assert torch.equal(err.view(torch.int32), want.view(torch.int32))
+
+
+def test_feedback_kernel_only_below_int32_indices(monkeypatch):
+    monkeypatch.setattr(kernels, "HAS_TRITON", True)
+    monkeypatch.delenv("LIGHTNING_QCOMM_DISABLE_TRITON", raising=False)
+    monkeypatch.setattr(kernels.codec_kernels, "_is_interpreted", lambda: True, raising=False)
+    monkeypatch.setattr(rows_reduce, "_feedback_kernel_works", lambda device: True)
+    small = [torch.empty(1 << 20, device="meta") for _ in range(5)]
+    large = [torch.empty((1 << 31) - 1024, device="meta") for _ in range(5)]
+    assert rows_reduce._feedback_triton(small, CPU)
+    assert not rows_reduce._feedback_triton(large, CPU)  # its program * BLOCK + arange would wrap
+
+
+@pytest.mark.parametrize("broken", ["raises", "one ulp"])
+def test_a_feedback_kernel_that_fails_its_check_is_not_used(broken, monkeypatch, caplog):
+    triton = pytest.importorskip("triton")  # noqa: F841
+    from lightning_qcomm.kernels.cuda import reduce_kernels
+
+    def kernel(y, dec, red, held, start, k, held_dtype, err):
+        if broken == "raises":
+            raise RuntimeError("Global variable _NAN has changed since we compiled this kernel")
+        rows_reduce.feedback_update_reference(y, dec, red, held, start, k, held_dtype, err)
+        err.view(torch.int32)[-1] += 1
+
+    monkeypatch.setattr(reduce_kernels, "feedback_update", kernel)
+    with caplog.at_level(logging.WARNING, logger=rows_reduce.__name__):
+        assert rows_reduce._feedback_kernel_works(CPU) is False
+        assert rows_reduce._feedback_kernel_works(CPU) is False  # checked once
+    warnings = [r for r in caplog.records if "first-use check" in r.getMessage()]
+    assert len(warnings) == 1 and "error-feedback" in warnings[0].getMessage()
+    if broken == "one ulp":
+        assert "errors differ" in warnings[0].getMessage()
+
+
+def test_a_working_feedback_kernel_passes_its_check(monkeypatch):
+    pytest.importorskip("triton")
+    from lightning_qcomm.kernels.cuda import reduce_kernels
+
+    monkeypatch.setattr(reduce_kernels, "feedback_update", rows_reduce.feedback_update_reference)
+    assert rows_reduce._feedback_kernel_works(CPU) is True
