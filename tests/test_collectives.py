@@ -661,10 +661,13 @@ def check_nan(rank, n):
         x[5] = float("nan")
         x[D - 1] = float("inf")
     for cod in (codec, None):
-        e = torch.zeros(D)
+        e = torch.full((D,), 0.25)  # where this step's residual is not finite, e keeps this value
         out = quantized_all_reduce(x.clone(), cod, error_feedback=e)
         assert not torch.isfinite(out[:BUCKET]).all() and not torch.isfinite(out[-1])
         assert torch.isfinite(e).all(), "error feedback poisoned"
+        if rank == 0 and cod is not None:  # y = x + e is NaN / inf there: its residual is not finite
+            assert e[5] == 0.25 and e[D - 1] == 0.25, (e[5], e[D - 1])
+            assert (e != 0.25).any(), "no residual written"
     out = quantized_all_gather(torch.empty(n * D), x, codec)
     assert not torch.isfinite(out[5]) and torch.isfinite(out[D + 5])
     # reduce_scatter: a non-finite value in every row of rank 0
@@ -678,6 +681,27 @@ def check_nan(rank, n):
     c = -(-D // n)
     assert not torch.isfinite(out[:c]).any() and not torch.isfinite(out[-1]), "NaN chunk decoded as finite"
     assert torch.isfinite(ew).all() and torch.isfinite(es).all(), "1-bit error buffers poisoned"
+
+
+def check_strided_error_feedback(rank, n):
+    """An error-feedback buffer that is a strided view (written in place) or a non-contiguous 2-D tensor (written
+    back once) ends bit for bit as a contiguous one, and so does the result."""
+    codec = get_codec("uniform", 4, BUCKET)
+    x = make_input(42, rank, 7 * 143)
+    want_e = make_input(43, rank, 7 * 143, 0.01)
+    want = quantized_all_reduce(x.clone(), codec, error_feedback=want_e)
+    strided = torch.zeros(7 * 143, 2)
+    strided[:, 0] = make_input(43, rank, 7 * 143, 0.01)
+    got = quantized_all_reduce(x.clone(), codec, error_feedback=strided[:, 0])
+    assert torch.equal(got, want) and torch.equal(strided[:, 0], want_e) and not strided[:, 1].any()
+    x2 = x.view(7, 143).t()  # a non-contiguous input and error buffer of the same shape
+    e2 = make_input(43, rank, 7 * 143, 0.01).view(7, 143).t()
+    want_e2 = e2.contiguous()
+    want2 = quantized_all_reduce(x2.contiguous(), codec, error_feedback=want_e2)
+    got2 = quantized_all_reduce(x2.clone(), codec, error_feedback=e2)
+    assert not e2.is_contiguous() and not x2.clone().is_contiguous()
+    assert torch.equal(got2, want2) and torch.equal(e2, want_e2)
+    assert not torch.equal(want_e2, make_input(43, rank, 7 * 143, 0.01).view(7, 143).t())  # e was updated
 
 
 CHECKS_2 = [
@@ -694,6 +718,7 @@ CHECKS_2 = [
     check_ledger_bytes,
     check_bad_input,
     check_nan,
+    check_strided_error_feedback,
 ]
 CHECKS_3 = [
     check_fp32_equals_torch,
