@@ -1,6 +1,6 @@
 """The device kernels live in the repository's top-level ``kernels/`` and install as ``lightning_qcomm.kernels``.
 
-    kernels/cuda/     the Triton kernels (codec_kernels.py, elementwise.py, wire_params.py)
+    kernels/cuda/     the Triton kernels (codec_kernels.py, elementwise.py, reduce_kernels.py, wire_params.py)
     kernels/cpu/      the C++ sources of the CPU kernels (qcomm_ops.cpp, qcomm_kernels.h)
     lightning_qcomm/kernels/__init__.py   the facade, the only file left there
 
@@ -23,7 +23,7 @@ import pytest
 import lightning_qcomm.kernels as kernels
 
 REPO = Path(__file__).resolve().parents[1]
-CUDA = ("codec_kernels.py", "elementwise.py", "wire_params.py")
+CUDA = ("codec_kernels.py", "elementwise.py", "reduce_kernels.py", "wire_params.py")
 CPU = ("qcomm_ops.cpp", "qcomm_kernels.h")
 
 
