@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from lightning_qcomm import kernels
-from lightning_qcomm.codecs import rows_reduce
+from lightning_qcomm.codecs import rows_reduce, triton_probe
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    monkeypatch.setattr(rows_reduce, "_verdicts", {}, raising=False)
+    monkeypatch.setattr(triton_probe, "_verdicts", {})
+    monkeypatch.setattr(triton_probe, "_failures", {})
 
 
 def _case(n: int = 1037, c: int = 260):
@@ -72,7 +73,7 @@ def test_a_feedback_kernel_that_fails_its_check_is_not_used(broken, monkeypatch,
         err.view(torch.int32)[-1] += 1
 
     monkeypatch.setattr(reduce_kernels, "feedback_update", kernel)
-    with caplog.at_level(logging.WARNING, logger=rows_reduce.__name__):
+    with caplog.at_level(logging.WARNING, logger=triton_probe.__name__):
         assert rows_reduce._feedback_kernel_works(CPU) is False
         assert rows_reduce._feedback_kernel_works(CPU) is False  # checked once
     warnings = [r for r in caplog.records if "first-use check" in r.getMessage()]

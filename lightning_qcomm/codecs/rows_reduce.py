@@ -32,7 +32,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -45,8 +44,7 @@ from lightning_qcomm.codecs.rows_encode import _INT32_COUNTERS
 MAX_SUM_ROWS = 8  # the Triton sum reproduces torch's CUDA sum(dim=0) order up to this many rows
 FEEDBACK_BLOCK = 1024  # the feedback kernel's elements per program; its indices are int32
 HELD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # what the feedback kernel rounds
-_verdicts: dict[tuple, bool] = {}
-log = logging.getLogger(__name__)
+_EAGER = "the eager ops run there"
 
 
 # ---------------------------------------------------------------------------------------------- decode_rows_sum
@@ -79,40 +77,24 @@ def _sum_kernel_works(codec: Codec, r: int, device: torch.device) -> bool:
     interpreter): the eager sum there is the CPU's, in another order for R > 4."""
     from lightning_qcomm.codecs import ops, rows_encode, triton_probe
 
-    key = ("sum", tuple(sorted(codec.config().items())), r, str(device))
     if device.type != "cuda":
         return True
-    if key not in _verdicts:
+
+    def check() -> None:
         g = torch.Generator().manual_seed(r)
         x = torch.randn(r, 1061, generator=g) * 3
         x[0, 3], x[r - 1, 7], x[r - 1, 8] = float("nan"), float("inf"), float("-inf")
         wire = rows_encode.encode_rows_body(codec, x.to(device), list(range(r)), triton=False)
+        for avg in (False, True):
+            want = _eager_sum(codec, wire, 1061, avg, triton=True)
+            got = ops.decode_rows_sum_kernel(codec, wire.view(r, -1), 1061, avg)
+            difference = triton_probe._difference("sums", want, got)
+            if difference:
+                raise RuntimeError(f"the Triton decode-and-sum differs from the eager ops: {difference}")
 
-        def check() -> None:
-            for avg in (False, True):
-                want = _eager_sum(codec, wire, 1061, avg, triton=True)
-                got = ops.decode_rows_sum_kernel(codec, wire.view(r, -1), 1061, avg)
-                difference = triton_probe._difference("sums", want, got)
-                if difference:
-                    raise RuntimeError(f"the Triton decode-and-sum differs from the eager ops: {difference}")
-
-        _verdicts[key] = _run_check(check, f"decode_rows_sum of {r} rows of {codec.config()}", device)
-    return _verdicts[key]
-
-
-def _run_check(check, what: str, device: torch.device) -> bool:
-    try:
-        check()
-        return True
-    except Exception as e:  # a kernel that fails to compile, launch or agree: the eager ops
-        log.warning(
-            "lightning_qcomm: %s failed its first-use check on %s (%s: %s); the eager ops run there",
-            what,
-            device,
-            type(e).__name__,
-            e,
-        )
-        return False
+    key = ("sum", tuple(sorted(codec.config().items())), r, str(device))
+    what = f"the decode-and-sum kernel of {r} rows of {codec.config()}"
+    return triton_probe.first_use(key, what, device, check, _EAGER)
 
 
 def decode_rows_sum_reference(wire, n: int, codec: str, bits: int, bucket_size, stochastic: bool, avg: bool):
@@ -180,31 +162,28 @@ def _feedback_kernel_works(device: torch.device) -> bool:
     """The feedback kernel on ``device`` equals the eager ops (bit for bit) on a probe with NaN, infinities and
     subnormals, this rank's chunk inside and clipped, every held dtype: checked once per device, else the eager
     ops, with one warning."""
-    key = ("feedback", str(device))
-    if key not in _verdicts:
+    from lightning_qcomm.codecs import triton_probe
+
+    def check() -> None:
         from lightning_qcomm.kernels.cuda import reduce_kernels
 
-        def check() -> None:
-            from lightning_qcomm.codecs import triton_probe
+        g = torch.Generator().manual_seed(0)
+        y, dec, held, err = (torch.randn(1037, generator=g) * 5 for _ in range(4))
+        y[2], dec[5], held[300], y[3] = float("nan"), float("inf"), float("-inf"), 1e-41
+        red = torch.randn(260, generator=g) * 5
+        red[1] = float("inf")
+        for start in (0, 780, 1040):
+            for held_dtype in HELD_DTYPES:
+                want = err.clone()
+                feedback_update_reference(y, dec, red, held, start, 4.0, held_dtype, want)
+                ops = [t.to(device) for t in (y, dec, red, held, err)]
+                with triton_probe.on_device(device):
+                    reduce_kernels.feedback_update(*ops[:4], start, 4.0, held_dtype, ops[4])
+                difference = triton_probe._difference("errors", want, ops[4].cpu())
+                if difference:
+                    raise RuntimeError(f"the Triton error-feedback tail differs from the eager ops: {difference}")
 
-            g = torch.Generator().manual_seed(0)
-            y, dec, held, err = (torch.randn(1037, generator=g) * 5 for _ in range(4))
-            y[2], dec[5], held[300], y[3] = float("nan"), float("inf"), float("-inf"), 1e-41
-            red = torch.randn(260, generator=g) * 5
-            red[1] = float("inf")
-            for start in (0, 780, 1040):
-                for held_dtype in HELD_DTYPES:
-                    want = err.clone()
-                    feedback_update_reference(y, dec, red, held, start, 4.0, held_dtype, want)
-                    ops = [t.to(device) for t in (y, dec, red, held, err)]
-                    with triton_probe.on_device(device):
-                        reduce_kernels.feedback_update(*ops[:4], start, 4.0, held_dtype, ops[4])
-                    difference = triton_probe._difference("errors", want, ops[4].cpu())
-                    if difference:
-                        raise RuntimeError(f"the Triton error-feedback tail differs from the eager ops: {difference}")
-
-        _verdicts[key] = _run_check(check, "the error-feedback kernel", device)
-    return _verdicts[key]
+    return triton_probe.first_use(("feedback", str(device)), "the error-feedback kernel", device, check, _EAGER)
 
 
 def feedback_update_cuda(y, dec, reduced, held, start: int, k: float, held_dtype, err) -> None:

@@ -101,21 +101,35 @@ def _difference(label: str, want: torch.Tensor, got: torch.Tensor) -> str | None
 
 def triton_works(codec, device: torch.device) -> bool:
     """True when the Triton kernels of ``codec`` ran on ``device`` and matched the reference (checked once)."""
-    key = _key(codec, device)
+    what = f"the Triton kernels of codec {codec.config()}"
+    return first_use(
+        _key(codec, device),
+        what,
+        device,
+        lambda: _check(codec, device),
+        "this codec uses the torch reference codecs there",
+    )
+
+
+def first_use(key: tuple, what: str, device: torch.device, check, fallback: str) -> bool:
+    """Whether ``check()`` (a kernel run next to what it replaces, raising where it fails or disagrees) passed for
+    ``key``: run once, cached; a failure is recorded (``failure``) and warned once, naming ``what``, the device,
+    the error and ``fallback`` (what runs instead). The codecs' kernels and the collectives' (``codecs.rows_reduce``)
+    are checked through it."""
     verdict = _verdicts.get(key)
     if verdict is None:
         try:
-            _check(codec, device)
+            check()
             verdict = True
-        except Exception as e:  # any failure of a kernel's compile or launch means: use the reference
+        except Exception as e:  # any failure of a kernel's compile or launch means: use what it replaces
             _failures[key] = f"{type(e).__name__}: {e}"
             log.warning(
-                "lightning_qcomm: the Triton kernels of codec %s failed their first-use check on %s (%s: %s); "
-                "this codec uses the torch reference codecs there",
-                codec.config(),
+                "lightning_qcomm: %s failed their first-use check on %s (%s: %s); %s",
+                what,
                 device,
                 type(e).__name__,
                 e,
+                fallback,
             )
             verdict = False
         _verdicts[key] = verdict
