@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,3 +46,38 @@ def test_each_diagnostic_builds_its_strategy(name):
     weight, grad = {"qsdp_w4g8": (4, 8), "qsdp_w8g4": (8, 4), "qsdp_w4g4_b128": (4, 4)}[name]
     assert (strategy.weight_bits, strategy.grad_bits) == (weight, grad)
     assert strategy.run_config.bucket_size == (128 if name.endswith("_b128") else 1024)
+
+
+def test_the_causal_feed_is_consecutive_text_with_next_token_labels():
+    src, x, y = torch_versions.dataset("causal", 3).tensors
+    t = torch_versions.SEQ
+    stream = torch_versions._tokens(3 * (2 * t + 1)).view(3, -1)
+    assert torch.equal(torch.cat([src, x, y[:, -1:]], dim=1), stream)
+    assert torch.equal(y[:, :-1], x[:, 1:])
+
+
+def _outputs_moved(feed: str, position: int) -> torch.Tensor:
+    """Per position of one sample, whether the benchmark module's prediction changes when label ``position`` is
+    changed in the stream (so in every input that holds that token too)."""
+    module = torch_versions._module().eval()
+    batch = [t[:1].clone() for t in torch_versions.dataset(feed, 1).tensors]
+    changed = [t.clone() for t in batch]
+    y, x = changed[-1], changed[-2]
+    y[0, position] = (y[0, position] + 1) % torch_versions.VOCAB
+    if position + 1 < x.shape[1]:
+        x[0, position + 1] = y[0, position]  # label i is input i + 1
+    with torch.no_grad():
+        a, b = module.predict(batch)[0], module.predict(changed)[0]
+    return (a - b).abs().amax(dim=-1) > 0
+
+
+def test_the_causal_feed_hides_each_label_from_its_prediction_and_the_demo_feed_does_not():
+    for position in (0, 4, 8):
+        moved = _outputs_moved("causal", position)
+        assert not moved[: position + 1].any(), "a prediction saw its label or a later token"
+        assert _outputs_moved("demo", position)[position], "the demo feed's prediction i reads label i"
+
+
+def test_an_unknown_feed_is_refused_with_the_allowed_set():
+    with pytest.raises(ValueError, match=r"feed='shifted': allowed \('causal', 'demo'\)"):
+        torch_versions.dataset("shifted", 2)
