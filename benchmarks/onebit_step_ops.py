@@ -75,7 +75,7 @@ class StepCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if func.namespace == "qcomm" and name in OPENED_OPS:  # the rows ops: count the ops their kernel runs
+        if func.namespace == "qcomm" and name in OPENED_OPS:  # rows, sum, feedback: count the ops their kernel runs
             return run_opened(self, func, args, kwargs)
         bool_index = name == "index" and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
