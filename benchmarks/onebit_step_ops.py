@@ -26,6 +26,10 @@ reference phases, what a GPU ran before ``collectives.sign_batched``) and ``batc
 ``--triton`` runs the codec ops' CUDA kernels on the CPU tensors (Triton's interpreter,
 ``launch_counts.cuda_path_on_cpu``) and counts their launches apart: what a GPU runs where the kernels take the
 rows (sign1 with ``scale_block`` blocks of at most 8192 elements).
+
+``--pieces`` picks the 1-bit pipelining pieces: ``model`` the full model's pieces on gloo (``piece_numel`` 2^18 s²,
+what ``OneBitMomentumSync`` takes for CPU tensors), ``cuda`` one piece per bucket (what it takes for CUDA tensors,
+``OneBitMomentumSync.resolve_piece_numel``); ``auto`` (the default) ``cuda`` with ``--triton``, else ``model``.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ class StepCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if func.namespace == "qcomm" and name in OPENED_OPS:  # the rows ops: count the ops their kernel runs
+        if func.namespace == "qcomm" and name in OPENED_OPS:  # rows, sum, feedback: count the ops their kernel runs
             return run_opened(self, func, args, kwargs)
         bool_index = name == "index" and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
@@ -114,9 +118,18 @@ def _layer() -> str:
     return found
 
 
-def count(path: str, scale: float, world: int, steps: int, nonfinite: str, triton_log: list | None = None) -> dict:
+def count(
+    path: str,
+    scale: float,
+    world: int,
+    steps: int,
+    nonfinite: str,
+    triton_log: list | None = None,
+    pieces: str = "model",
+) -> dict:
     """Per compressed step: launches, syncs and the pieces of every bucket, with ``sign_batched.PATH = path``;
-    ``triton_log``: the launch log of ``launch_counts.cuda_path_on_cpu`` (the Triton kernels, interpreted)."""
+    ``triton_log``: the launch log of ``launch_counts.cuda_path_on_cpu`` (the Triton kernels, interpreted);
+    ``pieces``: ``"model"`` the full model's pieces, ``"cuda"`` one piece per bucket (module docstring)."""
     from lightning_qcomm.collectives import onebit_pieces, sign_batched
     from lightning_qcomm.optim import OneBitAdam
 
@@ -132,8 +145,11 @@ def count(path: str, scale: float, world: int, steps: int, nonfinite: str, trito
 
     for _ in range(3):  # two warm-up steps, then the first compressed step (layout, consistency check)
         step()
-    piece = max(8, round(PIECE_NUMEL * scale**2))
-    opt._sync.piece_numel = piece  # the full model's pieces per bucket (the check ran on the first call)
+    if pieces == "cuda":  # the layout the sync takes for CUDA tensors: one piece per bucket
+        piece = opt._sync.resolve_piece_numel(torch.device("cuda"))
+    else:
+        piece = max(8, round(PIECE_NUMEL * scale**2))
+    opt._sync.piece_numel = piece  # the layout counted (the consistency check ran on the first call)
     step()  # steady state: caches warm
     counter = StepCounter()
     before = len(triton_log or ())
@@ -168,7 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the codec ops' CUDA kernels on CPU tensors (Triton interpreted; small --scale)",
     )
+    parser.add_argument(
+        "--pieces",
+        default="auto",
+        choices=("auto", "model", "cuda"),
+        help="1-bit pieces: the full model's (gloo), one per bucket (CUDA); auto: cuda with --triton",
+    )
     args = parser.parse_args(argv)
+    pieces = args.pieces if args.pieces != "auto" else ("cuda" if args.triton else "model")
 
     from lightning_qcomm.codecs import cpu_fused, scaling
 
@@ -185,11 +208,14 @@ def main(argv: list[str] | None = None) -> int:
             from launch_counts import cuda_path_on_cpu
 
             log = stack.enter_context(cuda_path_on_cpu())
-        rows = {p: count(p, args.scale, args.world, args.steps, args.nonfinite, log) for p in args.paths.split(",")}
+        rows = {
+            p: count(p, args.scale, args.world, args.steps, args.nonfinite, log, pieces) for p in args.paths.split(",")
+        }
     first = next(iter(rows.values()))
     print(
         f"OneBitAdam compressed step, GPT-2-small shapes x{args.scale}: {first['params'] / 1e6:.2f}M parameters in "
-        f"{first['tensors']} tensors, {first['buckets']} buckets, {first['pieces']} pieces per step, N = {args.world}, "
+        f"{first['tensors']} tensors, {first['buckets']} buckets, {first['pieces']} pieces per step ({pieces} "
+        f"layout), N = {args.world}, "
         f"nonfinite={args.nonfinite}, torch {torch.__version__}, mean of {args.steps} steps"
     )
     print()

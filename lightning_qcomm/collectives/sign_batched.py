@@ -10,11 +10,11 @@ runs every phase as one set of multi-row ops over a (K, N, c) view, so the numbe
 depend on K::
 
     worker:  Y = X + E_w                       (K, N*c)  the pieces' inputs, zero-padded to N*c each
-             S = C(rows of Y)                  (K*N) payloads; E_w' = Y - C(Y)   (first n of each piece)
+             S = C(rows of Y)                  (K*N) payloads; E_w <- Y - C(Y) where finite (first n of each piece)
              send S as (N, K, P): row j (rank j) holds chunk j of every piece, in piece order
     server:  Z = (1/N) sum_r C_r + E_s         (K, c)  rank order; E_s = this rank's chunks, piece order
              Z[:, valid:] = 0                  (valid = real elements of this rank's chunk)
-             payloads C(rows of Z); E_s' = Z - C(Z)   (padding kept 0); all-gather as (N, K, P)
+             payloads C(rows of Z); E_s <- Z - C(Z) where finite (padding set to 0); all-gather as (N, K, P)
     all:     X[piece k] = concat_j C(Z_j[k])[:n]
 
 with C the ``sign1`` codec per chunk (or per block of ``block_numel``), ``codecs.encode_rows`` and
@@ -22,11 +22,28 @@ with C the ``sign1`` codec per chunk (or per block of ``block_numel``), ``codecs
 every other step is element-wise, so the values (outputs, E_w, E_s, wire bytes per piece) are the per-piece
 reference's bit for bit (tests/test_onebit_batched.py); only the number and size of the collective calls
 differ (one all-to-all and one all-gather per group instead of per piece), so every rank must take the same
-path. The error buffers move on where the new residual is finite (``chunked._update_error``).
+path. The error buffers move on where the new residual is finite, a group's elements as soon as the group no
+longer reads them (``codecs.feedback_update`` with no correction: y - C(y) written where finite, one launch on
+CUDA); the reference keeps the residuals apart and writes them at the end (``chunked._update_error``), the same
+values.
+
+Launches: a group of one piece (the one group of a bucket ``OneBitMomentumSync`` sends as one piece off the CPU)
+at N <= ``RANK_ORDER_ROWS`` sums the received rows with ``codecs.decode_rows_sum(avg=True)``, one launch on CUDA:
+torch's ``sum(dim=0)`` of at most four rows adds them in rank order from +0.0 on CPU and on CUDA
+(``codecs.rows_reduce``), then ``/= N``, as the reference's ``received[0] + received[1] + ...`` then ``/ N``. The
+one difference, +0.0 + (-0.0) = +0.0, shows in Z only where every row is -0.0 and E_s holds -0.0, which E_s never
+does (Z = S + E_s is -0.0 only if E_s is, Z's padding is +0.0, and Z - C(Z) is -0.0 only if Z is): from zeros,
+and from any state this algorithm saved, the values are the reference's. Several pieces, or N > 4, sum in an
+eager rank-order loop. With ``sign1`` blocks the rows kernels take, a one-piece group at N <= 4 is 10 launches on
+CUDA (encode 2, its decode 1, the worker's residual 1, the sum 1, the server's encode 2, its decode 1, its
+residual 1, the final decode 1, straight into the output, padding dropped), two torch ops (Y = X + E_w,
+Z += E_s; one more for Y's zero padding, and two on a rank whose chunk is short: Z's and E_s's padding) and the
+two collectives.
 
 No value is read on the host: no ``.item()``, no tensor made from Python data, no data-dependent shape. Memory
-beside the codec's temporaries: E_w' and E_s' (d and d/N fp32), Y (d fp32, during the worker phase), the
-decoded received chunks (d fp32, during the server phase) and the payloads (about d/8 bytes, three times).
+beside the codec's temporaries: Y and C(Y) (d fp32 each, during the worker phase), Z and C(Z) (d/N fp32 each),
+the decoded received chunks (d fp32, during the server phase; not with the sum kernel) and the payloads (about
+d/8 bytes, three times).
 
 ``PATH`` selects the form ``onebit_all_reduce`` runs (tests and benchmarks force it):
 
@@ -46,12 +63,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_qcomm.codecs import Codec, Packed, packing
+from lightning_qcomm.codecs import Codec, Packed, decode_rows_sum, feedback_update, packing
 from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows, row_bucketed
-from lightning_qcomm.collectives.chunked import _chunk_len, _update_error
+from lightning_qcomm.collectives.chunked import _chunk_len
 
 PATHS = ("auto", "batched", "reference")
 PATH = "auto"  # module switch: see the module docstring
+RANK_ORDER_ROWS = 4  # torch's sum(dim=0) of at most this many rows adds them in rank order (CPU and CUDA)
 
 
 def selected_path(x: torch.Tensor, fused: bool) -> str:
@@ -143,6 +161,9 @@ class BatchedPhases:
     being ``piece_groups``; one instance per call.
 
     ``x``: the input, read whole by ``encode`` before ``decode`` writes ``out_flat`` (which may be its storage).
+    The residuals go straight into the error buffers (``codecs.feedback_update``, no correction term: err <-
+    y - C(y) where finite), each group's own elements once that group no longer reads them; a buffer that is not
+    contiguous is worked on in a flat copy, copied back by ``finish``.
     """
 
     def __init__(
@@ -158,52 +179,52 @@ class BatchedPhases:
         self.sign, self.rank, self.world = sign, rank, world
         self.x_flat, self.out_flat = x.detach().reshape(-1), out_flat
         self.worker_error, self.server_error = worker_error, server_error
-        self.flat_ew = worker_error.detach().reshape(-1)
+        self.flat_ew = worker_error.detach().reshape(-1)  # a view where the buffer is contiguous, else a copy
         self.flat_es = server_error.detach().reshape(-1)
-        self.new_ew = torch.empty(self.flat_ew.numel(), dtype=torch.float32, device=x.device)
-        self.new_es = torch.empty(self.flat_es.numel(), dtype=torch.float32, device=x.device)
 
     def chunk_nbytes(self, g: PieceGroup) -> int:
         return g.count * self.sign.nbytes(g.chunk)
 
     def encode(self, g: PieceGroup) -> torch.Tensor:
-        """Payloads of every piece's chunks, (N, K, P) uint8 (row j for rank j); E_w' of the group's elements."""
+        """Payloads of every piece's chunks, (N, K, P) uint8 (row j for rank j); E_w <- Y - C(Y) of the group's
+        elements where finite."""
         k, n, c, w = g.count, g.numel, g.chunk, self.world
         span = slice(g.offset, g.offset + k * n)
         x, ew = self.x_flat[span].view(k, n), self.flat_ew[span].view(k, n)
         if n == w * c:
             y = torch.add(x, ew, out=torch.empty(k, n, dtype=torch.float32, device=x.device))
-        else:  # the pieces' zero padding to N*c
+        else:  # the pieces' zero padding to N*c (a short piece is a group of its own: K = 1)
             y = torch.zeros(k, w * c, dtype=torch.float32, device=x.device)
             torch.add(x, ew, out=y[:, :n])
         send = encode_rows(self.sign, y.view(k * w, c), [0] * (k * w))  # (K*N, P)
-        new_ew = self.new_ew[span].view(k, n)
-        if n == w * c:  # C(Y) straight into E_w', then E_w' = Y - C(Y) in place
-            _decode_rows_into(self.sign, send, c, new_ew.view(k * w, c))
-            torch.sub(y, new_ew, out=new_ew)
-        else:
-            decoded = _decode_rows(self.sign, send, c).reshape(k, w * c)
-            torch.sub(y[:, :n], decoded[:, :n], out=new_ew)
+        dec = torch.empty(k, w * c, dtype=torch.float32, device=x.device)
+        _decode_rows_into(self.sign, send, c, dec.view(k * w, c))
+        _feedback(y[:, :n], dec[:, :n], self.flat_ew[span])  # after Y, the group's last read of E_w
         p = send.shape[1]
         return send.view(k, w, p).transpose(0, 1).contiguous() if k > 1 else send
 
     def reduce(self, g: PieceGroup, recv: torch.Tensor) -> torch.Tensor:
         """Z of this rank's chunk of every piece from the received (N, K, P) payloads; its (K, P) payloads;
-        E_s' of the group's elements."""
+        E_s <- Z - C(Z) of the group's elements where finite (padding 0)."""
         k, c, w = g.count, g.chunk, self.world
         valid = max(min(c, g.numel - self.rank * c), 0)  # real (unpadded) elements of this rank's chunks
-        received = _decode_rows(self.sign, recv, c).reshape(w, k, c)
-        z = received[0].clone()
-        for r in range(1, w):  # in rank order, as the reference sums
-            z += received[r]
-        z.div_(w)
-        z += self.flat_es[g.es_offset : g.es_offset + k * c].view(k, c)
-        if valid < c:
+        es = self.flat_es[g.es_offset : g.es_offset + k * c].view(k, c)
+        if k == 1 and w <= RANK_ORDER_ROWS:  # one launch on CUDA, the rank-order sum and /N of the loop below
+            z = decode_rows_sum(self.sign, recv, c, avg=True).view(1, c)
+        else:
+            received = _decode_rows(self.sign, recv, c).reshape(w, k, c)
+            z = received[0].clone()
+            for r in range(1, w):  # in rank order, as the reference sums
+                z += received[r]
+            z.div_(w)
+        z += es
+        if valid < c:  # K = 1 here: a full piece has no padding
             z[:, valid:].zero_()
         mine = encode_rows(self.sign, z, [0] * k)  # (K, P)
-        es = self.new_es[g.es_offset : g.es_offset + k * c].view(k, c)
-        _decode_rows_into(self.sign, mine, c, es)
-        torch.sub(z, es, out=es)
+        dec = torch.empty(k, c, dtype=torch.float32, device=z.device)
+        _decode_rows_into(self.sign, mine, c, dec)
+        if valid:
+            _feedback(z[:, :valid], dec[:, :valid], es[:, :valid].view(-1))
         if valid < c:
             es[:, valid:].zero_()
         return mine
@@ -213,15 +234,26 @@ class BatchedPhases:
         k, n, c, w = g.count, g.numel, g.chunk, self.world
         p = gathered.numel() // (w * k)
         rows = gathered.view(w, k, p).transpose(0, 1).contiguous() if k > 1 else gathered  # (K, N, P): piece order
-        out = self.out_flat[g.offset : g.offset + k * n].view(k, n)
+        out = self.out_flat[g.offset : g.offset + k * n]
         if n == w * c:
             _decode_rows_into(self.sign, rows, c, out.view(k * w, c))
+        elif k == 1 and (w - 1) * c < n and not _unaligned_rows(self.sign, c):  # padding dropped by the codec op
+            decode_rows_into(self.sign, rows, c, out)
         else:
-            out.copy_(_decode_rows(self.sign, rows, c).reshape(k, w * c)[:, :n])
+            out.view(k, n).copy_(_decode_rows(self.sign, rows, c).reshape(k, w * c)[:, :n])
 
     def finish(self) -> None:
-        _update_error(self.worker_error, self.new_ew)
-        _update_error(self.server_error, self.new_es)
+        for buf, flat in ((self.worker_error, self.flat_ew), (self.server_error, self.flat_es)):
+            if not buf.is_contiguous():  # worked on in a copy
+                buf.copy_(flat.view(buf.shape))
+
+
+def _feedback(y: torch.Tensor, dec: torch.Tensor, err: torch.Tensor) -> None:
+    """err (flat, y's elements in row order) <- y - dec where finite: ``codecs.feedback_update`` with no correction
+    (an empty reduced chunk), one launch on CUDA for fp32 buffers. ``y`` and ``dec`` (K, L) are contiguous when
+    K = 1 or L is a whole row (a group of several pieces has no padding); else they are copied."""
+    y, dec = y.reshape(-1), dec.reshape(-1)
+    feedback_update(y, dec, y[:0], y, 0, 1.0, torch.float32, err)
 
 
 __all__ = ["PATH", "PATHS", "BatchedPhases", "PieceGroup", "piece_groups", "selected_path"]

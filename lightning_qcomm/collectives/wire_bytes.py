@@ -30,7 +30,8 @@ def wire_bytes_formula(
 
     ``collective`` is "all_gather" (numel = shard length), "reduce_scatter" (numel = output length),
     "all_reduce" or "onebit_all_reduce" (numel = d). Excludes the consistency check's 8*8*N bytes. The
-    all-reduce is pieced as on CPU; a CUDA tensor goes as one piece (``piece_numel=numel`` gives its bytes).
+    all-reduce is pieced as on CPU; a CUDA tensor goes as one piece (``piece_numel=numel`` gives its bytes), and
+    ``OneBitMomentumSync`` sends a CUDA bucket as one piece (``onebit_piece_numel=ceil(numel/N)`` gives its bytes).
     With P = payload bytes of one chunk: all_gather / reduce_scatter (N-1)·P; all_reduce and the 1-bit
     all-reduce 2(N-1)·Σ_k P_k over pieces k; fp32 all_reduce 2(N-1)/N · itemsize · d. ``onebit_block_numel``: the
     1-bit all-reduce's ``block_numel`` (one fp32 scale per that many elements of a chunk; None: one per chunk).

@@ -73,7 +73,11 @@ class OneBitMomentumSync:
             torch.distributed is not initialised); a ``NodeGroups``: hierarchically over the default group.
         tag: ledger tag of the collectives.
         piece_numel: ``onebit_all_reduce``'s pipelining piece (elements per rank). It decides where each
-            server-error element belongs, so it is part of the saved layout.
+            server-error element belongs, so it is part of the saved layout. None (the default): chosen on the
+            first sync from the buffers' device (``resolve_piece_numel``): ``DEFAULT_ONEBIT_PIECE_NUMEL`` on the
+            CPU (gloo gains from pipelining pieces), else one piece per bucket (NCCL runs a group's collectives
+            in order on one stream: pieces gain no overlap there and multiply the kernel launches); or a saved
+            layout's value (``load_rank_state_dict``).
         block_numel: elements per 1-bit scale (``onebit_all_reduce``; None: one scale per chunk). It changes
             the code, not the error buffers' layout: saved buffers load across block sizes.
     """
@@ -84,10 +88,17 @@ class OneBitMomentumSync:
         bucket_numel: int,
         process_group: dist.ProcessGroup | NodeGroups | None = None,
         tag: str = "momentum",
-        piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL,
+        piece_numel: int | None = None,
         block_numel: int | None = None,
     ) -> None:
         check_block_numel(block_numel, "OneBitMomentumSync")
+        if piece_numel is not None and (
+            not isinstance(piece_numel, int) or isinstance(piece_numel, bool) or piece_numel < 1
+        ):
+            raise ValueError(
+                f"OneBitMomentumSync(piece_numel={piece_numel!r}): allowed None (chosen from the device on the "
+                "first sync) or an int >= 1 (elements per rank per piece)"
+            )
         if not numels:
             raise ValueError("numels must name at least one tensor")
         self.numels = [int(n) for n in numels]
@@ -95,7 +106,7 @@ class OneBitMomentumSync:
         self.bucket_numels = [sum(self.numels[i] for i in b) for b in self.buckets]
         self.process_group = process_group
         self.tag = tag
-        self.piece_numel = int(piece_numel)
+        self.piece_numel: int | None = piece_numel
         self.block_numel = block_numel
         self.worker_error: list[torch.Tensor] | None = None
         self.server_error: list[torch.Tensor] | None = None
@@ -122,7 +133,25 @@ class OneBitMomentumSync:
             return c, onebit_server_error_numel(c, groups.inter)
         return n, onebit_server_error_numel(n, groups)
 
+    def resolve_piece_numel(self, device: torch.device) -> int:
+        """The pipelining piece for buffers on ``device`` when none is set (``piece_numel`` None): on the CPU
+        ``DEFAULT_ONEBIT_PIECE_NUMEL``; elsewhere ceil(w / N) with w the largest bucket's worker-error elements
+        (its shard when hierarchical) and N the ranks of its 1-bit all-reduce, so every bucket is one piece.
+
+        Example::
+
+            OneBitMomentumSync([10, 7, 30], bucket_numel=20).resolve_piece_numel(torch.device("cuda"))   # 30 at N = 1
+        """
+        if device.type == "cpu":
+            return DEFAULT_ONEBIT_PIECE_NUMEL
+        groups = self.process_group
+        ranks = groups.topology.num_nodes if isinstance(groups, NodeGroups) else self.world_size()
+        widest = max(self._error_numels(n)[0] for n in self.bucket_numels)
+        return max(1, -(-widest // ranks))
+
     def _ensure_errors(self, device: torch.device) -> None:
+        if self.piece_numel is None:
+            self.piece_numel = self.resolve_piece_numel(device)
         if self.worker_error is None:
             sizes = [self._error_numels(n) for n in self.bucket_numels]
             self.worker_error = [torch.zeros(w, dtype=torch.float32, device=device) for w, _ in sizes]
@@ -206,17 +235,24 @@ class OneBitMomentumSync:
         }
 
     def load_rank_state_dict(self, state: dict) -> None:
-        """Restore error buffers saved by ``rank_state_dict`` on this rank; ValueError if the layout differs."""
-        mine = (self.numels, self.bucket_numels, self.world_size(), self.piece_numel, self.topology())
+        """Restore error buffers saved by ``rank_state_dict`` on this rank; ValueError if the layout differs.
+
+        A sync whose piece is not chosen yet (``piece_numel`` None, no sync run) takes the saved piece, so an exact
+        resume keeps the saved layout; a set piece must equal the saved one. Buffers saved without a piece (an
+        earlier version) belong to no known layout.
+        """
         saved_piece = state.get("piece_numel")  # absent: saved before the piece was recorded
+        piece = saved_piece if self.piece_numel is None else self.piece_numel
+        mine = (self.numels, self.bucket_numels, self.world_size(), piece, self.topology())
         saved = (list(state["numels"]), list(state["bucket_numels"]), int(state["world_size"]), saved_piece)
         theirs = (*saved, state.get("topology"))  # absent: flat
-        if mine != theirs:
+        if mine != theirs or (saved_piece is None and state["worker_error"] is not None):
             raise ValueError(
                 "saved 1-bit error buffers belong to another layout (tensor numels, bucket numels, world size, "
                 f"piece, topology): saved {theirs[1]} buckets over {theirs[2]} ranks in pieces of {theirs[3]} "
                 f"(topology {theirs[4]}), now {mine[1]} over {mine[2]} in pieces of {mine[3]} (topology {mine[4]})"
             )
+        self.piece_numel = piece
         if state["worker_error"] is None:
             self.worker_error = self.server_error = None
             return

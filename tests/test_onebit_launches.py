@@ -1,0 +1,159 @@
+"""Device launches of the 1-bit momentum sync per bucket on the CUDA path, counted on CPU tensors under
+TRITON_INTERPRET=1 (``benchmarks/launch_counts.py``, as tests/test_fused_launches.py counts).
+
+``OneBitMomentumSync`` sends a bucket off the CPU as one piece (``resolve_piece_numel``), so the batched form
+(``collectives.sign_batched``) runs it as one group: 10 Triton launches (the worker's encode 2, its decode 1, its
+residual written where finite 1 (``qcomm::feedback_update``), the server's decode-and-sum 1
+(``qcomm::decode_rows_sum``), its encode 2, its decode 1, its residual 1, the final decode 1), two torch ops
+(Y = X + E_w, Z += E_s) and the two collectives: 14. One more torch op zero-pads Y where the bucket is not a
+multiple of N, and a rank whose chunk is short zeroes Z's and E_s's padding (two more). Before: 46 launches per
+bucket on the full model's layout (two groups of pieces, BENCHMARKS.md §6c), 25 for a bucket of one piece.
+
+Criterion, fixed before measuring: at most ``MAX_ONEBIT_LAUNCHES`` per bucket at N = 2 and 4 on a rank with a
+full chunk and no padding; 12, the quantized all-reduce's, needs Y = X + E_w inside the encode kernels and
+Z = S/N + E_s inside the sum kernel (no such kernels yet).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+MAX_ONEBIT_LAUNCHES = 14  # 10 Triton + 2 torch + 2 collectives per bucket of one piece
+BLOCK = 256  # OneBitAdam's default scale_block
+# buckets: one a multiple of 2 and 4 (no padding), one that is not (Y padded; the last rank's chunk short)
+NUMELS = [4096, 3001]
+
+
+def _worker() -> dict:
+    import torch
+    import torch.distributed as dist
+    from launch_counts import count, cuda_path_on_cpu
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync
+    from lightning_qcomm.collectives import onebit_pieces, sign_batched
+
+    sign_batched.PATH = "batched"  # the accelerator form on CPU tensors
+    out = {}
+    with cuda_path_on_cpu() as log:
+        for world in (2, 4):
+            for rank in (0, world - 1):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+                sync = OneBitMomentumSync(NUMELS, bucket_numel=4096, block_numel=BLOCK)
+                sync.piece_numel = sync.resolve_piece_numel(torch.device("cuda"))  # as the first CUDA sync does
+                assert all(len(onebit_pieces(n, world, sync.piece_numel)) == 1 for n in sync.bucket_numels)
+                sync._checked = [True] * len(sync.buckets)  # the one-off consistency check is not per step
+                for b, n in enumerate(sync.bucket_numels):
+                    flat = torch.randn(n, generator=torch.Generator().manual_seed(b))
+                    call = partial(sync.reduce_bucket_, b, flat)
+                    out[f"N{world}_r{rank}_b{n}"] = count(call, log)
+        out["values"] = {world: _values_on_the_cuda_path(world) for world in (2, 4)}
+    dist.destroy_process_group()
+    return out
+
+
+def _values_on_the_cuda_path(world: int) -> list[str]:
+    """The batched form against the per-piece reference with the codec ops' CUDA kernels (the rows kernels, the sum
+    and the feedback kernel, interpreted), on the fake group of ``world`` ranks whose every rank holds rank 1's
+    inputs (as tests/test_onebit_batched.py's fake world): outputs and both error buffers bit for bit over three
+    steps (the second with a NaN), for one padded piece (one scale per chunk and per block) and for a group of two
+    full pieces plus a short one (per block), failures listed (empty: none). The ranks' rows are equal here, so
+    the order of the sum is not what this checks: that is tests/test_rows_reduce.py's (the kernel against torch's
+    order) and the gloo worlds' of tests/test_onebit_batched.py (the eager sum against the rank-order loop)."""
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+    from test_onebit_batched import _Done, _same_values
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_qcomm.collectives import onebit_all_reduce, sign_batched
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=world)
+
+    def all_to_all_single(out, inp, group=None, async_op=False, **kwargs):
+        out.view(world, -1).copy_(inp.view(world, -1)[1].expand(world, -1))
+        return _Done() if async_op else None
+
+    def all_gather_single(out, inp, group=None, async_op=False, **kwargs):
+        out.view(world, -1).copy_(inp.view(1, -1).expand(world, -1))
+        return _Done() if async_op else None
+
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    patches = [mock.patch.object(dist, "all_to_all_single", all_to_all_single)]
+    patches += [mock.patch.object(dist, n, all_gather_single) for n in names]
+    failures, m = [], 96
+    for p in patches:
+        p.start()
+    try:
+        one, group = world * m - 3, 2 * world * m + 13 * world - 1
+        for d, block in ((one, None), (one, 40), (group, 40)):
+            errs = {p: (torch.zeros(d), torch.zeros(-(-d // world))) for p in ("batched", "reference")}
+            for t in range(3):
+                x = torch.randn(d, generator=torch.Generator().manual_seed(t)) * (0.5 + t)
+                if t == 1:
+                    x[-(-min(d, world * m) // world) + 5] = float("nan")  # in rank 1's chunk
+                outs = {}
+                for path, (ew, es) in errs.items():
+                    sign_batched.PATH = path
+                    outs[path] = onebit_all_reduce(x.clone(), ew, es, check=False, piece_numel=m, block_numel=block)
+                for name, a, b in (
+                    ("output", outs["batched"], outs["reference"]),
+                    ("worker error", errs["batched"][0], errs["reference"][0]),
+                    ("server error", errs["batched"][1], errs["reference"][1]),
+                ):
+                    if not _same_values(a, b):
+                        failures.append(f"N={world} d={d} block={block} step {t}: {name} differs")
+    finally:
+        for p in reversed(patches):
+            p.stop()
+    return failures
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    from _interpreted import run_interpreted
+
+    return run_interpreted(__file__, 600)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_onebit_bucket_launches(report, world):
+    """A bucket of one piece with no padding, on rank 0: at most ``MAX_ONEBIT_LAUNCHES`` (10 Triton)."""
+    r = report[f"N{world}_r0_b4096"]
+    assert (r["triton"], r["collectives"]) == (10, 2), r
+    assert r["total"] <= MAX_ONEBIT_LAUNCHES, r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_onebit_padded_bucket_launches(report, world):
+    """Padding costs the torch ops that zero it, nothing else: Y's on every rank, Z's and E_s's where the chunk
+    is short."""
+    first, last = report[f"N{world}_r0_b3001"], report[f"N{world}_r{world - 1}_b3001"]
+    assert first["total"] <= MAX_ONEBIT_LAUNCHES + 1, first
+    assert last["total"] <= MAX_ONEBIT_LAUNCHES + 3, last
+    assert first["triton"] == last["triton"] == 10, (first, last)
+
+
+def test_onebit_values_on_the_cuda_path(report):
+    """The launches above are of the same values: the batched form (the sum kernel at N <= 4, the residuals through
+    the feedback kernel) equals the per-piece reference on the CUDA kernels, bit for bit, at N = 2 and 4."""
+    assert report["values"] == {"2": [], "4": []}, report["values"]
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(BENCHMARKS), os.path.dirname(os.path.abspath(__file__))]
+    print(json.dumps(_worker()))
