@@ -54,13 +54,23 @@ def gather_segments(buf: torch.Tensor, segments: list[tuple[int, int]]) -> torch
 
 
 def scatter_segments(buf: torch.Tensor, segments: list[tuple[int, int]], flat: torch.Tensor) -> None:
-    """Write ``flat`` back into the segments of ``buf`` (nothing to copy where ``flat`` is a view of them)."""
-    pos = 0
+    """Write ``flat`` back into the segments of ``buf``: buf[off:off+n] <- the next n values of ``flat``, per
+    segment in order. One multi-tensor copy (``torch._foreach_copy_``) for all of them, not one per segment (a
+    launch each on a GPU); nothing to copy where ``flat`` is a view of them.
+
+    Example::
+
+        scatter_segments(buf, [(0, 5), (7, 3)], flat)   # buf[0:5] = flat[0:5], buf[7:10] = flat[5:8]
+    """
+    dsts, srcs, pos = [], [], 0
     for off, n in segments:
-        dst = buf[off : off + n]
-        if dst.data_ptr() != flat[pos : pos + n].data_ptr():
-            dst.copy_(flat[pos : pos + n])
+        dst, src = buf[off : off + n], flat[pos : pos + n]
+        if dst.data_ptr() != src.data_ptr():
+            dsts.append(dst)
+            srcs.append(src)
         pos += n
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 __all__ = ["BucketPlan", "append_segment", "gather_segments", "scatter_segments"]
