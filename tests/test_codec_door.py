@@ -28,6 +28,7 @@ PRIVATE_MODULES = (
 # (file, call) private calls of comm modules on objects that are not codecs
 NON_CODEC_PRIVATE = {
     ("comm_worker.py", "pg._get_backend"),
+    ("ddp/plan.py", "torch._foreach_copy_"),
     ("fsdp2/deferred.py", "torch._C._current_graph_task_id"),
     ("fsdp2/shim.py", "module._get_fsdp_state"),
     ("nonfinite.py", "torch._foreach_norm"),
