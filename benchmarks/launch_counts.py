@@ -163,6 +163,58 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
             os.environ["LIGHTNING_QCOMM_CPU_FUSED"] = fused_switch
 
 
+class _Done:
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def mirrored_collectives() -> Iterator[None]:
+    """On torch's fake process group (which moves no data), ``dist.all_to_all_single`` and the all-gathers as if
+    every rank held this rank's inputs: an all-to-all delivers this rank's own row from every rank, an all-gather
+    N copies of this rank's bytes, so the values stay finite and a collective's math can be checked in one
+    process. Each call counts as a collective of the active ``Launches`` (the stand-ins dispatch no c10d op);
+    their copies are not counted.
+
+    Example::
+
+        with cuda_path_on_cpu() as log, mirrored_collectives():
+            c = count(lambda: onebit_all_reduce(x, ew, es, check=False), log)
+    """
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    def seen(name: str) -> None:
+        if _ACTIVE:
+            _ACTIVE[-1].collectives.append(name)
+
+    def all_to_all_single(out, inp, group=None, async_op=False, **kwargs):
+        seen("alltoall_base_")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        with _disable_current_modes():
+            out.view(world, -1).copy_(inp.view(world, -1)[rank].expand(world, -1))
+        return _Done() if async_op else None
+
+    def all_gather_single(out, inp, group=None, async_op=False, **kwargs):
+        seen("_allgather_base_")
+        world = dist.get_world_size(group)
+        with _disable_current_modes():
+            out.view(world, -1).copy_(inp.view(1, -1).expand(world, -1))
+        return _Done() if async_op else None
+
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    patches = [mock.patch.object(dist, "all_to_all_single", all_to_all_single)]
+    patches += [mock.patch.object(dist, n, all_gather_single) for n in names]
+    for p in patches:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in reversed(patches):
+            p.stop()
+
+
 def count(fn, log: list[str]) -> dict:
     """Launches of one call of ``fn`` after a warm-up call: {"triton", "torch", "collectives", "total"}."""
     fn()

@@ -74,42 +74,6 @@ def gpt2(scale: float):
     return transformers.GPT2LMHeadModel(config)
 
 
-def _mirror_collectives():
-    """The fake group's all-to-all and all-gather as if every rank held this rank's rows (patches to stop)."""
-    from unittest import mock
-
-    import torch.distributed as dist
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    class _Done:
-        def wait(self, *args, **kwargs) -> bool:
-            return True
-
-    def seen(name: str) -> None:  # a patched collective dispatches no c10d op: counted here
-        from launch_counts import _ACTIVE
-
-        if _ACTIVE:
-            _ACTIVE[-1].collectives.append(name)
-
-    def all_to_all_single(out, inp, group=None, async_op=False, **kwargs):
-        seen("alltoall_base_")
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        with _disable_current_modes():  # the stand-in's copy is not a launch of the step
-            out.view(world, -1).copy_(inp.view(world, -1)[rank].expand(world, -1))
-        return _Done() if async_op else None
-
-    def all_gather_single(out, inp, group=None, async_op=False, **kwargs):
-        seen("_allgather_base_")
-        world = dist.get_world_size(group)
-        with _disable_current_modes():
-            out.view(world, -1).copy_(inp.view(1, -1).expand(world, -1))
-        return _Done() if async_op else None
-
-    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-    patches = [mock.patch.object(dist, "all_to_all_single", all_to_all_single)]
-    return patches + [mock.patch.object(dist, n, all_gather_single) for n in names]
-
-
 def _allreduce_hook(state, bucket):  # no annotation: DDP compares it with the class, not a string
     """DDP's own all-reduce of a bucket as a hook (torch's ``allreduce_hook`` reads a result the fake group does not
     set): the sum in place, then the division by N, as DDP divides."""
@@ -182,18 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods {','.join(unknown)}: unknown; allowed: {', '.join(METHODS)}")
-    from launch_counts import cuda_path_on_cpu
+    from launch_counts import cuda_path_on_cpu, mirrored_collectives
 
-    patches = _mirror_collectives()
-    rows = []
-    with cuda_path_on_cpu() as log:
-        for p in patches:
-            p.start()
-        try:
-            rows = [count_step(m, args.scale, args.world, log) for m in ["ddp", *[m for m in methods if m != "ddp"]]]
-        finally:
-            for p in reversed(patches):
-                p.stop()
+    with cuda_path_on_cpu() as log, mirrored_collectives():
+        rows = [count_step(m, args.scale, args.world, log) for m in ["ddp", *[m for m in methods if m != "ddp"]]]
     base = rows[0]["total"]
     print(
         f"One training step, GPT-2 small's tensors x{args.scale} (DDP buckets of {BUCKET_MB * args.scale**2:.3g} MB), "

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +27,9 @@ from lightning_qcomm.codecs import cpu_fused, scaling
 from lightning_qcomm.collectives import onebit_all_reduce, onebit_pieces, sign_batched
 from lightning_qcomm.collectives.sign_batched import piece_groups
 from lightning_qcomm.comm import CommLedger, set_ledger
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.launch_counts
+from benchmarks.launch_counts import mirrored_collectives  # noqa: E402
 
 M = 96  # elements per rank per piece
 
@@ -122,33 +127,16 @@ def test_gloo_batched_equals_reference(tmp_path, world):
 
 
 # ------------------------------------------------------------------------------------------ fake process group
-class _Done:
-    def wait(self, *args, **kwargs) -> bool:
-        return True
-
-
 @pytest.fixture
-def mirrored_fake_world(monkeypatch):
+def mirrored_fake_world():
     """4 ranks on the ``fake`` group (this process is rank 1); every rank holds this rank's inputs, so an
-    all-to-all delivers this rank's own row from every rank and an all-gather N copies of this rank's bytes."""
+    all-to-all delivers this rank's own row from every rank and an all-gather N copies of this rank's bytes
+    (``benchmarks/launch_counts.mirrored_collectives``)."""
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-
-    def all_to_all_single(out, inp, group=None, async_op=False, **kwargs):
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        out.view(world, -1).copy_(inp.view(world, -1)[rank].expand(world, -1))
-        return _Done() if async_op else None
-
-    def all_gather_single(out, inp, group=None, async_op=False, **kwargs):
-        out.view(dist.get_world_size(group), -1).copy_(inp.view(1, -1).expand(dist.get_world_size(group), -1))
-        return _Done() if async_op else None
-
-    monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
-    for name in ("all_gather_single", "all_gather_into_tensor"):
-        if hasattr(dist, name):
-            monkeypatch.setattr(dist, name, all_gather_single)
-    yield
+    with mirrored_collectives():
+        yield
     dist.destroy_process_group()
 
 

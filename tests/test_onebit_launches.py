@@ -71,11 +71,10 @@ def _values_on_the_cuda_path(world: int) -> list[str]:
     full pieces plus a short one (per block), failures listed (empty: none). The ranks' rows are equal here, so
     the order of the sum is not what this checks: that is tests/test_rows_reduce.py's (the kernel against torch's
     order) and the gloo worlds' of tests/test_onebit_batched.py (the eager sum against the rank-order loop)."""
-    from unittest import mock
-
     import torch
     import torch.distributed as dist
-    from test_onebit_batched import _Done, _same_values
+    from launch_counts import mirrored_collectives
+    from test_onebit_batched import _same_values
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from lightning_qcomm.collectives import onebit_all_reduce, sign_batched
@@ -83,22 +82,8 @@ def _values_on_the_cuda_path(world: int) -> list[str]:
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=world)
-
-    def all_to_all_single(out, inp, group=None, async_op=False, **kwargs):
-        out.view(world, -1).copy_(inp.view(world, -1)[1].expand(world, -1))
-        return _Done() if async_op else None
-
-    def all_gather_single(out, inp, group=None, async_op=False, **kwargs):
-        out.view(world, -1).copy_(inp.view(1, -1).expand(world, -1))
-        return _Done() if async_op else None
-
-    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-    patches = [mock.patch.object(dist, "all_to_all_single", all_to_all_single)]
-    patches += [mock.patch.object(dist, n, all_gather_single) for n in names]
     failures, m = [], 96
-    for p in patches:
-        p.start()
-    try:
+    with mirrored_collectives():
         one, group = world * m - 3, 2 * world * m + 13 * world - 1
         for d, block in ((one, None), (one, 40), (group, 40)):
             errs = {p: (torch.zeros(d), torch.zeros(-(-d // world))) for p in ("batched", "reference")}
@@ -117,9 +102,6 @@ def _values_on_the_cuda_path(world: int) -> list[str]:
                 ):
                     if not _same_values(a, b):
                         failures.append(f"N={world} d={d} block={block} step {t}: {name} differs")
-    finally:
-        for p in reversed(patches):
-            p.stop()
     return failures
 
 
