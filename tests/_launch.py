@@ -1,8 +1,10 @@
 """The tests' one process harness: a free port, spawned workers, their per-rank results.
 
 * ``free_port``: a TCP port on 127.0.0.1 nobody listens on (for ``MASTER_PORT`` / ``tcp://`` rendezvous).
-* ``spawn(fn, *args, nprocs=N)``: ``fn(rank, *args)`` in N processes started with "spawn"
-  (``torch.multiprocessing``); a rank that raises fails the caller with its traceback, and with
+* ``spawn(fn, *args, nprocs=N)``: ``fn(rank, *args)`` in N processes forked from a "forkserver" that has
+  imported torch, Lightning and lightning_qcomm once per test session (``torch.multiprocessing``; "spawn" where the
+  platform has no forkserver, or with ``start_method="spawn"``), each rank with the caller's environment
+  variables as they are at the call; a rank that raises fails the caller with its traceback, and with
   ``timeout_s`` ranks still running are killed and ``TimeoutError`` is raised. A rank killed by a signal (a C++
   abort in a collective, a segfault) fails it with that rank's stderr tail and every thread's Python stack at the
   signal (``faulthandler``), since torch reports only the signal's name. A process group a rank leaves alive is
@@ -42,19 +44,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What every spawned rank imports: a forkserver imports it once, and each rank is forked from there instead of
+# paying the imports again (Lightning's alone is seconds of CPU per process).
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_qcomm"]
+
+
 class _Logged:
-    """``fn(rank, *args)`` with this rank's stderr in ``logdir/rank{rank}.err`` and ``faulthandler`` on, so a fatal
+    """``fn(rank, *args)`` with the caller's environment variables (a forkserver's children inherit the server's),
+    this rank's stdout and stderr in ``logdir/rank{rank}.out`` / ``.err`` and ``faulthandler`` on, so a fatal
     signal leaves every thread's Python stack there after the C++ message that preceded it; a process group ``fn``
     leaves alive is destroyed when it returns."""
 
     def __init__(self, fn: Callable[..., None], logdir: str) -> None:
-        self.fn, self.logdir = fn, logdir
+        self.fn, self.logdir, self.env = fn, logdir, dict(os.environ)
 
     def __call__(self, rank: int, *args: Any) -> None:
         import faulthandler
 
+        os.environ.clear()
+        os.environ.update(self.env)
+        out = open(Path(self.logdir) / f"rank{rank}.out", "w", buffering=1)  # noqa: SIM115 -- open until exit
         log = open(Path(self.logdir) / f"rank{rank}.err", "w", buffering=1)  # noqa: SIM115 -- open until exit
+        sys.stdout.flush()
         sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
         os.dup2(log.fileno(), 2)  # C++ (gloo, c10) messages too, which write to fd 2 directly
         faulthandler.enable(file=log, all_threads=True)
         self.fn(rank, *args)
@@ -71,11 +84,26 @@ def _destroy_process_group() -> None:
 
 
 def _replay_logs(logdir: str, nprocs: int) -> None:
-    """Hand the ranks' stderr on to ours, so the test's captured output keeps it."""
+    """Hand the ranks' stdout and stderr on to ours, so the test's captured output keeps them."""
     for rank in range(nprocs):
-        path = Path(logdir) / f"rank{rank}.err"
-        if path.exists() and path.stat().st_size:
-            sys.stderr.write(path.read_text(errors="replace"))
+        for suffix, stream in ((".out", sys.stdout), (".err", sys.stderr)):
+            path = Path(logdir) / f"rank{rank}{suffix}"
+            if path.exists() and path.stat().st_size:
+                stream.write(path.read_text(errors="replace"))
+
+
+def _start_method(requested: str | None) -> str:
+    """ "forkserver" with ``PRELOAD`` where the platform has it, else "spawn". Triton reads ``TRITON_INTERPRET``
+    when the kernels are decorated, at import: a caller that sets it gets a fresh "spawn" (the server imported the
+    kernels without it)."""
+    import multiprocessing
+
+    if requested is not None:
+        return requested
+    if "forkserver" not in multiprocessing.get_all_start_methods() or "TRITON_INTERPRET" in os.environ:
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server starts
+    return "forkserver"
 
 
 def _signal_report(err: Exception, logdir: str, tail_lines: int = 60) -> RuntimeError:
@@ -85,8 +113,14 @@ def _signal_report(err: Exception, logdir: str, tail_lines: int = 60) -> Runtime
     return RuntimeError(f"{err}; rank {rank}'s stderr, last {len(tail)} lines:\n" + "\n".join(tail))
 
 
-def spawn(fn: Callable[..., None], *args: Any, nprocs: int = 2, timeout_s: float | None = None) -> None:
-    """Run ``fn(rank, *args)`` for rank 0..nprocs-1 in processes started with "spawn" and wait for all.
+def spawn(
+    fn: Callable[..., None],
+    *args: Any,
+    nprocs: int = 2,
+    timeout_s: float | None = None,
+    start_method: str | None = None,
+) -> None:
+    """Run ``fn(rank, *args)`` for rank 0..nprocs-1 in new processes (``_start_method``) and wait for all.
 
     A rank that raises makes this raise (torch's ``ProcessRaisedException``, with the rank's traceback); one killed
     by a signal raises ``RuntimeError`` with its stderr tail and its threads' Python stacks. ``timeout_s``: ranks
@@ -98,7 +132,9 @@ def spawn(fn: Callable[..., None], *args: Any, nprocs: int = 2, timeout_s: float
     with tempfile.TemporaryDirectory(prefix="qcomm-ranks-") as logdir:
         try:
             _join(
-                mp.start_processes(_Logged(fn, logdir), args=args, nprocs=nprocs, start_method="spawn", join=False),
+                mp.start_processes(
+                    _Logged(fn, logdir), args=args, nprocs=nprocs, start_method=_start_method(start_method), join=False
+                ),
                 nprocs,
                 timeout_s,
             )

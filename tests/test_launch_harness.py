@@ -53,7 +53,7 @@ def test_the_ranks_stderr_reaches_the_callers(capfd):
 
 
 def _leave_group_alive(rank: int, port: int, outdir: str) -> None:
-    import atexit
+    from multiprocessing import util
 
     import torch
     import torch.distributed as dist
@@ -61,18 +61,44 @@ def _leave_group_alive(rank: int, port: int, outdir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     dist.all_reduce(torch.ones(4))
 
-    def record() -> None:  # registered before the harness returns, so it runs at exit, after fn
+    def record() -> None:  # runs at the process's exit, after fn (a forked rank leaves by os._exit: no atexit)
         with open(os.path.join(outdir, f"rank{rank}.alive"), "w") as f:
             f.write(str(dist.is_initialized()))
 
-    atexit.register(record)
+    util.Finalize(None, record, exitpriority=0)
 
 
-def test_a_rank_that_returns_has_its_process_group_destroyed_before_exit(tmp_path):
+@pytest.mark.parametrize("start_method", [None, "spawn"])
+def test_a_rank_that_returns_has_its_process_group_destroyed_before_exit(tmp_path, start_method):
     """torch aborts now and then in interpreter teardown when a gloo group is still alive ("terminate called
     without an active exception"), which fails a test whose ranks all finished. The harness destroys the group
     once ``fn`` returns, so no worker depends on remembering to."""
     from _launch import free_port
 
-    spawn(_leave_group_alive, free_port(), str(tmp_path), nprocs=2)
+    spawn(_leave_group_alive, free_port(), str(tmp_path), nprocs=2, start_method=start_method)
     assert [(tmp_path / f"rank{r}.alive").read_text() for r in range(2)] == ["False", "False"]
+
+
+def _report_environment(rank: int, outdir: str) -> None:
+    import json
+
+    print(f"rank {rank} wrote to stdout")
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump({"var": os.environ.get("QCOMM_HARNESS_PROBE"), "lightning": "lightning.pytorch" in sys.modules}, f)
+
+
+def test_a_rank_sees_the_callers_environment_and_its_stdout_reaches_the_caller(tmp_path, monkeypatch, capfd):
+    """The ranks are forked from a server started once per session: they must still see the environment as it is
+    at the call (a forked rank would otherwise inherit the server's, from its first use), and what they print
+    must reach the test's output."""
+    import json
+
+    from _launch import rank_results
+
+    for value in ("first", "second"):  # the server is running by the second call
+        monkeypatch.setenv("QCOMM_HARNESS_PROBE", value)
+        spawn(_report_environment, str(tmp_path), nprocs=2)
+        assert [r["var"] for r in rank_results(tmp_path, 2)] == [value, value]
+    out = capfd.readouterr().out
+    assert "rank 0 wrote to stdout" in out and "rank 1 wrote to stdout" in out
+    assert json.loads((tmp_path / "rank0.json").read_text())["lightning"]  # preloaded (or imported) in the rank
