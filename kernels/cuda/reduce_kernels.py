@@ -5,7 +5,8 @@
   replaces on a GPU, ``decode_rows(...).sum(dim=0)`` then ``/= N``: torch's CUDA reduction sums the N values of a
   column (N <= ``MAX_SUM_ROWS``, one thread per column) in four running sums, row r into sum r % 4, each from
   +0.0 and in rank order, then ((s0 + s1) + s2) + s3 (rank order itself for N <= 4); a CUDA ``/=`` by a Python
-  number multiplies by its fp32 reciprocal ``fl(1/N)``.
+  number multiplies by its fp32 reciprocal ``fl(1/N)``. ``rank_order``: row 0, then + row 1, + row 2, ..., one
+  rounding each (the eager loop of the 1-bit sync's server), any N.
 * ``feedback_update``: the error-feedback residual of one piece and its write where finite (the kernel of
   ``qcomm::feedback_update`` on CUDA), the same operations in the same order as the eager ops it replaces:
 
@@ -14,7 +15,8 @@
       err[i] = new[i] if new[i] is finite else err[i]
 
   with ``held`` the final output rounded through x's dtype (bf16 / fp16: fp32 -> dtype -> fp32, round to nearest
-  even) and no FMA contraction.
+  even) and no FMA contraction. ``feedback_rows``: the same with ``dec`` the payloads just encoded, decoded in
+  registers by the rows decode's operations (``_row_values``, the same bits): no decode launch, no fp32 ``dec``.
 
 Example::
 

@@ -1,7 +1,7 @@
 """The server step and the error-feedback tail of a compressed all-reduce as torch ops of the codec layer, one
 launch each on CUDA (docs/design.md, "Collectives")::
 
-    decode_rows_sum(Tensor wire, int n, <codec>, bool avg) -> Tensor                                  ((n,) fp32)
+    decode_rows_sum(Tensor wire, int n, <codec>, bool avg, bool rank_order=False) -> Tensor           ((n,) fp32)
     feedback_update(Tensor y, Tensor dec, Tensor reduced, Tensor held, int start, float k,
                     ScalarType held_dtype, Tensor(a!) err) -> ()
 
@@ -13,7 +13,11 @@ rewritten). CUDA: one Triton launch (``kernels.cuda.reduce_kernels``) reproducin
 R <= ``MAX_SUM_ROWS`` and n >= 2 (one thread per column: four running sums, row r into sum r % 4, then
 ((s0 + s1) + s2) + s3) and its ``/=`` by a Python number (times fl(1/R)); more rows, rows of one element (then
 torch reduces R contiguous values across threads, in another order), or rows the Triton rows kernels do not take
-run the eager ops.
+run the eager ops. ``rank_order``: S = ((D(wire[0]) + D(wire[1])) + D(wire[2])) + ..., one rounding per addition
+from row 0 (not from +0.0: all rows -0.0 sum to -0.0), as the 1-bit sync's reference loop (``collectives.
+sign_batched``); eager ops: that loop; CUDA: one launch for any R (the kernel's rows loop is not unrolled).
+``avg`` as above: ``/= R`` eagerly, times fl(1/R) in the kernel (CUDA's ``/=``; on CPU the same bits for
+R = 1, 2, 4, 8, ...).
 
 **feedback_update**: the residual of one piece and its write where finite, as ``collectives.quantized`` computed it
 in eager ops: with ``new = y - dec`` (n values) and c = ``reduced.numel()``,
@@ -22,7 +26,8 @@ in eager ops: with ``new = y - dec`` (n values) and c = ``reduced.numel()``,
     err <- new where new is finite (new - new == 0), else err unchanged
 
 (``held_dtype`` bf16 / fp16: the fp32 values rounded to that dtype and back, as x finally holds them). CUDA: one
-Triton launch for fp32 ``err`` (all operands contiguous fp32), else the eager ops.
+Triton launch for fp32 ``err`` (all operands contiguous fp32), else the eager ops. ``codecs.rows_feedback``'s
+``feedback_rows`` is this tail with ``dec`` decoded from the payloads inside the kernel.
 
 Example::
 
