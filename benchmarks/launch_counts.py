@@ -120,7 +120,7 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
     Triton launches are appended to (kernel names: "encode", "decode", "wire", "sum", "feedback")."""
     from unittest import mock
 
-    from lightning_qcomm.codecs import ops, rows, rows_encode, rows_reduce, scaling
+    from lightning_qcomm.codecs import ops, rows, rows_encode, rows_feedback, rows_reduce, scaling
     from lightning_qcomm.kernels.cuda import codec_kernels, reduce_kernels, wire_params
 
     if not codec_kernels._is_interpreted():
@@ -137,6 +137,7 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
     lib.impl("decode_rows_into", _opened(rows.decode_rows_into_cuda, as_python=True), "CPU", allow_override=True)
     lib.impl("decode_rows_sum", _opened(rows_reduce.decode_rows_sum_cuda, as_python=True), "CPU", allow_override=True)
     lib.impl("feedback_update", _opened(rows_reduce.feedback_update_cuda, as_python=True), "CPU", allow_override=True)
+    lib.impl("feedback_rows", _opened(rows_feedback.feedback_rows_cuda, as_python=True), "CPU", allow_override=True)
     patches = [
         mock.patch.object(codec_kernels, "_encode_kernel", _Counted(codec_kernels._encode_kernel, "encode", log)),
         mock.patch.object(codec_kernels, "_decode_kernel", _Counted(codec_kernels._decode_kernel, "decode", log)),
@@ -146,6 +147,9 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
         ),
         mock.patch.object(
             reduce_kernels, "_feedback_kernel", _Counted(reduce_kernels._feedback_kernel, "feedback", log)
+        ),
+        mock.patch.object(
+            reduce_kernels, "_feedback_rows_kernel", _Counted(reduce_kernels._feedback_rows_kernel, "feedback", log)
         ),
         mock.patch.object(scaling, "_HOST_BRANCHES", False),
     ]

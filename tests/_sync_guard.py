@@ -12,7 +12,7 @@ One upload is deliberate and queued, not waited for: the per-row random keys of 
 names it; nothing else is exempt.
 
 The rows ops (``OPENED_OPS``: ``qcomm::encode_rows`` and friends, what the collectives code their rows with, and
-the server's sum and error-feedback ops ``decode_rows_sum`` and ``feedback_update``) are opened: their CPU kernel
+the server's sum and error-feedback ops ``decode_rows_sum``, ``feedback_update`` and ``feedback_rows``) are opened: their CPU kernel
 runs under the guard, so the ops inside them are checked too (a mode does not see into an op's kernel otherwise).
 """
 
@@ -39,7 +39,9 @@ SYNC_OPS = {
 }
 PINNED_UPLOADS = {("rows_encode.py", "_row_keys")}  # (file, function): uploads through pinned memory, queued
 # qcomm ops whose kernel is checked (and, in benchmarks/onebit_step_ops.py, whose launches are counted, not the op)
-OPENED_OPS = frozenset({"encode_rows", "decode_rows", "decode_rows_into", "decode_rows_sum", "feedback_update"})
+OPENED_OPS = frozenset(
+    {"encode_rows", "decode_rows", "decode_rows_into", "decode_rows_sum", "feedback_update", "feedback_rows"}
+)
 
 
 def run_opened(mode: TorchDispatchMode, func, args, kwargs):

@@ -28,9 +28,10 @@ FUSED_ENCODE += [("nuqsgd", 4, {}), ("nuqsgd", 2, {}), ("sign1", 1, {"bucket_siz
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 ALL_REDUCE_CODECS = ("uniform-8", "fp8_e4m3-8", "nuqsgd-4")
 # Launches of one quantized all-reduce of one bucket (error feedback on), Triton + torch + collectives: the phase-1
-# scales and codes, its decode (residual), the server's decode-and-sum, its scales and codes, the final decode and
-# the error-feedback tail (8 Triton); y = x + e and its zero padding (2 torch); all-to-all and all-gather.
-MAX_ALL_REDUCE_LAUNCHES = 12
+# scales and codes, the server's decode-and-sum, its scales and codes, the final decode and the error-feedback tail
+# decoding the phase-1 payloads itself (7 Triton); y = x + e and its zero padding (2 torch); all-to-all and
+# all-gather. 12 before the tail read the payloads (a phase-1 decode launch of its own).
+MAX_ALL_REDUCE_LAUNCHES = 11
 
 
 def _key(name, bits, opts) -> str:
@@ -88,6 +89,59 @@ def _rows_encode_launches(log: list) -> dict:
     return out
 
 
+def _error_feedback_values() -> list[str]:
+    """The quantized all-reduce with error feedback on the CUDA kernels (interpreted; torch's fake group of 4 ranks,
+    rank 1, every rank holding this rank's inputs: ``mirrored_collectives``), its residual through
+    ``codecs.feedback_rows`` against the two ops it replaced (the rows decode, then ``feedback_update``): outputs
+    and error buffers bit for bit over three steps (the second with a NaN, Inf and a subnormal), fp32 and bf16
+    input, a bucket whose last chunks are short and one whose last chunk is padding only. Failures listed."""
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+    from launch_counts import cuda_path_on_cpu, mirrored_collectives
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_qcomm.codecs import decode_rows, feedback_update, get_codec
+    from lightning_qcomm.collectives import quantized, quantized_all_reduce
+
+    def two_ops(codec, y, rows, c, reduced, held, start, k, held_dtype, err):
+        dec = decode_rows(codec, rows, c).view(-1)[: y.numel()]
+        return feedback_update(y, dec, reduced, held, start, k, held_dtype, err)
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    failures = []
+    with cuda_path_on_cpu(), mirrored_collectives():
+        for label, codec in (("uniform-8", get_codec("uniform", 8, 64)), ("nuqsgd-4", get_codec("nuqsgd", 4, 64))):
+            for d, dtype in ((1037, torch.float32), (1037, torch.bfloat16), (13, torch.float32)):
+                errs = {path: torch.zeros(d, dtype=dtype) for path in ("fused", "two_ops")}
+                for t in range(3):
+                    x = torch.randn(d, generator=torch.Generator().manual_seed(t)) * (1 + t)
+                    if t == 1:
+                        x[300 % d], x[7], x[2] = float("nan"), float("inf"), 1e-41
+                    outs = {}
+                    for path, e in errs.items():
+                        patch = mock.patch.object(quantized, "feedback_rows", two_ops) if path == "two_ops" else None
+                        if patch:
+                            patch.start()
+                        try:
+                            outs[path] = quantized_all_reduce(
+                                x.to(dtype, copy=True), codec, op="avg", error_feedback=e, seed=t
+                            )
+                        finally:
+                            if patch:
+                                patch.stop()
+                    for name, a, b in (("output", *outs.values()), ("error", *errs.values())):
+                        a, b = a.float(), b.float()
+                        same = (a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())
+                        if not bool(same.all()):
+                            failures.append(f"{label} d={d} {dtype} step {t}: {name} differs")
+    dist.destroy_process_group()
+    return failures
+
+
 def _worker() -> dict:
     from unittest import mock
 
@@ -104,6 +158,7 @@ def _worker() -> dict:
         report["all_reduce"] = all_reduce_rows(log, codecs=ALL_REDUCE_CODECS)
         with mock.patch.object(ops, "rows_kernel", lambda c, r, encode=True: False):
             report["all_reduce_torch_rows"] = all_reduce_rows(log, codecs=("uniform-8", "nuqsgd-4"))
+    report["error_feedback_values"] = _error_feedback_values()
     return report
 
 
@@ -157,11 +212,17 @@ def test_all_reduce_launches_flat_in_world_size(report, capsys):
 @pytest.mark.parametrize("codec", ALL_REDUCE_CODECS)
 def test_all_reduce_launches_per_bucket(report, codec):
     """The per-bucket total of a quantized all-reduce at N = 2, 4, 8 (23 before the server step, its encode, the
-    final decode and the error-feedback tail were fused)."""
+    final decode and the error-feedback tail were fused; 12 before the tail decoded the phase-1 payloads itself)."""
     totals = {r["world"]: r for r in report["all_reduce"] if r["codec"] == codec}
     assert sorted(totals) == [2, 4, 8]
     for world, r in totals.items():
         assert r["total"] <= MAX_ALL_REDUCE_LAUNCHES, (codec, world, r)
+
+
+def test_all_reduce_error_feedback_values(report):
+    """The residual decoded inside the feedback kernel (``codecs.feedback_rows``) leaves the outputs and error
+    buffers of the rows decode followed by ``feedback_update``, bit for bit, on the CUDA kernels."""
+    assert report["error_feedback_values"] == [], report["error_feedback_values"]
 
 
 if __name__ == "__main__":

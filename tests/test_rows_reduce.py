@@ -1,12 +1,15 @@
-"""The all-reduce's server step and error-feedback tail as ops (``codecs.rows_reduce``): ``qcomm::decode_rows_sum``
-and ``qcomm::feedback_update``, and the flat form of ``decode_rows_into`` the final decode writes the output with.
+"""The all-reduce's server step and error-feedback tail as ops (``codecs.rows_reduce``, ``codecs.rows_feedback``):
+``qcomm::decode_rows_sum`` (torch's order, and ``rank_order``), ``qcomm::feedback_update`` and
+``qcomm::feedback_rows``, and the flat form of ``decode_rows_into`` the final decode writes the output with.
 
 CPU: the ops are the eager ops they replaced, bit for bit (``decode_rows(...).sum(dim=0)``, ``/= N``; the residual
 and ``new - new == 0`` select); ``torch.library.opcheck`` checks schemas, fakes and AOT dispatch. CUDA (the Triton
 kernels, run under Triton's interpreter in a fresh process): the decode-and-sum adds a column's N <= 8 values as
 torch's CUDA ``sum(dim=0)`` does (four running sums, row r into r % 4, then ((s0 + s1) + s2) + s3: rank order for
-N <= 4, where it equals torch's CPU sum) and ``avg`` multiplies by fl(1/N) (CUDA's ``/=`` by a Python number); the
-tail equals the eager ops bit for bit (held fp32 / bf16 / fp16, NaN and Inf, the chunk clipped or past the end).
+N <= 4, where it equals torch's CPU sum) and ``avg`` multiplies by fl(1/N) (CUDA's ``/=`` by a Python number); its
+``rank_order`` mode is the loop ``rows[0] + rows[1] + ...`` at any N (up to 12 here); the tail equals the eager
+ops bit for bit (held fp32 / bf16 / fp16, NaN and Inf, the chunk clipped or past the end), and so does the tail
+that decodes the payloads in its registers (``feedback_rows``: one launch, no decode launch).
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_qcomm.codecs import decode_rows, decode_rows_into, decode_rows_sum, derive_seed, encode_rows, get_codec
+from lightning_qcomm.codecs import (
+    decode_rows,
+    decode_rows_into,
+    decode_rows_sum,
+    derive_seed,
+    encode_rows,
+    feedback_rows,
+    feedback_update,
+    get_codec,
+)
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 CODECS = [
@@ -67,6 +79,63 @@ def test_decode_rows_sum_is_the_eager_sum_on_cpu(name, bits, bucket, opts):
             want /= r
             assert _same(decode_rows_sum(codec, wire.view(-1), n, avg=True), want), (r, n)
             assert not decode_rows_sum(codec, wire, n).isfinite().all() or r < 2  # NaN / Inf rows stay non-finite
+
+
+def _rank_order_sum(rows: torch.Tensor) -> torch.Tensor:
+    """``rows[0] + rows[1] + ... + rows[R-1]``, one addition at a time (the 1-bit reference's server sum)."""
+    acc = rows[0].clone()
+    for r in range(1, rows.shape[0]):
+        acc += rows[r]
+    return acc
+
+
+RANK_ORDER_CODECS = [("sign1", 1, None, {}), ("sign1", 1, 40, {}), ("uniform", 4, 64, {})]
+
+
+@pytest.mark.parametrize(("name", "bits", "bucket", "opts"), RANK_ORDER_CODECS)
+def test_decode_rows_sum_rank_order_on_cpu(name, bits, bucket, opts):
+    codec = get_codec(name, bits, bucket, **opts)
+    for r in (1, 2, 3, 5, 8, 12):
+        for n in (1, 13, 1037):
+            wire = _wire(codec, r, n)
+            want = _rank_order_sum(decode_rows(codec, wire, n))
+            assert _same(decode_rows_sum(codec, wire, n, rank_order=True), want), (r, n)
+            want /= r
+            assert _same(decode_rows_sum(codec, wire.view(-1), n, avg=True, rank_order=True), want), (r, n)
+
+
+def _feedback_rows_case(codec, r: int, n: int, m: int, seed: int):
+    """Payloads of R rows of n (NaN, Inf, subnormal: ``_wire``) and y, held, err of m elements with NaN, Inf,
+    -0.0 and subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    wire = _wire(codec, r, n, seed)
+    y, held, err = (torch.randn(m, generator=g) * 3 for _ in range(3))
+    y[0], y[min(1, m - 1)], y[min(4, m - 1)] = -0.0, 1e-41, float("inf")
+    y[m // 2], held[m - 1] = float("nan"), -1e-39
+    return wire, y, held, err
+
+
+FEEDBACK_ROWS = [(1, 13, 13), (3, 13, 39), (3, 13, 27), (4, 1037, 4 * 1037 - 5), (2, 300, 301)]
+
+
+@pytest.mark.parametrize(("r", "n", "m"), FEEDBACK_ROWS)
+@pytest.mark.parametrize(("name", "bits", "bucket", "opts"), RANK_ORDER_CODECS + [("qsgd", 4, 128, {})])
+def test_feedback_rows_is_decode_then_feedback_on_cpu(r, n, m, name, bits, bucket, opts):
+    codec = get_codec(name, bits, bucket, **opts)
+    wire, y, held, err = _feedback_rows_case(codec, r, n, m, r + n + m)
+    dec = decode_rows(codec, wire, n).view(-1)[:m]
+    for reduced, start, k, held_dtype in (
+        (y[:0], 0, 1.0, torch.float32),
+        (y[: n // 2 + 1], m // 3, 4.0, torch.bfloat16),
+    ):
+        want, got = err.clone(), err.clone()
+        feedback_update(y, dec, reduced, held, start, k, held_dtype, want)
+        assert feedback_rows(codec, y, wire, n, reduced, held, start, k, held_dtype, got) is got
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (start, held_dtype)
+    with pytest.raises(ValueError, match="feedback_rows"):
+        feedback_rows(
+            codec, y[: (r - 1) * n], wire, n, y[:0], held[: (r - 1) * n], 0, 1.0, torch.float32, err[: (r - 1) * n]
+        )
 
 
 def test_decode_rows_into_flat_prefix_on_cpu():
@@ -136,7 +205,12 @@ def test_opcheck_reduce_ops():
     for op, args in (
         (torch.ops.qcomm.decode_rows_sum.default, (wire, 300, *codec.op_args(), True)),
         (torch.ops.qcomm.decode_rows_sum.default, (wire.view(-1), 300, *codec.op_args(), False)),
+        (torch.ops.qcomm.decode_rows_sum.default, (wire, 300, *codec.op_args(), True, True)),
         (torch.ops.qcomm.feedback_update.default, (y, dec, reduced, held, 100, 3.0, torch.bfloat16, err)),
+        (
+            torch.ops.qcomm.feedback_rows.default,
+            (y[:250], wire[:1], 300, *codec.op_args(), reduced, held[:250], 100, 3.0, torch.bfloat16, err[:250]),
+        ),
         (torch.ops.qcomm.decode_rows_into.default, (wire, 300, *codec.op_args(), torch.empty(899))),
     ):
         result = torch.library.opcheck(op, args)
@@ -192,6 +266,40 @@ def _worker() -> dict:
                 out[f"feedback_{n}_{c}_{start}_{held_dtype}_{k}"] = torch.equal(
                     err.view(torch.int32), want.view(torch.int32)
                 )
+    for name, bits, bucket, opts in RANK_ORDER_CODECS + [CODECS[0], CODECS[3]]:
+        codec = get_codec(name, bits, bucket, **opts)
+        key = f"{name}-{bits}-{bucket}"
+        for r in (1, 2, 3, 5, 8, 12):
+            for n in (1, 13, 1037):
+                wire = _wire(codec, r, n, seed=7)
+                want = _rank_order_sum(decode_rows(codec, wire, n))
+                with cuda_path_on_cpu() as log:
+                    assert ops.rows_kernel(codec, wire, encode=False)
+                    log.clear()
+                    got = {avg: decode_rows_sum(codec, wire, n, avg=avg, rank_order=True) for avg in (False, True)}
+                    launches = log == ["sum", "sum"]
+                inv = struct.unpack("f", struct.pack("f", 1.0 / r))[0]
+                out[f"rank_order_{key}_r{r}_n{n}"] = (
+                    launches and _same(got[False], want) and _same(got[True], want * inv)
+                )
+                if r in (1, 2, 4, 8):  # fl(1/R) exact: the reference's true division too
+                    out[f"rank_order_div_{key}_r{r}_n{n}"] = _same(got[True], want / r)
+        for r, n, m in FEEDBACK_ROWS:
+            wire, y, held, err = _feedback_rows_case(codec, r, n, m, 5 * m + r)
+            dec = decode_rows(codec, wire, n).view(-1)[:m]
+            for reduced, start, k, held_dtype in (
+                (y[:0], 0, 1.0, torch.float32),
+                (y[: n // 2 + 1], m // 3, 4.0, torch.bfloat16),
+                (y[:5], m - 2, 2.0, torch.float16),
+            ):
+                want, got = err.clone(), err.clone()
+                rows_reduce.feedback_update_reference(y, dec, reduced, held, start, k, held_dtype, want)
+                with cuda_path_on_cpu() as log:
+                    feedback_rows(codec, y, wire, n, reduced, held, start, k, held_dtype, got)
+                    log.clear()
+                    feedback_rows(codec, y, wire, n, reduced, held, start, k, held_dtype, got)
+                same = torch.equal(got.view(torch.int32), want.view(torch.int32))
+                out[f"feedback_rows_{key}_{r}_{n}_{m}_{start}_{held_dtype}"] = same and log == ["feedback"]
     for name, bits, bucket, opts in CODECS:
         codec = get_codec(name, bits, bucket, **opts)
         wire = _wire(codec, 3, 1037, seed=5)
@@ -217,7 +325,10 @@ def report() -> dict:
     return run_interpreted(__file__, 900)
 
 
-@pytest.mark.parametrize("kind", ["model", "cpu_sum", "div", "nonfinite", "feedback", "into", "one_row"])
+KINDS = ["model", "cpu_sum", "div", "nonfinite", "feedback", "into", "one_row", "rank_order", "feedback_rows"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_kernels_under_the_interpreter(report, kind):
     cases = {k: v for k, v in report.items() if k.startswith(kind + "_")}
     assert cases, kind

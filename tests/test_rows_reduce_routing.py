@@ -88,3 +88,39 @@ def test_a_working_feedback_kernel_passes_its_check(monkeypatch):
 
     monkeypatch.setattr(reduce_kernels, "feedback_update", rows_reduce.feedback_update_reference)
     assert rows_reduce._feedback_kernel_works(CPU) is True
+
+
+@pytest.mark.parametrize("broken", ["raises", "one ulp"])
+def test_a_wire_feedback_kernel_that_fails_its_check_is_not_used(broken, monkeypatch, caplog):
+    """``feedback_rows``: a kernel that fails or differs in its first-use check leaves the tail to the rows decode
+    and ``feedback_update`` (the same values), with one warning."""
+    pytest.importorskip("triton")
+    from lightning_qcomm.codecs import get_codec, rows_feedback
+    from lightning_qcomm.kernels.cuda import reduce_kernels
+
+    def kernel(codec, y, wire, n, red, held, start, k, held_dtype, err):
+        if broken == "raises":
+            raise RuntimeError("no kernel here")
+        rows_feedback.feedback_rows_body(codec, y, wire, n, red, held, start, k, held_dtype, err, triton=False)
+        err.view(torch.int32)[-1] += 1
+
+    monkeypatch.setattr(reduce_kernels, "feedback_rows", kernel)
+    codec = get_codec("sign1", 1, 40)
+    with caplog.at_level(logging.WARNING, logger=triton_probe.__name__):
+        assert rows_feedback._feedback_rows_kernel_works(codec, CPU) is False
+        assert rows_feedback._feedback_rows_kernel_works(codec, CPU) is False  # checked once
+    warnings = [r for r in caplog.records if "first-use check" in r.getMessage()]
+    assert len(warnings) == 1 and "wire-reading" in warnings[0].getMessage()
+    from lightning_qcomm.codecs import decode_rows, encode_rows
+
+    # what runs instead: the rows decode, then the tail (here on CPU tensors, where no kernel is reachable)
+
+    x = torch.randn(2, 30, generator=torch.Generator().manual_seed(3))
+    wire = encode_rows(codec, x, [0, 0])
+    y, held, err = torch.randn(55), torch.randn(55), torch.randn(55)
+    want, got = err.clone(), err.clone()
+    rows_reduce.feedback_update_reference(
+        y, decode_rows(codec, wire, 30).view(-1)[:55], y[:0], held, 0, 1.0, torch.float32, want
+    )
+    rows_feedback.feedback_rows_body(codec, y, wire, 30, y[:0], held, 0, 1.0, torch.float32, got, triton=True)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -116,16 +116,20 @@ def test_scales_kernel_compiles_for_sm90(cid, int64, wire):
     assert "div.rn.f32" in ptx  # the correctly rounded division the reference does
 
 
+@pytest.mark.parametrize("rank_order", [False, True], ids=["torch_order", "rank_order"])
 @pytest.mark.parametrize("r", [2, 3, 8])
-@pytest.mark.parametrize("cid", ["uniform8", "uniform3", "qsgd4", "nuqsgd4", "fp8_e4m3", "fp8_e5m2_stochastic"])
-def test_decode_sum_kernel_compiles_for_sm90(cid, r):
-    """The server step's decode-and-sum: no FMA (each add and the times fl(1/R) rounded as the eager ops)."""
+@pytest.mark.parametrize(
+    "cid", ["uniform8", "uniform3", "qsgd4", "nuqsgd4", "fp8_e4m3", "fp8_e5m2_stochastic", "sign1"]
+)
+def test_decode_sum_kernel_compiles_for_sm90(cid, r, rank_order):
+    """The server step's decode-and-sum (torch's CUDA order, and rank order: a loop over the rows): no FMA (each
+    add and the times fl(1/R) rounded as the eager ops)."""
     name, bits, opts = CODECS[cid]
     codec = get_codec(name, bits, **opts)
     ptx = _compile(
         reduce_kernels._decode_sum_kernel,
         {"wire_ptr": "*u8", "out_ptr": "*fp32", "n": "i32", "row_stride": "i32", "scale_off": "i32", "inv": "fp32"},
-        {**codec_kernels._spec(codec), "R": r, "AVG": True, "P": codec.scales_per_bucket}
+        {**codec_kernels._spec(codec), "R": r, "AVG": True, "RANK_ORDER": rank_order, "P": codec.scales_per_bucket}
         | {
             "FP8_E4M3FN": codec.kernel_spec().fp8_e4m3fn,
             "GROUPS": codec_kernels.GROUPS_PER_PROGRAM,
@@ -143,6 +147,23 @@ def test_feedback_kernel_compiles_for_sm90(held):
         {"y_ptr": "*fp32", "dec_ptr": "*fp32", "red_ptr": "*fp32", "held_ptr": "*fp32", "err_ptr": "*fp32"}
         | {"n": "i32", "start": "i32", "c": "i32", "k": "fp32"},
         {"HELD": held, "BLOCK": 1024},
+    )
+    _check(ptx)
+
+
+@pytest.mark.parametrize("held", [0, 1, 2], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("cid", ["uniform8", "uniform3", "qsgd4", "nuqsgd4", "sign1", "fp8_e4m3"])
+def test_feedback_rows_kernel_compiles_for_sm90(cid, held):
+    """The error-feedback tail decoding the payloads in registers: the decode's and the tail's operations each
+    rounded (no FMA)."""
+    name, bits, opts = CODECS[cid]
+    codec = get_codec(name, bits, **opts)
+    ptx = _compile(
+        reduce_kernels._feedback_rows_kernel,
+        {"wire_ptr": "*u8", "y_ptr": "*fp32", "red_ptr": "*fp32", "held_ptr": "*fp32", "err_ptr": "*fp32"}
+        | {"n": "i32", "m": "i32", "row_stride": "i32", "scale_off": "i32", "start": "i32", "c": "i32", "k": "fp32"},
+        {"HELD": held, **codec_kernels._spec(codec), "P": codec.scales_per_bucket}
+        | {"FP8_E4M3FN": codec.kernel_spec().fp8_e4m3fn, "GROUPS": codec_kernels.GROUPS_PER_PROGRAM},
     )
     _check(ptx)
 

@@ -40,6 +40,7 @@ from lightning_qcomm.codecs.registry import (
 )
 from lightning_qcomm.codecs.rng import derive_seed
 from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows
+from lightning_qcomm.codecs.rows_feedback import feedback_rows
 from lightning_qcomm.codecs.rows_reduce import decode_rows_sum, feedback_update
 
 CODEC_NAMES = codec_names()
@@ -86,6 +87,7 @@ __all__ = [
     "decode_rows_sum",
     "derive_seed",
     "encode_rows",
+    "feedback_rows",
     "feedback_update",
     "get_codec",
     "register_codec",

@@ -14,8 +14,10 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
   ``offset`` starts the random counter there (a row of a longer tensor coded on its own, ``codecs.rows``);
 - ``sign_encode_err``, ``sign_server_sum``, ``sign_decode`` (``codecs.sign_ops``): CPU the C kernels,
   default the same arithmetic in torch.
-- ``decode_rows_sum``, ``feedback_update`` (``codecs.rows_reduce``): a compressed all-reduce's server step (N rows
-  decoded and summed) and error-feedback tail; CPU the eager ops, CUDA one Triton launch each.
+- ``decode_rows_sum``, ``feedback_update`` (``codecs.rows_reduce``), ``feedback_rows`` (``codecs.rows_feedback``): a
+  compressed all-reduce's server step (N rows decoded and summed, torch's order or rank order) and error-feedback
+  tail (given the decoded values, or the payloads, decoded in the kernel); CPU the eager ops, CUDA one Triton
+  launch each.
 - ``encode_rows``, ``decode_rows``, ``decode_rows_into`` (``codecs.rows``): R rows of n elements, row j coded as
   a tensor of its own with seed j; CPU the C pass per row (rows of the fused path's size) or the codec's hooks
   over all rows' buckets at once (encode) / one flat decode; CUDA the Triton rows kernels (``rows_kernel``: two
@@ -55,6 +57,7 @@ from lightning_qcomm.codecs import (  # noqa: F401
     registry,
     rows,
     rows_encode,
+    rows_feedback,
     rows_reduce,
     scaling,
     sign_ops,
@@ -75,10 +78,14 @@ _lib.define(f"encode_rows(Tensor rows, int[] seeds, {_CODEC}) -> Tensor")
 _lib.define(f"decode_rows(Tensor wire, int n, {_CODEC}) -> Tensor")
 _lib.define(f"decode_rows_into(Tensor wire, int n, {_CODEC}, Tensor(a!) out) -> ()")
 # The all-reduce's server step and error-feedback tail (``codecs.rows_reduce``): one launch each on CUDA.
-_lib.define(f"decode_rows_sum(Tensor wire, int n, {_CODEC}, bool avg) -> Tensor")
+_lib.define(f"decode_rows_sum(Tensor wire, int n, {_CODEC}, bool avg, bool rank_order=False) -> Tensor")
 _lib.define(
     "feedback_update(Tensor y, Tensor dec, Tensor reduced, Tensor held, int start, float k, ScalarType held_dtype, "
     "Tensor(a!) err) -> ()"
+)
+_lib.define(
+    f"feedback_rows(Tensor y, Tensor wire, int n, {_CODEC}, Tensor reduced, Tensor held, int start, float k, "
+    "ScalarType held_dtype, Tensor(a!) err) -> ()"
 )
 # The C kernels (CPU only; kernels/cpu/qcomm_ops.cpp), on flat contiguous tensors given the per-bucket parameters.
 _lib.define(
@@ -178,13 +185,14 @@ def decode_rows_kernel(c, wire: torch.Tensor, n: int, out: torch.Tensor | None =
         return kernels.decode_rows(c, wire, n, out)
 
 
-def decode_rows_sum_kernel(c, wire: torch.Tensor, n: int, avg: bool) -> torch.Tensor:
+def decode_rows_sum_kernel(c, wire: torch.Tensor, n: int, avg: bool, rank_order: bool = False) -> torch.Tensor:
     """(n,) fp32 sum (``avg``: times fl(1/R)) of the R payloads ``wire`` decoded, in torch's CUDA ``sum(dim=0)``
-    order (``codecs.rows_reduce``), in one launch. Only where ``rows_kernel(c, wire, False)``."""
+    order (``rank_order``: row 0, then + row 1, + row 2, ...; ``codecs.rows_reduce``), in one launch. Only where
+    ``rows_kernel(c, wire, False)``."""
     from lightning_qcomm.kernels.cuda import reduce_kernels
 
     with triton_probe.on_device(wire.device):
-        return reduce_kernels.decode_rows_sum(c, wire, n, avg)
+        return reduce_kernels.decode_rows_sum(c, wire, n, avg, rank_order)
 
 
 def encode_rows_kernel(c, rows: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
@@ -245,6 +253,13 @@ for _op, _cpu, _cuda, _default, _fake in (
         rows_reduce.feedback_update_cuda,
         rows_reduce.feedback_update_reference,
         rows_reduce.feedback_update_fake,
+    ),
+    (
+        "feedback_rows",
+        rows_feedback.feedback_rows_reference,
+        rows_feedback.feedback_rows_cuda,
+        rows_feedback.feedback_rows_reference,
+        rows_feedback.feedback_rows_fake,
     ),
     (
         "decode_rows_into",

@@ -1,7 +1,7 @@
 """The server step and the error-feedback tail of a compressed all-reduce as torch ops of the codec layer, one
 launch each on CUDA (docs/design.md, "Collectives")::
 
-    decode_rows_sum(Tensor wire, int n, <codec>, bool avg) -> Tensor                                  ((n,) fp32)
+    decode_rows_sum(Tensor wire, int n, <codec>, bool avg, bool rank_order=False) -> Tensor           ((n,) fp32)
     feedback_update(Tensor y, Tensor dec, Tensor reduced, Tensor held, int start, float k,
                     ScalarType held_dtype, Tensor(a!) err) -> ()
 
@@ -13,7 +13,11 @@ rewritten). CUDA: one Triton launch (``kernels.cuda.reduce_kernels``) reproducin
 R <= ``MAX_SUM_ROWS`` and n >= 2 (one thread per column: four running sums, row r into sum r % 4, then
 ((s0 + s1) + s2) + s3) and its ``/=`` by a Python number (times fl(1/R)); more rows, rows of one element (then
 torch reduces R contiguous values across threads, in another order), or rows the Triton rows kernels do not take
-run the eager ops.
+run the eager ops. ``rank_order``: S = ((D(wire[0]) + D(wire[1])) + D(wire[2])) + ..., one rounding per addition
+from row 0 (not from +0.0: all rows -0.0 sum to -0.0), as the 1-bit sync's reference loop (``collectives.
+sign_batched``); eager ops: that loop; CUDA: one launch for any R (the kernel's rows loop is not unrolled).
+``avg`` as above: ``/= R`` eagerly, times fl(1/R) in the kernel (CUDA's ``/=``; on CPU the same bits for
+R = 1, 2, 4, 8, ...).
 
 **feedback_update**: the residual of one piece and its write where finite, as ``collectives.quantized`` computed it
 in eager ops: with ``new = y - dec`` (n values) and c = ``reduced.numel()``,
@@ -22,7 +26,8 @@ in eager ops: with ``new = y - dec`` (n values) and c = ``reduced.numel()``,
     err <- new where new is finite (new - new == 0), else err unchanged
 
 (``held_dtype`` bf16 / fp16: the fp32 values rounded to that dtype and back, as x finally holds them). CUDA: one
-Triton launch for fp32 ``err`` (all operands contiguous fp32), else the eager ops.
+Triton launch for fp32 ``err`` (all operands contiguous fp32), else the eager ops. ``codecs.rows_feedback``'s
+``feedback_rows`` is this tail with ``dec`` decoded from the payloads inside the kernel.
 
 Example::
 
@@ -48,28 +53,38 @@ _EAGER = "the eager ops run there"
 
 
 # ---------------------------------------------------------------------------------------------- decode_rows_sum
-def decode_rows_sum_body(codec: Codec, wire: torch.Tensor, n: int, avg: bool, triton: bool) -> torch.Tensor:
+def decode_rows_sum_body(
+    codec: Codec, wire: torch.Tensor, n: int, avg: bool, triton: bool, rank_order: bool = False
+) -> torch.Tensor:
     """(n,) fp32 sum (``avg``: mean) of the decoded payloads in ``wire`` (module docstring)."""
     p = _check_wire(codec, wire, n)
     rows = wire.reshape(-1, p)
     r = rows.shape[0]
-    # n = 1: torch sums R contiguous values; the kernel's row offsets r * p are int32
-    if triton and r <= MAX_SUM_ROWS and 2 <= n < _INT32_COUNTERS and rows.numel() < _INT32_COUNTERS:
+    # torch's order: at most MAX_SUM_ROWS rows, n >= 2 (n = 1: torch sums R contiguous values); rank order: any
+    # R and n. The kernel's row offsets r * p are int32.
+    fits = rank_order or (r <= MAX_SUM_ROWS and n >= 2)
+    if triton and fits and n < _INT32_COUNTERS and rows.numel() < _INT32_COUNTERS:
         from lightning_qcomm.codecs import ops
 
-        if ops.rows_kernel(codec, rows, encode=False) and _sum_kernel_works(codec, r, rows.device):
-            return ops.decode_rows_sum_kernel(codec, rows, n, avg)
-    return _eager_sum(codec, rows, n, avg, triton)
+        if ops.rows_kernel(codec, rows, encode=False) and _sum_kernel_works(codec, r, rows.device, rank_order):
+            return ops.decode_rows_sum_kernel(codec, rows, n, avg, rank_order)
+    return _eager_sum(codec, rows, n, avg, triton, rank_order)
 
 
-def _eager_sum(codec: Codec, rows: torch.Tensor, n: int, avg: bool, triton: bool) -> torch.Tensor:
-    acc = decode_rows_body(codec, rows, n, triton=triton).sum(dim=0)
+def _eager_sum(codec: Codec, rows: torch.Tensor, n: int, avg: bool, triton: bool, rank_order: bool) -> torch.Tensor:
+    values = decode_rows_body(codec, rows, n, triton=triton)
+    if rank_order:  # values[0] + values[1] + ..., one addition at a time
+        acc = values[0].clone()
+        for r in range(1, values.shape[0]):
+            acc += values[r]
+    else:
+        acc = values.sum(dim=0)
     if avg:
         acc /= rows.shape[0]
     return acc
 
 
-def _sum_kernel_works(codec: Codec, r: int, device: torch.device) -> bool:
+def _sum_kernel_works(codec: Codec, r: int, device: torch.device, rank_order: bool = False) -> bool:
     """The sum kernel of R rows on ``device`` equals the eager decode-and-sum it replaces (bit for bit, any NaN
     equal to any NaN) on a probe of R rows of 1061 elements with NaN and infinities, sum and mean: checked once
     per (codec, R, device), its host syncs then; else the eager ops, with one warning. So the sum order the
@@ -86,30 +101,36 @@ def _sum_kernel_works(codec: Codec, r: int, device: torch.device) -> bool:
         x[0, 3], x[r - 1, 7], x[r - 1, 8] = float("nan"), float("inf"), float("-inf")
         wire = rows_encode.encode_rows_body(codec, x.to(device), list(range(r)), triton=False)
         for avg in (False, True):
-            want = _eager_sum(codec, wire, 1061, avg, triton=True)
-            got = ops.decode_rows_sum_kernel(codec, wire.view(r, -1), 1061, avg)
+            want = _eager_sum(codec, wire, 1061, avg, True, rank_order)
+            got = ops.decode_rows_sum_kernel(codec, wire.view(r, -1), 1061, avg, rank_order)
             difference = triton_probe._difference("sums", want, got)
             if difference:
                 raise RuntimeError(f"the Triton decode-and-sum differs from the eager ops: {difference}")
 
-    key = ("sum", tuple(sorted(codec.config().items())), r, str(device))
-    what = f"the decode-and-sum kernel of {r} rows of {codec.config()}"
+    key = ("sum", tuple(sorted(codec.config().items())), r, rank_order, str(device))
+    what = f"the decode-and-sum kernel of {r} rows{' in rank order' if rank_order else ''} of {codec.config()}"
     return triton_probe.first_use(key, what, device, check, _EAGER)
 
 
-def decode_rows_sum_reference(wire, n: int, codec: str, bits: int, bucket_size, stochastic: bool, avg: bool):
+def decode_rows_sum_reference(
+    wire, n: int, codec: str, bits: int, bucket_size, stochastic: bool, avg: bool, rank_order=False
+):
     """``qcomm::decode_rows_sum`` on any device but CUDA: the eager decode and sum."""
     c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
-    return decode_rows_sum_body(c, wire, n, avg, triton=False)
+    return decode_rows_sum_body(c, wire, n, avg, False, rank_order)
 
 
-def decode_rows_sum_cuda(wire, n: int, codec: str, bits: int, bucket_size, stochastic: bool, avg: bool):
+def decode_rows_sum_cuda(
+    wire, n: int, codec: str, bits: int, bucket_size, stochastic: bool, avg: bool, rank_order=False
+):
     """``qcomm::decode_rows_sum`` on CUDA: one Triton launch where the kernel takes the rows."""
     c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
-    return decode_rows_sum_body(c, wire, n, avg, triton=True)
+    return decode_rows_sum_body(c, wire, n, avg, True, rank_order)
 
 
-def decode_rows_sum_fake(wire, n: int, codec: str, bits: int, bucket_size, stochastic: bool, avg: bool):
+def decode_rows_sum_fake(
+    wire, n: int, codec: str, bits: int, bucket_size, stochastic: bool, avg: bool, rank_order=False
+):
     """The shape of ``qcomm::decode_rows_sum``: (n,) fp32."""
     _check_wire(registry.codec_for_op(codec, bits, bucket_size, stochastic), wire, n)
     return wire.new_empty((n,), dtype=torch.float32)
@@ -204,17 +225,21 @@ def feedback_update_fake(y, dec, reduced, held, start: int, k: float, held_dtype
 
 
 # ---------------------------------------------------------------------------------------------- the door
-def decode_rows_sum(codec: Codec, wire: torch.Tensor, n: int, avg: bool = False) -> torch.Tensor:
+def decode_rows_sum(
+    codec: Codec, wire: torch.Tensor, n: int, avg: bool = False, rank_order: bool = False
+) -> torch.Tensor:
     """(n,) fp32: ``decode_rows(codec, wire, n).sum(dim=0)`` (``avg``: then ``/= R``) as the eager ops compute it
-    on ``wire``'s device, one launch on CUDA (module docstring). ValueError unless ``wire`` holds whole payloads.
+    on ``wire``'s device, one launch on CUDA (module docstring). ``rank_order``: the sum is
+    ``rows[0] + rows[1] + ... + rows[R-1]``, one addition at a time, instead (any R; one launch on CUDA). ValueError
+    unless ``wire`` holds whole payloads.
 
     Example::
 
         >>> s = decode_rows_sum(codec, recv, c, avg=True)     # the server step of a quantized all-reduce
     """
     if registry.is_registered(codec):
-        return torch.ops.qcomm.decode_rows_sum(wire, n, *codec.op_args(), avg)
-    return decode_rows_sum_body(codec, wire, n, avg, triton=False)
+        return torch.ops.qcomm.decode_rows_sum(wire, n, *codec.op_args(), avg, rank_order)
+    return decode_rows_sum_body(codec, wire, n, avg, False, rank_order)
 
 
 def feedback_update(

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec, decode_rows_into, decode_rows_sum, derive_seed, feedback_update
+from lightning_qcomm.codecs import Codec, decode_rows_into, decode_rows_sum, derive_seed, feedback_rows
 from lightning_qcomm.collectives.call_check import _check_consistent
 from lightning_qcomm.collectives.chunked import (
     FP32_BYTES,
@@ -199,11 +199,11 @@ class _SumReducer:
     """``quantized_all_reduce``'s math per piece (``collectives.engine`` runs the pieces): units are
     (k, offset, length, chunk length c) with seed s_k = ``_piece_seed(seed, k)``.
 
-    encode: y = x + e zero-padded to N*c; chunk j coded with ``derive_seed(s_k, 1, rank, j)``; y and its decoded
-    payloads kept (error feedback). reduce: S = sum_r D(Q(y_r[rank])) (/N for avg; ``codecs.decode_rows_sum``, one
+    encode: y = x + e zero-padded to N*c; chunk j coded with ``derive_seed(s_k, 1, rank, j)``; y and its payloads
+    kept (error feedback). reduce: S = sum_r D(Q(y_r[rank])) (/N for avg; ``codecs.decode_rows_sum``, one
     launch on CUDA), coded with ``derive_seed(s_k, 2, rank)`` (``encode_rows``, one row). decode: x <- D(Q(S)) of
     every chunk, straight into the output; then e <- (y - D(Q(y))) + [chunk rank] k (S - held) where finite
-    (``codecs.feedback_update``, one launch on CUDA). A piece's encode reads and its decode writes only its own
+    (``codecs.feedback_rows``: D(Q(y)) decoded from the payloads inside the one launch on CUDA). A piece's encode reads and its decode writes only its own
     slice e[o : o + n], and the engine runs every encode before any decode.
     """
 
@@ -238,8 +238,8 @@ class _SumReducer:
                 head += err_head.to(torch.float32)
         s_k = _piece_seed(self.seed, k)
         send = _encode_rows(self.codec, y.view(world, c), [derive_seed(s_k, 1, self.rank, j) for j in range(world)])
-        if flat_err is not None:
-            self.phase1[k] = (y, _decode_rows(self.codec, send, world, c).view(-1))
+        if flat_err is not None:  # its payloads too: the residual decodes them (no fp32 copy of D(Q(y)) kept)
+            self.phase1[k] = (y, send)
         return send
 
     def reduce(self, unit, recv: torch.Tensor) -> torch.Tensor:
@@ -260,9 +260,12 @@ class _SumReducer:
         if self.flat_err is not None:
             # what x finally holds is the output rounded to x's dtype: that rounding is residual too; positions
             # past the piece's n real elements are padding and dropped
-            y, dec = self.phase1.pop(k)
+            y, send = self.phase1.pop(k)
+            rows = send.view(self.world, -1)[: -(-n // c)]  # the chunks holding the piece's n real elements
             start, err = self.rank * c, self.flat_err[o : o + n]
-            feedback_update(y[:n], dec[:n], self.reduced.pop(k), piece, start, self.k_scale, self.x_dtype, err)
+            feedback_rows(
+                self.codec, y[:n], rows, c, self.reduced.pop(k), piece, start, self.k_scale, self.x_dtype, err
+            )
 
     def finish(self) -> None:
         e = self.error_feedback

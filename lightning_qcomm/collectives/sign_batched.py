@@ -23,27 +23,24 @@ every other step is element-wise, so the values (outputs, E_w, E_s, wire bytes p
 reference's bit for bit (tests/test_onebit_batched.py); only the number and size of the collective calls
 differ (one all-to-all and one all-gather per group instead of per piece), so every rank must take the same
 path. The error buffers move on where the new residual is finite, a group's elements as soon as the group no
-longer reads them (``codecs.feedback_update`` with no correction: y - C(y) written where finite, one launch on
-CUDA); the reference keeps the residuals apart and writes them at the end (``chunked._update_error``), the same
-values.
+longer reads them (``codecs.feedback_rows`` with no correction: y - C(y) written where finite, C(y) decoded from
+the payloads just encoded inside the one launch on CUDA); the reference keeps the residuals apart and writes them
+at the end (``chunked._update_error``), the same values.
 
 Launches: a group of one piece (the one group of a bucket ``OneBitMomentumSync`` sends as one piece off the CPU)
-at N <= ``RANK_ORDER_ROWS`` sums the received rows with ``codecs.decode_rows_sum(avg=True)``, one launch on CUDA:
-torch's ``sum(dim=0)`` of at most four rows adds them in rank order from +0.0 on CPU and on CUDA
-(``codecs.rows_reduce``), then ``/= N``, as the reference's ``received[0] + received[1] + ...`` then ``/ N``. The
-one difference, +0.0 + (-0.0) = +0.0, shows in Z only where every row is -0.0 and E_s holds -0.0, which E_s never
-does (Z = S + E_s is -0.0 only if E_s is, Z's padding is +0.0, and Z - C(Z) is -0.0 only if Z is): from zeros,
-and from any state this algorithm saved, the values are the reference's. Several pieces, or N > 4, sum in an
-eager rank-order loop. With ``sign1`` blocks the rows kernels take, a one-piece group at N <= 4 is 10 launches on
-CUDA (encode 2, its decode 1, the worker's residual 1, the sum 1, the server's encode 2, its decode 1, its
-residual 1, the final decode 1, straight into the output, padding dropped), two torch ops (Y = X + E_w,
-Z += E_s; one more for Y's zero padding, and two on a rank whose chunk is short: Z's and E_s's padding) and the
-two collectives.
+sums the received rows with ``codecs.decode_rows_sum(avg=True, rank_order=True)``, one launch on CUDA at any N:
+received[0] + received[1] + ... from row 0, one rounding per addition, then ``/= N``, the reference's own loop
+(the eager ops off CUDA; on CUDA the kernel multiplies by fl(1/N) as CUDA's ``/=`` by a Python number does, the
+reference's division on a GPU). Several pieces sum in an eager rank-order loop. With ``sign1`` blocks the rows
+kernels take, a one-piece group is 8 launches on CUDA (encode 2, the worker's residual from the payloads 1, the
+sum 1, the server's encode 2, its residual 1, the final decode 1, straight into the output, padding dropped), two
+torch ops (Y = X + E_w, Z += E_s; one more for Y's zero padding, and two on a rank whose chunk is short: Z's and
+E_s's padding) and the two collectives: 12.
 
 No value is read on the host: no ``.item()``, no tensor made from Python data, no data-dependent shape. Memory
-beside the codec's temporaries: Y and C(Y) (d fp32 each, during the worker phase), Z and C(Z) (d/N fp32 each),
-the decoded received chunks (d fp32, during the server phase; not with the sum kernel) and the payloads (about
-d/8 bytes, three times).
+beside the codec's temporaries: Y (d fp32, during the worker phase), Z (d/N fp32), the decoded received chunks
+(d fp32, during the server phase; not with the sum kernel), C(Y) and C(Z) where ``feedback_rows`` runs the eager
+ops (not on CUDA), and the payloads (about d/8 bytes, three times).
 
 ``PATH`` selects the form ``onebit_all_reduce`` runs (tests and benchmarks force it):
 
@@ -63,13 +60,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_qcomm.codecs import Codec, Packed, decode_rows_sum, feedback_update, packing
+from lightning_qcomm.codecs import Codec, Packed, decode_rows_sum, feedback_rows, packing
 from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows, row_bucketed
 from lightning_qcomm.collectives.chunked import _chunk_len
 
 PATHS = ("auto", "batched", "reference")
 PATH = "auto"  # module switch: see the module docstring
-RANK_ORDER_ROWS = 4  # torch's sum(dim=0) of at most this many rows adds them in rank order (CPU and CUDA)
 
 
 def selected_path(x: torch.Tensor, fused: bool) -> str:
@@ -161,8 +157,8 @@ class BatchedPhases:
     being ``piece_groups``; one instance per call.
 
     ``x``: the input, read whole by ``encode`` before ``decode`` writes ``out_flat`` (which may be its storage).
-    The residuals go straight into the error buffers (``codecs.feedback_update``, no correction term: err <-
-    y - C(y) where finite), each group's own elements once that group no longer reads them; a buffer that is not
+    The residuals go straight into the error buffers (``codecs.feedback_rows``, no correction term: err <-
+    y - C(y) where finite, C(y) read from the payloads), each group's own elements once that group no longer reads them; a buffer that is not
     contiguous is worked on in a flat copy, copied back by ``finish``.
     """
 
@@ -197,9 +193,7 @@ class BatchedPhases:
             y = torch.zeros(k, w * c, dtype=torch.float32, device=x.device)
             torch.add(x, ew, out=y[:, :n])
         send = encode_rows(self.sign, y.view(k * w, c), [0] * (k * w))  # (K*N, P)
-        dec = torch.empty(k, w * c, dtype=torch.float32, device=x.device)
-        _decode_rows_into(self.sign, send, c, dec.view(k * w, c))
-        _feedback(y[:, :n], dec[:, :n], self.flat_ew[span])  # after Y, the group's last read of E_w
+        _feedback(self.sign, y[:, :n], send, c, self.flat_ew[span])  # after Y, the group's last read of E_w
         p = send.shape[1]
         return send.view(k, w, p).transpose(0, 1).contiguous() if k > 1 else send
 
@@ -209,8 +203,8 @@ class BatchedPhases:
         k, c, w = g.count, g.chunk, self.world
         valid = max(min(c, g.numel - self.rank * c), 0)  # real (unpadded) elements of this rank's chunks
         es = self.flat_es[g.es_offset : g.es_offset + k * c].view(k, c)
-        if k == 1 and w <= RANK_ORDER_ROWS:  # one launch on CUDA, the rank-order sum and /N of the loop below
-            z = decode_rows_sum(self.sign, recv, c, avg=True).view(1, c)
+        if k == 1:  # one launch on CUDA, the rank-order sum and /N of the loop below
+            z = decode_rows_sum(self.sign, recv, c, avg=True, rank_order=True).view(1, c)
         else:
             received = _decode_rows(self.sign, recv, c).reshape(w, k, c)
             z = received[0].clone()
@@ -221,10 +215,8 @@ class BatchedPhases:
         if valid < c:  # K = 1 here: a full piece has no padding
             z[:, valid:].zero_()
         mine = encode_rows(self.sign, z, [0] * k)  # (K, P)
-        dec = torch.empty(k, c, dtype=torch.float32, device=z.device)
-        _decode_rows_into(self.sign, mine, c, dec)
         if valid:
-            _feedback(z[:, :valid], dec[:, :valid], es[:, :valid].view(-1))
+            _feedback(self.sign, z[:, :valid], mine, c, es[:, :valid].view(-1))
         if valid < c:
             es[:, valid:].zero_()
         return mine
@@ -248,12 +240,13 @@ class BatchedPhases:
                 buf.copy_(flat.view(buf.shape))
 
 
-def _feedback(y: torch.Tensor, dec: torch.Tensor, err: torch.Tensor) -> None:
-    """err (flat, y's elements in row order) <- y - dec where finite: ``codecs.feedback_update`` with no correction
-    (an empty reduced chunk), one launch on CUDA for fp32 buffers. ``y`` and ``dec`` (K, L) are contiguous when
-    K = 1 or L is a whole row (a group of several pieces has no padding); else they are copied."""
-    y, dec = y.reshape(-1), dec.reshape(-1)
-    feedback_update(y, dec, y[:0], y, 0, 1.0, torch.float32, err)
+def _feedback(sign: Codec, y: torch.Tensor, wire: torch.Tensor, c: int, err: torch.Tensor) -> None:
+    """err (flat, y's elements in row order) <- y - C(y) where finite, C(y) the first y.numel() values of the
+    payloads ``wire`` (rows of c elements) decoded: ``codecs.feedback_rows`` with no correction (an empty reduced
+    chunk), one launch on CUDA for fp32 buffers, the decode in its registers. ``y`` (K, L) is contiguous when
+    K = 1 or L is a whole row (a group of several pieces has no padding); else it is copied."""
+    y = y.reshape(-1)
+    feedback_rows(sign, y, wire, c, y[:0], y, 0, 1.0, torch.float32, err)
 
 
 __all__ = ["PATH", "PATHS", "BatchedPhases", "PieceGroup", "piece_groups", "selected_path"]
