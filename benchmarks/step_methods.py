@@ -68,6 +68,10 @@ class Attributed(Launches):
             self.by_caller[caller(sys._getframe(1))] += 1
         return super().__torch_dispatch__(func, types, args, kwargs)
 
+    def seen_collective(self, name: str) -> None:
+        super().seen_collective(name)
+        self.by_caller[caller(sys._getframe(2))] += 1
+
 
 @dataclass
 class Run:
@@ -141,14 +145,22 @@ def ddp_hooked(model, tokens, scale: float, world: int, hook=None, config=None, 
 def onebit_adam(model, tokens, scale: float, world: int) -> Run:
     """DDP with ``OneBitAdam`` after its freeze (``onebit_adam_ddp``: no gradient all-reduce, the momentum 1-bit):
     ``freeze_step=2``, ``overlap=False`` (a GPU runs the sync inline), the bucket 32 MB x s², one piece per bucket
-    (the layout the momentum sync takes for CUDA tensors); counted after the first compressed step and one more."""
+    and the batched 1-bit all-reduce (``sign_batched.PATH = "batched"``: the layout and the form the momentum sync
+    takes for CUDA tensors); counted after the first compressed step and one more."""
+    from unittest import mock
+
+    from lightning_qcomm.collectives import sign_batched
     from lightning_qcomm.optim import OneBitAdam
     from lightning_qcomm.parallel import onebit_adam_ddp
 
     net = ddp(model, scale)
     opt = OneBitAdam(net.parameters(), lr=1e-4, freeze_step=2, bucket_mb=32.0 * scale**2, overlap=False)
     onebit_adam_ddp(net, opt)
-    step = train_step(net, tokens, opt)
+    plain = train_step(net, tokens, opt)
+
+    def step() -> None:
+        with mock.patch.object(sign_batched, "PATH", "batched"):  # the form CUDA tensors take (CPU ones: reference)
+            plain()
 
     def warm() -> None:  # two warm-up steps, the first compressed one; the CUDA tensors' layout; one more
         for _ in range(3):
