@@ -172,12 +172,14 @@ def onebit_adam(model, tokens, scale: float, world: int) -> Run:
 
 
 def local_sgd(model, tokens, scale: float, world: int, averaging: bool = False) -> Run:
-    """``LocalSGD`` (constant period H = 8, LocalSGDConfig's default period; fp32 averaging; AdamW): a step
-    without averaging, or (``averaging``) the H steps of one period, the last one averaging, per step."""
+    """``LocalSGD`` (constant period H = 8, LocalSGDConfig's default period; fp32 averaging in buckets of its
+    default 25 MB x s², the full model's buckets; AdamW): a step without averaging, or (``averaging``) the H steps
+    of one period, the last one averaging, per step."""
     from lightning_qcomm.parallel import LocalSGD, LocalSGDConfig
 
     opt = adamw(model.parameters())
-    LocalSGD(model, opt, LocalSGDConfig(sync="constant", period=LOCAL_SGD_PERIOD))
+    config = LocalSGDConfig(sync="constant", period=LOCAL_SGD_PERIOD, comm_bucket_mb=BUCKET_MB * scale**2)
+    LocalSGD(model, opt, config)
     step = train_step(model, tokens, opt)
     if averaging:  # one whole period first (the first average checks the layout), then one period counted
         return Run(step, warmup=LOCAL_SGD_PERIOD, steps=LOCAL_SGD_PERIOD)
