@@ -42,7 +42,15 @@ LAUNCH_FREE = frozenset(
     "empty empty_strided empty_like new_empty view _unsafe_view reshape as_strided alias detach t unsqueeze "
     "squeeze expand slice select lift_fresh to".split()  # to: a real conversion dispatches _to_copy, counted
 )
-COLLECTIVE_PREFIXES = ("allgather", "alltoall", "allreduce", "_allgather", "reduce_scatter", "broadcast")
+COLLECTIVE_PREFIXES = (
+    "allgather",
+    "alltoall",
+    "allreduce",
+    "_allgather",
+    "reduce_scatter",
+    "_reduce_scatter",
+    "broadcast",
+)
 
 
 class Launches(TorchDispatchMode):
@@ -60,6 +68,10 @@ class Launches(TorchDispatchMode):
     def __exit__(self, *exc):
         _ACTIVE.pop()
         return super().__exit__(*exc)
+
+    def seen_collective(self, name: str) -> None:
+        """A collective that dispatches no c10d op (``mirrored_collectives``' stand-ins)."""
+        self.collectives.append(name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -191,7 +203,7 @@ def mirrored_collectives() -> Iterator[None]:
 
     def seen(name: str) -> None:
         if _ACTIVE:
-            _ACTIVE[-1].collectives.append(name)
+            _ACTIVE[-1].seen_collective(name)
 
     def all_to_all_single(out, inp, group=None, async_op=False, **kwargs):
         seen("alltoall_base_")

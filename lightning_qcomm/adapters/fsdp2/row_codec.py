@@ -57,6 +57,15 @@ def is_quantized_param(p: ParamShard, min_quant_numel: int) -> bool:
     return p.ndim >= 2 and p.numel >= min_quant_numel
 
 
+def _as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of raw bytes read as ``dtype``: a view where every row starts on a multiple of its element size, else
+    a contiguous copy first (the byte offset may not be aligned for ``dtype``)."""
+    es = torch.empty((), dtype=dtype).element_size()
+    if raw.storage_offset() % es == 0 and all(st % es == 0 for st in raw.stride()[:-1]):
+        return raw.view(dtype)
+    return raw.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
 @dataclass(frozen=True)
 class Segment:
     numel: int
@@ -73,6 +82,20 @@ class RowCodec:
         self.segments = [s for s in segments if s.numel > 0]
         self.codec = codec
         self.row_numel = sum(s.numel for s in self.segments)
+        self.runs = self._merge_raw(self.segments)
+
+    def _merge_raw(self, segments: list[Segment]) -> list[tuple[int, Segment]]:
+        """(k, segment) in row order with adjacent raw segments joined into one (their bytes lie side by side in
+        the row and on the wire: one copy each way instead of one per segment); k: the segment index a
+        quantized segment's seed derives from (a raw run keeps its first segment's)."""
+        runs: list[tuple[int, Segment]] = []
+        for k, s in enumerate(segments):
+            raw = not (s.quantize and self.codec is not None)
+            if raw and runs and not runs[-1][1].quantize:
+                runs[-1] = (runs[-1][0], Segment(runs[-1][1].numel + s.numel, False))
+            else:
+                runs.append((k, Segment(s.numel, not raw)))
+        return runs
 
     def row_nbytes(self, dtype: torch.dtype) -> int:
         es = torch.empty((), dtype=dtype).element_size()
@@ -102,10 +125,10 @@ class RowCodec:
             raise ValueError(f"out needs a PieceLayout of {r_count} rows of {nbytes} bytes and that many bytes")
         es = rows.element_size()
         off = boff = 0
-        for k, s in enumerate(self.segments):
+        for k, s in self.runs:
             x = rows[:, off : off + s.numel]
             nb = self._seg_nbytes(s, es)
-            if not (s.quantize and self.codec is not None):
+            if not s.quantize:
                 layout.write(out, boff, (x if x.stride(-1) == 1 else x.contiguous()).view(torch.uint8))
             elif self._one_by_one(x):
                 self._encode_one_by_one(x, derive_seed(seed, k), out, layout, boff, nb)
@@ -172,19 +195,19 @@ class RowCodec:
         off = 0
         # row ranges to decode (all but ``skip_row``), in blocks that bound the fp32 temporary of a segment
         spans = [(0, r_count)] if skip_row is None else [(0, skip_row), (skip_row + 1, r_count)]
-        for s in self.segments:
+        for _, s in self.runs:
             dst = out[:, off : off + s.numel]
             off += s.numel
             nb = self._seg_nbytes(s, es)
             src = buf[:, boff : boff + nb]
             boff += nb
-            raw = not (s.quantize and self.codec is not None)
+            raw = not s.quantize
             step = r_count if raw else max(1, DECODE_BLOCK_NUMEL // s.numel)
             for a0, a1 in spans:
                 for r0 in range(a0, a1, step):
                     r1 = min(r0 + step, a1)
-                    if raw:  # contiguous copy first: the byte offset may not be aligned for wire_dtype
-                        dst[r0:r1].copy_(src[r0:r1].clone(memory_format=torch.contiguous_format).view(wire_dtype))
+                    if raw:
+                        dst[r0:r1].copy_(_as_dtype(src[r0:r1], wire_dtype))
                     else:
                         decode_rows_into(self.codec, src[r0:r1], s.numel, dst[r0:r1])
         return out
