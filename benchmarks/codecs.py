@@ -5,7 +5,7 @@ torch reference (``LIGHTNING_QCOMM_CPU_FUSED=0``) and the fused compiled CPU pat
 what ``Codec.encode``/``decode`` use for CPU tensors >= 2^18 elements), after checking that the fused codes,
 scales and decode are bit-identical to the reference's on the benchmark tensor. The one-off build of the
 fused library is timed separately (first use on a machine; later processes load the cached library).
-Target (issue 2): >= 25% of clone bandwidth for uniform-8 and fp8.
+Target: >= 25% of clone bandwidth for uniform-8 and fp8.
 
     OMP_NUM_THREADS=1 python benchmarks/codecs.py [--numel 16777216] [--repeats 5] [--clock wall|process]
 

@@ -1,4 +1,4 @@
-"""Fidelity over a full run (issue 17, item 3): every method's validation loss against its own baseline.
+"""Fidelity over a full run: every method's validation loss against its own baseline.
 
 Two gloo ranks on loopback (no shaping: the link changes speed, not the math), the bench_model GPT on the
 bytes of the Python standard library, warm-up + cosine over ``--steps`` optimizer steps, validation every

@@ -1,4 +1,4 @@
-"""Where a QuantDDP step's time goes on one CPU core per rank (issue 17 item 1: "profile first").
+"""Where a QuantDDP step's time goes on one CPU core per rank ("profile first").
 
 Measures, in one process on one thread (no network, nothing else running):
 

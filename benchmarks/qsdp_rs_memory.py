@@ -1,4 +1,4 @@
-"""Peak extra CPU memory of one QSDP gradient reduce-scatter, against the world size (issue 19 item 6).
+"""Peak extra CPU memory of one QSDP gradient reduce-scatter, against the world size.
 
 ``python benchmarks/qsdp_rs_memory.py`` runs ``adapters.fsdp2.comms.QuantizedReduceScatter`` on torch's fake process group
 (no peers: the all-to-all moves nothing, every allocation of the real path still happens) at N = 2, 4, 8,

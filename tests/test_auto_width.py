@@ -1,5 +1,5 @@
 """``QuantDDPConfig(codec="auto")``: the width is chosen by timed trial steps, deterministically given the measured
-step times and alike on every rank (issue 17 item 2; ``comm.auto_trial``).
+step times and alike on every rank (``comm.auto_trial``).
 
 No timing in any assertion: the trial's clock is injected. Unit tests: the schedule (32, then 8 .. ``min_bits``,
 one untimed step each), the figure of a candidate (the minimum of its timed steps), the decision (the widest

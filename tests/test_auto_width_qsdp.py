@@ -1,5 +1,5 @@
 """``QSDPStrategy(weight_bits="auto", grad_bits="auto")``: the widths chosen by timed trial steps, deterministically
-given the measured step times and alike on every rank (issue 17 item 2; ``comm.auto_trial``, as QuantDDP's).
+given the measured step times and alike on every rank (``comm.auto_trial``, as QuantDDP's).
 
 No timing in any assertion: the trial's clock is injected. Bad settings are refused naming the argument, the value
 and what is allowed; YAML reaches the config. On 2 gloo ranks (one spawn): a Trainer whose ranks "measure"

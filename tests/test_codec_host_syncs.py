@@ -1,5 +1,4 @@
-"""The codecs' torch form, as it runs on an accelerator, makes no host sync and equals the CPU form bit for bit
-(issue 19 items 2 and 4).
+"""The codecs' torch form, as it runs on an accelerator, makes no host sync and equals the CPU form bit for bit.
 
 On the CPU the codec layer may branch on values (``codecs.scaling.may_branch_on``: reading a CPU value waits for
 nothing) and works in cache-sized pieces; on a CUDA tensor (the Triton kernels' torch half, or the reference when

@@ -1,4 +1,4 @@
-"""Acceptance tests of the codec layer (issue 2): an independent check of the math in docs/design.md ("Codecs").
+"""Acceptance tests of the codec layer: an independent check of the math in docs/design.md ("Codecs").
 
 Every bound below is derived here from the codec's definition, computed in float64 from the input
 alone (never from the codec's own scales), then checked against ``decode(encode(x))``.
@@ -688,7 +688,7 @@ def test_fp8_stochastic_codes_are_neighbours_of_nearest():
 
 
 # ---------------------------------------------------------------------------------------------- extreme finite values
-# Issue 13 item 6: a finite input decodes finite and within the codec's bound at the ends of fp32's range.
+# A finite input decodes finite and within the codec's bound at the ends of fp32's range.
 FLT_MAX = torch.finfo(torch.float32).max
 FLT_MIN = torch.finfo(torch.float32).tiny  # smallest normal fp32, 2^-126
 # The decode's last fp32 operation rounds onto fp32's grid, whose spacing below FLT_MIN is 2^-149: half of it

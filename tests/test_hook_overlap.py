@@ -1,4 +1,4 @@
-"""The DDP hooks hand DDP a future at once and complete it when their collective is done (issue 19 item 3).
+"""The DDP hooks hand DDP a future at once and complete it when their collective is done.
 
 On CPU the overlapped path queues the job on the comm worker: the hook must return before the job has run
 (the rest of backward continues) and the future must complete with the bucket afterwards. The CUDA path

@@ -1,4 +1,4 @@
-"""The comm hot paths make the host wait for the device nowhere (issue 19 item 2).
+"""The comm hot paths make the host wait for the device nowhere.
 
 Each path runs under ``NoHostSync`` (tests/_sync_guard.py: raises on ``aten._local_scalar_dense`` -- what
 ``.item()``, ``bool(t)`` and ``float(t)`` dispatch to -- and on data-dependent shapes) on torch's ``fake``

@@ -1,4 +1,4 @@
-"""Kernel launches per collective do not grow with the world size (issue 19 item 1).
+"""Kernel launches per collective do not grow with the world size.
 
 On a GPU every eager torch op is a kernel launch; an all-reduce that encodes and decodes chunk by chunk
 costs O(N) launches per bucket and the CPU cannot run ahead of the device. Here every aten op dispatched

@@ -351,7 +351,7 @@ def test_diloco_outer_state_same_on_ranks_and_checkpointed(runs):
 def test_quantized_diloco_agrees_across_ranks_close_to_fp32_and_shrinks_inter_bytes(runs):
     """DiLoCo fed by the 8-bit inter-node average (uniform codec on the changes since the last sync): θ̄ decodes
     from the same bytes everywhere, so θ_g and the outer momentum are bit-identical on the 4 ranks and the
-    parameters are θ_g after the last sync; loss within issue 16's 8-bit band (1%) of the fp32 DiLoCo run; the
+    parameters are θ_g after the last sync; loss within the 8-bit band (1%) of the fp32 DiLoCo run; the
     inter-node all-reduce of each rank's shard sends the codec's bytes instead of 4 per element."""
     from lightning_qcomm import LocalSGDConfig
     from lightning_qcomm.collectives import all_reduce_pieces

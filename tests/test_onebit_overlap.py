@@ -1,4 +1,4 @@
-"""1-bit Adam's momentum buckets launched from backward (``adapters.onebit.overlap``, issue 17 item 1).
+"""1-bit Adam's momentum buckets launched from backward (``adapters.onebit.overlap``).
 
 Two gloo ranks, one spawn, plain torch DDP + ``onebit_adam_ddp``; each rank trains on its own data:
 

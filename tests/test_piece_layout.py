@@ -1,4 +1,4 @@
-"""Rows stored piece by piece (``comm.transport.PieceLayout``) and their copy-free exchange (issue 19 item 6).
+"""Rows stored piece by piece (``comm.transport.PieceLayout``) and their copy-free exchange.
 
 QSDP's gradient reduce-scatter writes its wire rows piece-major so that the concurrent pieces of the
 all-to-all send and receive contiguous memory without copies. Checked: the layout's writes and reads round

@@ -1,4 +1,4 @@
-"""QSDP over HSDP on 4 real gloo ranks as 2 nodes x 2 ranks (issue 16): shard inside a node, replicate across.
+"""QSDP over HSDP on 4 real gloo ranks as 2 nodes x 2 ranks: shard inside a node, replicate across.
 
 One spawn runs every case (plain torch, ``apply_qsdp`` with the 2-D mesh of ``comm.topology.node_groups``) and
 reports per rank; the assertions:
@@ -7,7 +7,7 @@ reports per rank; the assertions:
   (``apply_qsdp`` with bits=32 on a 1-D mesh) to fp32 rounding after several AdamW steps;
 - the replicas (ranks 0 and 2, 1 and 3: same shard on the two nodes) hold bit-identical parameters, at 8 bits
   too (the compressed all-reduce ends identical on its ranks);
-- 8-bit across nodes: loss within 1% of the fp32 run's after the same steps; 4-bit within 3% (issue 16's bands);
+- 8-bit across nodes: loss within 1% of the fp32 run's after the same steps; 4-bit within 3%;
 - the bytes sent across nodes (the ledger's ``grads@inter`` wire estimate): at 8 bits (1 + 8/256)/4 of the fp32
   run's, the codes plus one scale pair per bucket;
 - ``overlap_comm`` (the default): the averages across nodes overlap the rest of backward, bit-identical to inline;

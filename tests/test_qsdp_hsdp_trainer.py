@@ -1,4 +1,4 @@
-"""``QSDPStrategy(hsdp=True)`` in a Trainer launched as 2 nodes x 2 ranks (issue 16), in one spawn of 4 ranks.
+"""``QSDPStrategy(hsdp=True)`` in a Trainer launched as 2 nodes x 2 ranks, in one spawn of 4 ranks.
 
 Each rank gets the variables a launcher sets (``LOCAL_RANK`` / ``NODE_RANK`` / ``WORLD_SIZE``, node-major, as
 ``tests/_launch.lightning_env``), so Lightning sees ``Trainer(num_nodes=2, devices=2)`` with global rank !=

@@ -1,4 +1,4 @@
-"""QSDP on models nobody here wrote for it: the model-shape matrix of issue 18, on 2 CPU ranks (gloo).
+"""QSDP on models nobody here wrote for it: the model-shape matrix, on 2 CPU ranks (gloo).
 
 Shapes: parameters held by the LightningModule itself (ViT-style ``cls_token`` / ``pos_embed``), a CNN
 without ``nn.ModuleList`` (layers as attributes of a submodule, and as attributes of the LightningModule),

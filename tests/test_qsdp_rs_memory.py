@@ -1,5 +1,4 @@
-"""Peak extra memory of one QSDP gradient reduce-scatter stays within 2 fp32 shards at any world size (issue 19
-item 6).
+"""Peak extra memory of one QSDP gradient reduce-scatter stays within 2 fp32 shards at any world size.
 
 "Extra" is what the call allocates beyond the wire buffers, which an all-to-all of encoded rows needs whatever
 the implementation: the N encoded rows sent and the N received. Measured with benchmarks/qsdp_rs_memory.py's
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.qsdp_rs_memory import CODECS, LAYOUTS, WORLDS, measure  # noqa: E402
 from lightning_qcomm.codecs import get_codec  # noqa: E402
 
-BOUND = 2.0  # fp32 shards beyond the wire buffers (issue 19 item 6)
+BOUND = 2.0  # fp32 shards beyond the wire buffers
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Per-rank checkpoint state in side files (issue 19 item 5; lightning_qcomm/parallel/rank_files.py).
+"""Per-rank checkpoint state in side files (lightning_qcomm/parallel/rank_files.py).
 
 Measured (2 and 4 real gloo processes, one Lightning fit each): the tensor bytes rank 0 holds for a save --
 what it writes (the checkpoint and its own side file) plus every object it receives from other ranks through

@@ -1,4 +1,4 @@
-"""RowCodec.encode writing rows in place (issue 19 item 6) keeps the wire bytes of its definition, bit for bit.
+"""RowCodec.encode writing rows in place keeps the wire bytes of its definition, bit for bit.
 
 The definition (adapters/fsdp2/row_codec.py): a raw segment is its bytes; a quantized segment of whole byte-aligned
 buckets is ``codec.encode(rows[:, seg].reshape(-1), seg_seed)`` cut into rows (one flat tensor, one seed);

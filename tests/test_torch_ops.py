@@ -1,4 +1,4 @@
-"""The codec layer as torch ops (``torch.ops.qcomm.*``) and the codec registry (issue 15, items 1 and 2).
+"""The codec layer as torch ops (``torch.ops.qcomm.*``) and the codec registry.
 
 - the ops exist, with a CPU kernel (C), a CUDA kernel (Triton) and a default kernel (the torch reference),
   and the dispatcher picks them (the C kernels once the library is loaded);

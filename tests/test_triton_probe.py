@@ -1,4 +1,4 @@
-"""The CUDA kernels of the codec ops check that Triton works before trusting it (issue 19 item 4).
+"""The CUDA kernels of the codec ops check that Triton works before trusting it.
 
 ``codecs.triton_probe.triton_works`` runs a codec's Triton encode/decode once per device next to the torch
 reference; a kernel that raises (a driver or architecture Triton does not support) or disagrees makes that

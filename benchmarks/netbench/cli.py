@@ -21,7 +21,7 @@ variant, every repeat; odd repeats in reverse order) with a fresh ``Trainer`` pe
 interpreter start-up and rendezvous stay out of every timing. If a worker fails or stalls, both are
 killed and a fresh pair resumes after the failed entry.
 
-Two ranks per node (``--ranks-per-node 2``, issue 16): each namespace hosts two ranks of a
+Two ranks per node (``--ranks-per-node 2``): each namespace hosts two ranks of a
 ``num_nodes=2, devices=2`` job (LOCAL_RANK 0/1, NODE_RANK = the namespace, WORLD_SIZE=4). All ranks of a
 node bind gloo to their node's veth address, so traffic between two ranks of one node goes to a local
 address and stays on that namespace's ``lo`` (unshaped), while inter-node traffic crosses the shaped veth.

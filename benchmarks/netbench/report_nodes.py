@@ -8,7 +8,7 @@ summed over the node's ranks, mean over nodes. Across repeats: medians. Within o
 
     speedup      = T(ddp_fp32) / T(variant)
     T_inter_wire = inter / (rate in bytes/s)
-    bound ratio  = T(variant) / max(T(floor), T_inter_wire)      (issue 16's goal for hierarchical rows: <= 1.15)
+    bound ratio  = T(variant) / max(T(floor), T_inter_wire)      (the goal for hierarchical rows: <= 1.15)
 
 and the floor check: T(floor) <= T of every communicating variant, else the run is flagged.
 """

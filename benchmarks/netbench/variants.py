@@ -216,14 +216,14 @@ VARIANTS: tuple[Variant, ...] = (
 )  # fmt: skip
 VARIANT_BY_NAME = {v.name: v for v in VARIANTS}
 BASELINE = "ddp_fp32"
-# `--variants all` with --ranks-per-node 2 (issue 16's benchmark): every flat row next to its hierarchical one
+# `--variants all` with --ranks-per-node 2 (the two-node benchmark): every flat row next to its hierarchical one
 MULTI_RANK_ALL = (
     "floor", "ddp_fp32", "ddp_fp16", "powersgd_r4", "fsdp2", "fsdp2_hsdp", "qsdp_w8g8", "qsdp_w8g8_hsdp",
     "qddp_uniform8", "qddp_uniform8_hier", "qddp_nuqsgd4", "qddp_nuqsgd4_hier", "onebit_adam", "onebit_adam_hier",
     "localsgd_qsr", "localsgd_qsr_inter", "diloco_qsr", "post_local_sgd",
 )  # fmt: skip
 # torch's PowerSGD hook with more than one DDP bucket crashes on the 2x2 topology (a gloo collective-order
-# mismatch, issue 16), so multi-rank runs give it one bucket
+# mismatch), so multi-rank runs give it one bucket
 ONE_BUCKET_MB = 10_000
 QDDP_CODECS = {
     "qddp_none": ("none", 32),

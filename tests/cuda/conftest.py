@@ -1,4 +1,4 @@
-"""GPU checks (issue 19): collected by the normal test command, every test skipped with its reason without CUDA.
+"""GPU checks: collected by the normal test command, every test skipped with its reason without CUDA.
 
 Run them with ``python benchmarks/gpu_check.py`` (which also times the codecs and writes
 benchmarks/results/gpu_check.md) or ``python -m pytest tests/cuda``. The Triton kernels are the package's own

@@ -1,4 +1,4 @@
-"""The precision x strategy matrix on one device (issue 18's first GPU check), run as one process.
+"""The precision x strategy matrix on one device, run as one process.
 
 ``python tests/cuda/strategy_matrix_run.py --accelerator cuda OUT.json`` trains tests/test_strategy_matrix.py's
 classifier with every strategy and callback (plain DDP, QuantDDP + error feedback, QSDP W8G8, Local SGD,

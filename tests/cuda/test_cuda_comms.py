@@ -1,4 +1,4 @@
-"""The comm layer on a GPU at world 8 on one device, with torch's ``fake`` process group (issue 19).
+"""The comm layer on a GPU at world 8 on one device, with torch's ``fake`` process group.
 
 The fake group moves no data: ``all_to_all_single`` hands a rank back what it sent, the all-gather replicates
 the input, so results are deterministic and can be compared between paths. Checked, for fp32 and bf16:

@@ -1,5 +1,5 @@
 """Triton kernels on a GPU: bit for bit the torch reference, at awkward sizes, beyond 2^31 elements, and free
-of host syncs (issue 19, "The GPU check"). Skipped without CUDA or Triton.
+of host syncs. Skipped without CUDA or Triton.
 
 The reference is ``Codec.encode_reference`` / ``decode_reference`` on CPU, given the same per-bucket parameters
 (computed once, on CPU): the kernels do only the element-wise work, so their codes and decoded bits must equal

@@ -1,4 +1,4 @@
-"""Every strategy and callback in every precision on one CUDA device (issue 18's first GPU check).
+"""Every strategy and callback in every precision on one CUDA device.
 
 Runs ``tests/cuda/strategy_matrix_run.py --accelerator cuda`` in one subprocess (a fresh process: Lightning
 initialises a one-rank NCCL group) and checks each cell: it trains to finite losses within the CPU matrix's

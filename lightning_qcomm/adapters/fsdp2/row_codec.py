@@ -15,7 +15,7 @@ random counter running on across rows); any other with row r's own seed ``derive
 (R, P) rows). On CPU no temporary grows with R: raw segments are copied in, and a quantized segment's rows go
 through the fused C pass one at a time, straight into the buffer, when a row is of the fused path's size or
 the rows hold more than ``BATCH_MAX_NUMEL`` elements. Other rows (fewer elements, or on CUDA) are coded all
-together, in a number of ops that does not depend on R (issue 19 item 1), and copied in; on CUDA that keeps
+together, in a number of ops that does not depend on R, and copied in; on CUDA that keeps
 the flat encode's contiguous copy of the rows (R x the segment, in device memory).
 
 Example::
@@ -165,7 +165,7 @@ class RowCodec:
                 layout.write_row(out, r, b0, scratch)
 
     def _encode_together(self, x: torch.Tensor, seg_seed: int, out: torch.Tensor, layout: PieceLayout, b0: int) -> None:
-        """All R rows in a number of ops that does not depend on R (issue 19 item 1), copied into ``out``: rows of
+        """All R rows in a number of ops that does not depend on R, copied into ``out``: rows of
         whole buckets as one flat codec call on a contiguous copy of the rows (on CUDA the Triton kernel's one
         launch; the copy is R x the segment, on the device), the others by ``encode_rows``."""
         r_count, n = x.shape
