@@ -102,9 +102,14 @@ def _decode_sum_kernel(
     lane = tl.arange(0, 8)
     idx = g[:, None] * 8 + lane[None, :]
     inb = idx < n
-    if RANK_ORDER:  # row 0, then rows 1, 2, ... added one by one (a loop, not unrolled: any R)
-        acc = _row_values(
-            wire_ptr,
+    acc = tl.zeros((GROUPS, 8), dtype=tl.float32)
+    s0 = tl.zeros((GROUPS, 8), dtype=tl.float32)
+    s1 = tl.zeros((GROUPS, 8), dtype=tl.float32)
+    s2 = tl.zeros((GROUPS, 8), dtype=tl.float32)
+    s3 = tl.zeros((GROUPS, 8), dtype=tl.float32)
+    for r in range(R):  # a loop, not unrolled: any R
+        v = _row_values(
+            wire_ptr + r * row_stride,
             g,
             lane,
             idx,
@@ -123,61 +128,15 @@ def _decode_sum_kernel(
             FP8_BIAS,
             FP8_E4M3FN,
         )
-        for r in range(1, R):
-            acc = acc + _row_values(
-                wire_ptr + r * row_stride,
-                g,
-                lane,
-                idx,
-                inb,
-                n,
-                scale_off,
-                KIND,
-                BITS,
-                BITS_P2,
-                P,
-                BUCKET,
-                LEVELS,
-                SIGN_BIT,
-                EMIN,
-                MBITS,
-                FP8_BIAS,
-                FP8_E4M3FN,
-            )
-    else:
-        s0 = tl.zeros((GROUPS, 8), dtype=tl.float32)
-        s1 = tl.zeros((GROUPS, 8), dtype=tl.float32)
-        s2 = tl.zeros((GROUPS, 8), dtype=tl.float32)
-        s3 = tl.zeros((GROUPS, 8), dtype=tl.float32)
-        for r in tl.static_range(R):  # row r into running sum r % 4, in rank order
-            v = _row_values(
-                wire_ptr + r * row_stride,
-                g,
-                lane,
-                idx,
-                inb,
-                n,
-                scale_off,
-                KIND,
-                BITS,
-                BITS_P2,
-                P,
-                BUCKET,
-                LEVELS,
-                SIGN_BIT,
-                EMIN,
-                MBITS,
-                FP8_BIAS,
-                FP8_E4M3FN,
-            )
-            if r % 4 == 0:
-                s0 = s0 + v
-            elif r % 4 == 1:
-                s1 = s1 + v
-            elif r % 4 == 2:
-                s2 = s2 + v
-            else:
-                s3 = s3 + v
+        if RANK_ORDER:  # row 0 itself (not +0.0 + row 0), then rows 1, 2, ... added one by one
+            acc = tl.where(r == 0, v, acc + v)
+        else:  # row r into running sum r % 4, each from +0.0, in rank order
+            q = r % 4
+            s0 = tl.where(q == 0, s0 + v, s0)
+            s1 = tl.where(q == 1, s1 + v, s1)
+            s2 = tl.where(q == 2, s2 + v, s2)
+            s3 = tl.where(q == 3, s3 + v, s3)
+    if not RANK_ORDER:
         acc = ((s0 + s1) + s2) + s3
     if AVG:
         acc = acc * inv
