@@ -27,6 +27,7 @@ PRIVATE_MODULES = (
 )
 # (file, call) private calls of comm modules on objects that are not codecs
 NON_CODEC_PRIVATE = {
+    ("averaging.py", "torch._foreach_copy_"),
     ("comm_worker.py", "pg._get_backend"),
     ("ddp/plan.py", "torch._foreach_copy_"),
     ("fsdp2/deferred.py", "torch._C._current_graph_task_id"),

@@ -115,12 +115,14 @@ class TensorAverager:
 
     @staticmethod
     def _unflatten(b: _Bucket, flat: torch.Tensor) -> None:
-        offset = 0
+        """The bucket's tensors <- their spans of ``flat``, in one multi-tensor copy (``torch._foreach_copy_``, cast
+        to each tensor's dtype), not one copy, and on a GPU one launch, per tensor."""
+        srcs, offset = [], 0
+        for t in b.tensors:
+            srcs.append(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
         with torch.no_grad():
-            for t in b.tensors:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
+            torch._foreach_copy_(b.tensors, srcs)
 
     def reset_anchor(self) -> None:
         """Take the current values as the common reference point (they must be equal on all ranks,
