@@ -8,24 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _op_log import OpLog
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_qcomm.collectives.averaging import TensorAverager
-
-LAUNCH_FREE = {"empty", "empty_strided", "view", "slice", "as_strided", "alias", "detach", "_unsafe_view"}
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in LAUNCH_FREE:
-            self.ops.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
@@ -56,7 +42,7 @@ def test_average_writes_each_bucket_back_in_one_copy(fake_group):
     tensors = _tensors()
     avg = TensorAverager(tensors, bucket_numel=20)
     assert avg.num_buckets == 3
-    with _Ops() as mode:
+    with OpLog() as mode:
         avg.average()
     assert mode.ops.count("copy_") == 0, mode.ops
     assert mode.ops.count("_foreach_copy_") == avg.num_buckets, mode.ops

@@ -6,24 +6,9 @@ multi-tensor copy, not a copy per parameter (a GPT-2-small step has 96 such segm
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from _op_log import OpLog
 
 from lightning_qcomm.adapters.ddp.plan import gather_segments, scatter_segments
-
-LAUNCH_FREE = {"empty", "empty_strided", "view", "slice", "as_strided", "alias", "detach"}
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in LAUNCH_FREE:
-            self.ops.append(name)
-        return func(*args, **(kwargs or {}))
-
 
 SEGMENTS = [(0, 5), (7, 3), (12, 9), (30, 1), (31, 4), (40, 8)]  # six, with gaps between some
 
@@ -43,7 +28,7 @@ def test_scatter_writes_every_segment_and_nothing_else():
 
 def test_scatter_is_one_multi_tensor_copy():
     buf, flat = torch.zeros(48), torch.randn(30)
-    with _Ops() as mode:
+    with OpLog() as mode:
         scatter_segments(buf, SEGMENTS, flat)
     assert mode.ops == ["_foreach_copy_"], mode.ops
 
@@ -52,6 +37,6 @@ def test_scatter_of_a_view_copies_nothing():
     buf = torch.randn(48)
     flat = gather_segments(buf, [(4, 20)])  # one segment: a view of buf
     before = buf.clone()
-    with _Ops() as mode:
+    with OpLog() as mode:
         scatter_segments(buf, [(4, 20)], flat)
     assert mode.ops == [] and torch.equal(buf, before)
