@@ -5,8 +5,13 @@ multi-tensor copy, not a copy per parameter (a GPT-2-small step has 96 such segm
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
-from _op_log import OpLog
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from launch_counts import Launches  # noqa: E402  (the project's launch counter)
 
 from lightning_qcomm.adapters.ddp.plan import gather_segments, scatter_segments
 
@@ -28,15 +33,15 @@ def test_scatter_writes_every_segment_and_nothing_else():
 
 def test_scatter_is_one_multi_tensor_copy():
     buf, flat = torch.zeros(48), torch.randn(30)
-    with OpLog() as mode:
+    with Launches() as mode:
         scatter_segments(buf, SEGMENTS, flat)
-    assert mode.ops == ["_foreach_copy_"], mode.ops
+    assert mode.torch_ops == ["_foreach_copy_"], mode.torch_ops
 
 
 def test_scatter_of_a_view_copies_nothing():
     buf = torch.randn(48)
     flat = gather_segments(buf, [(4, 20)])  # one segment: a view of buf
     before = buf.clone()
-    with OpLog() as mode:
+    with Launches() as mode:
         scatter_segments(buf, [(4, 20)], flat)
-    assert mode.ops == [] and torch.equal(buf, before)
+    assert mode.torch_ops == [] and torch.equal(buf, before)
