@@ -203,8 +203,9 @@ class _SumReducer:
     kept (error feedback). reduce: S = sum_r D(Q(y_r[rank])) (/N for avg; ``codecs.decode_rows_sum``, one
     launch on CUDA), coded with ``derive_seed(s_k, 2, rank)`` (``encode_rows``, one row). decode: x <- D(Q(S)) of
     every chunk, straight into the output; then e <- (y - D(Q(y))) + [chunk rank] k (S - held) where finite
-    (``codecs.feedback_rows``: D(Q(y)) decoded from the payloads inside the one launch on CUDA). A piece's encode reads and its decode writes only its own
-    slice e[o : o + n], and the engine runs every encode before any decode.
+    (``codecs.feedback_rows``: D(Q(y)) decoded from the payloads inside the one launch on CUDA). A piece's encode
+    reads and its decode writes only its own slice e[o : o + n], and the engine runs every encode before any
+    decode.
     """
 
     def __init__(self, x, codec: Codec, rank: int, world: int, op: str, seed: int, error_feedback) -> None:

@@ -158,8 +158,8 @@ class BatchedPhases:
 
     ``x``: the input, read whole by ``encode`` before ``decode`` writes ``out_flat`` (which may be its storage).
     The residuals go straight into the error buffers (``codecs.feedback_rows``, no correction term: err <-
-    y - C(y) where finite, C(y) read from the payloads), each group's own elements once that group no longer reads them; a buffer that is not
-    contiguous is worked on in a flat copy, copied back by ``finish``.
+    y - C(y) where finite, C(y) read from the payloads), each group's own elements once that group no longer
+    reads them; a buffer that is not contiguous is worked on in a flat copy, copied back by ``finish``.
     """
 
     def __init__(
