@@ -23,7 +23,14 @@ import pytest
 import lightning_qcomm.kernels as kernels
 
 REPO = Path(__file__).resolve().parents[1]
-CUDA = ("codec_kernels.py", "elementwise.py", "reduce_kernels.py", "wire_params.py")
+CUDA = (
+    "codec_kernels.py",
+    "elementwise.py",
+    "norms.py",
+    "reduce_kernels.py",
+    "segment_kernels.py",
+    "wire_params.py",
+)
 CPU = ("qcomm_ops.cpp", "qcomm_kernels.h")
 
 

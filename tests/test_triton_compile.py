@@ -110,6 +110,8 @@ def test_scales_kernel_compiles_for_sm90(cid, int64, wire):
             "OUT_MAX": 65504.0,
             "REDO_FLOOR": wire_params.redo_floor(512),
             "WIRE": wire,
+            "S": codec.scales_per_bucket,
+            "P": ks.enc_params,
         },
     )
     _check(ptx)

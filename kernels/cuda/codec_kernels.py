@@ -28,7 +28,7 @@ import triton.language as tl
 from lightning_qcomm.codecs import packing, registry, rng
 from lightning_qcomm.codecs.kernel_spec import KernelSpec
 
-from .elementwise import dequantize, is_finite, quantize, uniform
+from .elementwise import dequantize, quantize_tile
 from .wire_params import dec_params
 
 GROUPS_PER_PROGRAM = 128  # 1024 elements per program
@@ -98,19 +98,17 @@ def _encode_kernel(
     idx = g[:, None] * 8 + lane[None, :]  # element ids (GROUPS, 8)
     inb = idx < n
     x = tl.load(x_ptr + idx, mask=inb, other=0.0)
-
-    # Per-bucket parameters (fp32, P of them), gathered per element; a non-finite one zeroes the whole bucket.
     p0, p1, p2 = _load_params(params_ptr, idx, inb, P, BUCKET)
-    ok = inb & is_finite(x) & is_finite(p0) & is_finite(p1) & is_finite(p2)
+    code = quantize_tile(
+        x, inb, p0, p1, p2, idx, k1, k2, KIND, STOCHASTIC, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FMAX
+    )
+    pack_store(out_ptr, code, g, lane, idx, n, BITS, BITS_P2)
 
-    if STOCHASTIC:
-        u = uniform(idx, k1.to(tl.uint32, bitcast=True), k2.to(tl.uint32, bitcast=True))
-    else:
-        u = x  # unused
 
-    code = quantize(x, p0, p1, p2, u, KIND, STOCHASTIC, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FMAX)
-    code = tl.where(ok, code, 0)  # non-finite x or bucket, and padding past n: code 0
-
+@triton.jit
+def pack_store(out_ptr, code, g, lane, idx, n, BITS: tl.constexpr, BITS_P2: tl.constexpr):
+    """The (GROUPS, 8) codes of groups ``g`` packed into bytes at ``out_ptr`` (module docstring); only the groups of
+    the n elements are written."""
     ngroups = (n + 7) // 8
     if BITS == 8:
         tl.store(out_ptr + idx, code.to(tl.uint8), mask=idx < ngroups * 8)

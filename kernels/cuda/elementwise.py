@@ -193,3 +193,33 @@ def dequantize(
         val = (bits | sign).to(tl.float32, bitcast=True)
         val = val * p0 * p1
     return val
+
+
+@triton.jit
+def quantize_tile(
+    x,
+    inb,
+    p0,
+    p1,
+    p2,
+    ctr,
+    k1,
+    k2,
+    KIND: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    LEVELS: tl.constexpr,
+    SIGN_BIT: tl.constexpr,
+    EMIN: tl.constexpr,
+    MBITS: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FMAX: tl.constexpr,
+):
+    """int32 codes of the fp32 tile ``x`` given each element's bucket parameters; the random bits of element i
+    from counter ``ctr[i]`` under key (k1, k2). A non-finite x or bucket parameter, and padding (``~inb``): code 0."""
+    ok = inb & is_finite(x) & is_finite(p0) & is_finite(p1) & is_finite(p2)
+    if STOCHASTIC:
+        u = uniform(ctr, k1.to(tl.uint32, bitcast=True), k2.to(tl.uint32, bitcast=True))
+    else:
+        u = x  # unused
+    code = quantize(x, p0, p1, p2, u, KIND, STOCHASTIC, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FMAX)
+    return tl.where(ok, code, 0)

@@ -42,6 +42,7 @@ from lightning_qcomm.codecs.kernel_spec import KernelKind
 from lightning_qcomm.codecs.qsgd import redo_floor
 
 from .elementwise import is_finite
+from .norms import _finite64, _l2_norm64, _level_cap
 
 FLT_MAX_PY = torch.finfo(torch.float32).max
 MAX_BUCKET = 8192  # longest bucket one program reduces in registers; longer ones keep the torch reduction
@@ -119,62 +120,6 @@ def dec_params(
 
 
 @triton.jit
-def _tree_norm(v, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
-    """``qsgd.tree_norm`` of each row of the (ROWS, BLOCK) tile (BLOCK = 2^LOG2, zeros past a row's end): the
-    squares summed pairwise, columns 2i and 2i + 1 level by level, then the correctly rounded square root."""
-    v = v * v
-    for i in tl.static_range(LOG2):
-        v = tl.sum(tl.reshape(v, [ROWS, BLOCK >> (i + 1), 2]), axis=2)
-    return tl.sqrt(tl.reshape(v, [ROWS]).to(tl.float64)).to(tl.float32)  # fp64: sqrt.rn.f64
-
-
-@triton.jit
-def _l2_norm64(x, valid, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr, REDO_FLOOR: tl.constexpr):
-    """``qsgd.l2_norm_rows64`` of each row of the tile: (fp32, fp64) norms, a norm below ``REDO_FLOOR`` or not
-    finite redone as ``amax ||x / amax||_2`` (the last product exact in fp64)."""
-    n = _tree_norm(x, ROWS, BLOCK, LOG2)
-    redo = ~(is_finite(n) & (n >= REDO_FLOOR))
-    amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
-    amax = tl.where(amax > 0, amax, 1.0)
-    unit = _tree_norm(tl.math.div_rn(x, tl.broadcast_to(amax[:, None], x.shape)), ROWS, BLOCK, LOG2)
-    n64 = tl.where(redo, unit.to(tl.float64) * amax.to(tl.float64), n.to(tl.float64))
-    return tl.where(redo, unit * amax, n), n64
-
-
-@triton.jit
-def _finite64(v):
-    return (v - v) == 0
-
-
-@triton.jit
-def _pow2(j):
-    """2^j as fp64, exactly, for integer-valued fp64 j in [-1022, 1023]."""
-    return ((j.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
-
-
-@triton.jit
-def _level_cap(p0, m, KIND: tl.constexpr, TOP: tl.constexpr, OUT_MAX: tl.constexpr):
-    """The norm codecs' ``_level_cap``: the largest level whose decode (factor p0, multiplier m) is <= OUT_MAX,
-    exact in fp64 (QSGD: level l decodes to l p0 m; NUQSGD: index i to 2^(i - TOP) p0 m)."""
-    pm = p0.to(tl.float64) * m.to(tl.float64)
-    if KIND == _QSGD:
-        q = tl.floor(OUT_MAX / pm)
-        q = tl.where(q > TOP, TOP * 1.0, tl.where(q < 0, 0.0, q))  # a clamp that keeps NaN
-        q = tl.where((q < TOP) & ((q + 1) * pm <= OUT_MAX), q + 1, q)
-        q = tl.where(q * pm > OUT_MAX, q - 1, q)
-    else:  # floor(log2(y)) from y's exponent bits and 2^j from j's: exact, unlike a library log2 / exp2
-        y = OUT_MAX / pm
-        j = (((y.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023).to(tl.float64)
-        j = tl.where(y == y, j, y)  # NaN stays NaN
-        j = tl.where(j > 0, 0.0, tl.where(j < -TOP, -TOP * 1.0, j))
-        j = tl.where(_pow2(j) * pm > OUT_MAX, j - 1, j)
-        j = tl.where((j < 0) & (_pow2(j + 1) * pm <= OUT_MAX), j + 1, j)
-        q = j + TOP
-        q = tl.where(q < 0, 0.0, q)
-    return q.to(tl.float32)
-
-
-@triton.jit
 def _store_scale(
     scales_ptr, wire_ptr, q, s, w, mask, S: tl.constexpr, nb_row, wire_stride, scale_off, WIRE: tl.constexpr
 ):
@@ -196,6 +141,102 @@ def _round_down(v64):
     f = v64.to(tl.float32)
     down = (f.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
     return tl.where(f.to(tl.float64) > v64, down, f)
+
+
+@triton.jit
+def bucket_math(
+    x,
+    valid,
+    count,
+    ROWS: tl.constexpr,
+    KIND: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LEVELS: tl.constexpr,
+    FMAX: tl.constexpr,
+    LOG2: tl.constexpr,
+    NORM_L2: tl.constexpr,
+    DIVISOR: tl.constexpr,
+    OUT_MAX: tl.constexpr,
+    REDO_FLOOR: tl.constexpr,
+):
+    """The wire scales (w0, w1) and encode parameters (q0, q1, q2) of each bucket (row) of the (ROWS, BLOCK) fp32
+    tile ``x`` (``valid``: its real elements, ``count`` of them per row), as the module docstring states them;
+    the codec uses the first S = ``scales_per_bucket`` scales and P = ``enc_params`` parameters."""
+    finite = tl.sum(tl.where(valid & ~is_finite(x), 1, 0), axis=1) == 0
+    one = tl.full((ROWS,), 1.0, tl.float64)
+    if KIND == _UNIFORM:
+        L = tl.full((ROWS,), LEVELS, tl.float32)
+        lo = tl.min(tl.where(valid, x, float("inf")), axis=1) + 0.0  # + 0.0: one zero, +0.0, whichever came first
+        hi = tl.max(tl.where(valid, x, float("-inf")), axis=1) + 0.0
+        unit = tl.math.div_rn(hi - lo, L)
+        top = lo + L * unit
+        wide = is_finite(lo) & is_finite(hi) & (~is_finite(top) | (unit > 8.507059173023462e37))  # 2^126
+        tiny = (hi > lo) & (unit < FLT_MIN)
+        special = wide | tiny
+        sigma64 = tl.where(wide, WIDE_SIGMA * one, tl.where(tiny, TINY_SIGMA * one, one))
+        lo64 = lo.to(tl.float64)
+        unit_s = (hi.to(tl.float64) - lo64) * sigma64 / (LEVELS * one)  # fp64 division: div.rn
+        unit_s32 = tl.where(wide, _round_down(unit_s / ((1.0 + 2.0**-23) * one)), unit_s.to(tl.float32))
+        w0 = tl.where(special, (lo64 * sigma64).to(tl.float32), lo)
+        w1 = tl.where(special, 0.0 - unit_s32, unit)
+        w0 = tl.where(finite, w0, float("nan"))
+        w1 = tl.where(finite, w1, float("nan"))
+        # _encode_params: (sigma, lo, 1 / unit), NaN buckets NaN
+        u, sigma, _m = unflag(w1)
+        inv = tl.where(u > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), u), 0.0)
+        inv = tl.where(is_finite(u), inv, u)
+        return w0, w1, sigma, w0, inv
+    elif KIND == _FP8:
+        amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
+        s = tl.math.div_rn(amax, tl.full((ROWS,), FMAX, tl.float32))
+        down = (s.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+        s = tl.where(is_finite(FMAX * s) | ~is_finite(s), s, down)
+        a64 = amax.to(tl.float64)
+        tiny = (a64 > 0) & (a64 < FMAX * FLT_MIN * one)
+        w0 = tl.where(tiny, 0.0 - (a64 / (FMAX * one) * (TINY_SIGMA * one)).to(tl.float32), s)
+        w0 = tl.where(finite, w0, float("nan"))
+        # _encode_params: (sigma, 1 / s)
+        sm, sigma, _m = unflag(w0)
+        inv = tl.where(sm > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), sm), tl.where(is_finite(sm), 0.0, sm))
+        return w0, w0, sigma, inv, inv
+    elif KIND == _SIGN:  # SignCodec._scales: the rms n / sqrt(count), from the fp64 norm where it leaves fp32
+        n, n64 = _l2_norm64(x, valid, ROWS, BLOCK, LOG2, REDO_FLOOR)
+        root = tl.sqrt(count.to(tl.float64))  # sqrt.rn.f64; to fp32 it is torch's fp32 sqrt (53 >= 2 * 24 + 2)
+        scale = tl.math.div_rn(n, root.to(tl.float32))
+        extreme = (n64 > 0) & _finite64(n64) & ~((scale >= FLT_MIN) & (scale <= FLT_MAX))
+        rms = n64 / root  # fp64 division: div.rn
+        rms = tl.where(rms > FLT_MAX, FLT_MAX, rms).to(tl.float32)  # clamp(max=FLT_MAX), NaN kept
+        w0 = tl.where(extreme, rms, scale)
+        w0 = tl.where(finite, w0, float("nan"))
+        return w0, w0, w0, w0, w0  # _encode_params: the scale itself
+    else:  # QSGD, QSGDinf, NUQSGD: one norm per bucket (_NormCodec._scales, l2_norm_rows64, _encode_params)
+        if NORM_L2:
+            n, n64 = _l2_norm64(x, valid, ROWS, BLOCK, LOG2, REDO_FLOOR)
+        else:
+            n = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
+            n64 = n.to(tl.float64)
+        live = (n64 > 0) & _finite64(n64)
+        wide = live & ((n64 > 8.507059173023462e37) | ~is_finite(n))  # 2^126
+        tiny = live & (n64 < DIVISOR * FLT_MIN * one)
+        sigma64 = tl.where(wide, WIDE_SIGMA * one, tl.where(tiny, TINY_SIGMA * one, one))
+        w0 = tl.where(wide | tiny, 0.0 - (n64 * sigma64).to(tl.float32), n)
+        w0 = tl.where(finite, w0, float("nan"))
+        nm, sigma, m = unflag(w0)
+        k = tl.full((ROWS,), DIVISOR, tl.float32)
+        rec = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), nm) * k  # torch's k / n: k * (1 / n)
+        p = tl.where(nm > 0, rec, tl.where(is_finite(nm), 0.0, nm))
+        cap = _level_cap(tl.math.div_rn(nm, k), m, KIND, LEVELS, OUT_MAX)
+        return w0, w0, sigma, p, cap
+
+
+@triton.jit
+def store_params(params_ptr, q, live, q0, q1, q2, P: tl.constexpr):
+    """The P encode parameters of buckets ``q`` at ``params_ptr`` ((buckets, P) fp32)."""
+    tl.store(params_ptr + q * P, q0, mask=live)
+    if P >= 2:
+        tl.store(params_ptr + q * P + 1, q1, mask=live)
+    if P >= 3:
+        tl.store(params_ptr + q * P + 2, q2, mask=live)
 
 
 @triton.jit
@@ -222,6 +263,8 @@ def _wire_kernel(
     OUT_MAX: tl.constexpr,
     REDO_FLOOR: tl.constexpr,
     WIRE: tl.constexpr,
+    S: tl.constexpr,
+    P: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if INT64_INDEX:
@@ -234,83 +277,14 @@ def _wire_kernel(
     idx = ((rows // nb_row) * row_len + first)[:, None] + cols[None, :]
     valid = (cols[None, :] < count[:, None]) & (rows[:, None] < nb)
     x = tl.load(x_ptr + idx, mask=valid, other=0.0)
-    finite = tl.sum(tl.where(valid & ~is_finite(x), 1, 0), axis=1) == 0
-    live_row = rows < nb
-    one = tl.full((ROWS,), 1.0, tl.float64)
-    if KIND == _UNIFORM:
-        L = tl.full((ROWS,), LEVELS, tl.float32)
-        lo = tl.min(tl.where(valid, x, float("inf")), axis=1) + 0.0  # + 0.0: one zero, +0.0, whichever came first
-        hi = tl.max(tl.where(valid, x, float("-inf")), axis=1) + 0.0
-        unit = tl.math.div_rn(hi - lo, L)
-        top = lo + L * unit
-        wide = is_finite(lo) & is_finite(hi) & (~is_finite(top) | (unit > 8.507059173023462e37))  # 2^126
-        tiny = (hi > lo) & (unit < FLT_MIN)
-        special = wide | tiny
-        sigma64 = tl.where(wide, WIDE_SIGMA * one, tl.where(tiny, TINY_SIGMA * one, one))
-        lo64 = lo.to(tl.float64)
-        unit_s = (hi.to(tl.float64) - lo64) * sigma64 / (LEVELS * one)  # fp64 division: div.rn
-        unit_s32 = tl.where(wide, _round_down(unit_s / ((1.0 + 2.0**-23) * one)), unit_s.to(tl.float32))
-        w0 = tl.where(special, (lo64 * sigma64).to(tl.float32), lo)
-        w1 = tl.where(special, 0.0 - unit_s32, unit)
-        w0 = tl.where(finite, w0, float("nan"))
-        w1 = tl.where(finite, w1, float("nan"))
-        _store_scale(scales_ptr, wire_ptr, rows, 0, w0, live_row, 2, nb_row, wire_stride, scale_off, WIRE)
-        _store_scale(scales_ptr, wire_ptr, rows, 1, w1, live_row, 2, nb_row, wire_stride, scale_off, WIRE)
-        # _encode_params: (sigma, lo, 1 / unit), NaN buckets NaN
-        u, sigma, _m = unflag(w1)
-        inv = tl.where(u > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), u), 0.0)
-        inv = tl.where(is_finite(u), inv, u)
-        tl.store(params_ptr + rows * 3, sigma, mask=live_row)
-        tl.store(params_ptr + rows * 3 + 1, w0, mask=live_row)
-        tl.store(params_ptr + rows * 3 + 2, inv, mask=live_row)
-    elif KIND == _FP8:
-        amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
-        s = tl.math.div_rn(amax, tl.full((ROWS,), FMAX, tl.float32))
-        down = (s.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
-        s = tl.where(is_finite(FMAX * s) | ~is_finite(s), s, down)
-        a64 = amax.to(tl.float64)
-        tiny = (a64 > 0) & (a64 < FMAX * FLT_MIN * one)
-        w0 = tl.where(tiny, 0.0 - (a64 / (FMAX * one) * (TINY_SIGMA * one)).to(tl.float32), s)
-        w0 = tl.where(finite, w0, float("nan"))
-        _store_scale(scales_ptr, wire_ptr, rows, 0, w0, live_row, 1, nb_row, wire_stride, scale_off, WIRE)
-        # _encode_params: (sigma, 1 / s)
-        sm, sigma, _m = unflag(w0)
-        inv = tl.where(sm > 0, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), sm), tl.where(is_finite(sm), 0.0, sm))
-        tl.store(params_ptr + rows * 2, sigma, mask=live_row)
-        tl.store(params_ptr + rows * 2 + 1, inv, mask=live_row)
-
-    elif KIND == _SIGN:  # SignCodec._scales: the rms n / sqrt(count), from the fp64 norm where it leaves fp32
-        n, n64 = _l2_norm64(x, valid, ROWS, BLOCK, LOG2, REDO_FLOOR)
-        root = tl.sqrt(count.to(tl.float64))  # sqrt.rn.f64; to fp32 it is torch's fp32 sqrt (53 >= 2 * 24 + 2)
-        scale = tl.math.div_rn(n, root.to(tl.float32))
-        extreme = (n64 > 0) & _finite64(n64) & ~((scale >= FLT_MIN) & (scale <= FLT_MAX))
-        rms = n64 / root  # fp64 division: div.rn
-        rms = tl.where(rms > FLT_MAX, FLT_MAX, rms).to(tl.float32)  # clamp(max=FLT_MAX), NaN kept
-        w0 = tl.where(extreme, rms, scale)
-        w0 = tl.where(finite, w0, float("nan"))
-        _store_scale(scales_ptr, wire_ptr, rows, 0, w0, live_row, 1, nb_row, wire_stride, scale_off, WIRE)
-        tl.store(params_ptr + rows, w0, mask=live_row)  # _encode_params: the scale itself
-    else:  # QSGD, QSGDinf, NUQSGD: one norm per bucket (_NormCodec._scales, l2_norm_rows64, _encode_params)
-        if NORM_L2:
-            n, n64 = _l2_norm64(x, valid, ROWS, BLOCK, LOG2, REDO_FLOOR)
-        else:
-            n = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=1)
-            n64 = n.to(tl.float64)
-        live = (n64 > 0) & _finite64(n64)
-        wide = live & ((n64 > 8.507059173023462e37) | ~is_finite(n))  # 2^126
-        tiny = live & (n64 < DIVISOR * FLT_MIN * one)
-        sigma64 = tl.where(wide, WIDE_SIGMA * one, tl.where(tiny, TINY_SIGMA * one, one))
-        w0 = tl.where(wide | tiny, 0.0 - (n64 * sigma64).to(tl.float32), n)
-        w0 = tl.where(finite, w0, float("nan"))
-        _store_scale(scales_ptr, wire_ptr, rows, 0, w0, live_row, 1, nb_row, wire_stride, scale_off, WIRE)
-        nm, sigma, m = unflag(w0)
-        k = tl.full((ROWS,), DIVISOR, tl.float32)
-        rec = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), nm) * k  # torch's k / n: k * (1 / n)
-        p = tl.where(nm > 0, rec, tl.where(is_finite(nm), 0.0, nm))
-        cap = _level_cap(tl.math.div_rn(nm, k), m, KIND, LEVELS, OUT_MAX)
-        tl.store(params_ptr + rows * 3, sigma, mask=live_row)
-        tl.store(params_ptr + rows * 3 + 1, p, mask=live_row)
-        tl.store(params_ptr + rows * 3 + 2, cap, mask=live_row)
+    live = rows < nb
+    w0, w1, q0, q1, q2 = bucket_math(
+        x, valid, count, ROWS, KIND, BLOCK, LEVELS, FMAX, LOG2, NORM_L2, DIVISOR, OUT_MAX, REDO_FLOOR
+    )
+    _store_scale(scales_ptr, wire_ptr, rows, 0, w0, live, S, nb_row, wire_stride, scale_off, WIRE)
+    if S >= 2:
+        _store_scale(scales_ptr, wire_ptr, rows, 1, w1, live, S, nb_row, wire_stride, scale_off, WIRE)
+    store_params(params_ptr, rows, live, q0, q1, q2, P)
 
 
 def fused_scales(codec, numel: int) -> bool:
@@ -373,6 +347,8 @@ def wire_encode_params(
         OUT_MAX=float(out_max),
         REDO_FLOOR=redo_floor(blen),
         WIRE=wire is not None,
+        S=codec.scales_per_bucket,
+        P=spec.enc_params,
         num_warps=4,
         enable_fp_fusion=False,  # round after each operation, as the reference
     )
