@@ -132,8 +132,8 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
     Triton launches are appended to (kernel names: "encode", "decode", "wire", "sum", "feedback")."""
     from unittest import mock
 
-    from lightning_qcomm.codecs import ops, rows, rows_encode, rows_feedback, rows_reduce, scaling
-    from lightning_qcomm.kernels.cuda import codec_kernels, reduce_kernels, wire_params
+    from lightning_qcomm.codecs import ops, rows, rows_encode, rows_feedback, rows_reduce, rows_segments, scaling
+    from lightning_qcomm.kernels.cuda import codec_kernels, reduce_kernels, segment_kernels, wire_params
 
     if not codec_kernels._is_interpreted():
         raise RuntimeError("set TRITON_INTERPRET=1 before lightning_qcomm.kernels is imported")
@@ -150,6 +150,12 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
     lib.impl("decode_rows_sum", _opened(rows_reduce.decode_rows_sum_cuda, as_python=True), "CPU", allow_override=True)
     lib.impl("feedback_update", _opened(rows_reduce.feedback_update_cuda, as_python=True), "CPU", allow_override=True)
     lib.impl("feedback_rows", _opened(rows_feedback.feedback_rows_cuda, as_python=True), "CPU", allow_override=True)
+    for op, cuda in (
+        ("encode_segments", rows_segments.encode_segments_cuda),
+        ("decode_segments_into", rows_segments.decode_segments_cuda),
+        ("decode_segments_sum", rows_segments.sum_segments_cuda),
+    ):
+        lib.impl(op, _opened(cuda, as_python=True), "CPU", allow_override=True)
     patches = [
         mock.patch.object(codec_kernels, "_encode_kernel", _Counted(codec_kernels._encode_kernel, "encode", log)),
         mock.patch.object(codec_kernels, "_decode_kernel", _Counted(codec_kernels._decode_kernel, "decode", log)),
@@ -163,6 +169,9 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
         mock.patch.object(
             reduce_kernels, "_feedback_rows_kernel", _Counted(reduce_kernels._feedback_rows_kernel, "feedback", log)
         ),
+        mock.patch.object(segment_kernels, "_wire_kernel", _Counted(segment_kernels._wire_kernel, "wire", log)),
+        mock.patch.object(segment_kernels, "_encode_kernel", _Counted(segment_kernels._encode_kernel, "encode", log)),
+        mock.patch.object(segment_kernels, "_decode_kernel", _Counted(segment_kernels._decode_kernel, "decode", log)),
         mock.patch.object(scaling, "_HOST_BRANCHES", False),
     ]
     try:

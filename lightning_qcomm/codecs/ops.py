@@ -18,6 +18,9 @@ by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
   compressed all-reduce's server step (N rows decoded and summed, torch's order or rank order) and error-feedback
   tail (given the decoded values, or the payloads, decoded in the kernel); CPU the eager ops, CUDA one Triton
   launch each.
+- ``encode_segments``, ``decode_segments_into``, ``decode_segments_sum`` (``codecs.rows_segments``): rows of
+  quantized and raw segments (QSDP's wire rows); CPU a codec door per segment, CUDA the Triton segment kernels
+  (two launches to encode, one to decode or sum).
 - ``encode_rows``, ``decode_rows``, ``decode_rows_into`` (``codecs.rows``): R rows of n elements, row j coded as
   a tensor of its own with seed j; CPU the C pass per row (rows of the fused path's size) or the codec's hooks
   over all rows' buckets at once (encode) / one flat decode; CUDA the Triton rows kernels (``rows_kernel``: two
@@ -59,6 +62,7 @@ from lightning_qcomm.codecs import (  # noqa: F401
     rows_encode,
     rows_feedback,
     rows_reduce,
+    rows_segments,
     scaling,
     sign_ops,
     triton_probe,
@@ -77,6 +81,13 @@ _lib.define(f"decode_into(Tensor codes, Tensor scales, {_CODEC}, ScalarType dtyp
 _lib.define(f"encode_rows(Tensor rows, int[] seeds, {_CODEC}) -> Tensor")
 _lib.define(f"decode_rows(Tensor wire, int n, {_CODEC}) -> Tensor")
 _lib.define(f"decode_rows_into(Tensor wire, int n, {_CODEC}, Tensor(a!) out) -> ()")
+# Segmented rows (``codecs.rows_segments``): rows of quantized and raw segments, QSDP's wire rows.
+_SEGS = "int[] numels, bool[] quantized"
+_lib.define(f"encode_segments(Tensor rows, {_SEGS}, int[] seeds, {_CODEC}, Tensor(a!) out) -> ()")
+_lib.define(
+    f"decode_segments_into(Tensor wire, {_SEGS}, {_CODEC}, ScalarType wire_dtype, int skip_row, Tensor(a!) out) -> ()"
+)
+_lib.define(f"decode_segments_sum(Tensor wire, Tensor rows, int own, {_SEGS}, {_CODEC}, Tensor(a!) out) -> ()")
 # The all-reduce's server step and error-feedback tail (``codecs.rows_reduce``): one launch each on CUDA.
 _lib.define(f"decode_rows_sum(Tensor wire, int n, {_CODEC}, bool avg, bool rank_order=False) -> Tensor")
 _lib.define(
@@ -166,13 +177,18 @@ def rows_kernel(c, rows: torch.Tensor, encode: bool = True) -> bool:
     rows) of codec ``c``: a CUDA tensor (or any, with the kernels interpreted), a registered codec with kernels and
     Triton working for it there (``_triton_for``); to encode also a codec whose buckets the scales kernel reduces
     (``kernels.fused_scales``: buckets up to ``MAX_BUCKET``)."""
+    return kernels_for(c, rows.device, rows.shape[1], encode)
+
+
+def kernels_for(c, device: torch.device, n: int, encode: bool = True) -> bool:
+    """``rows_kernel`` for rows of n elements on ``device``."""
     from lightning_qcomm import kernels
 
     if not kernels.HAS_TRITON or not registry.is_registered(c) or not registry.has_kernels(c):
         return False
-    if not (rows.is_cuda or kernels.codec_kernels._is_interpreted()):
+    if not (device.type == "cuda" or kernels.codec_kernels._is_interpreted()):
         return False
-    return (not encode or kernels.fused_scales(c, rows.shape[1])) and _triton_for(c, rows.device)
+    return (not encode or kernels.fused_scales(c, n)) and _triton_for(c, device)
 
 
 def decode_rows_kernel(c, wire: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -260,6 +276,27 @@ for _op, _cpu, _cuda, _default, _fake in (
         rows_feedback.feedback_rows_cuda,
         rows_feedback.feedback_rows_reference,
         rows_feedback.feedback_rows_fake,
+    ),
+    (
+        "encode_segments",
+        rows_segments.encode_segments_reference,
+        rows_segments.encode_segments_cuda,
+        rows_segments.encode_segments_reference,
+        rows_segments._fake,
+    ),
+    (
+        "decode_segments_into",
+        rows_segments.decode_segments_reference,
+        rows_segments.decode_segments_cuda,
+        rows_segments.decode_segments_reference,
+        rows_segments._fake,
+    ),
+    (
+        "decode_segments_sum",
+        rows_segments.sum_segments_reference,
+        rows_segments.sum_segments_cuda,
+        rows_segments.sum_segments_reference,
+        rows_segments._fake,
     ),
     (
         "decode_rows_into",

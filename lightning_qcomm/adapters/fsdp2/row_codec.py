@@ -43,6 +43,13 @@ from lightning_qcomm.codecs.rows import (
     encode_rows,
     rows_one_by_one,
 )
+from lightning_qcomm.codecs.rows_segments import (
+    as_dtype,
+    decode_segments_into,
+    decode_segments_sum,
+    encode_segments,
+    segments_kernel,
+)
 from lightning_qcomm.comm.transport import PieceLayout
 
 DECODE_BLOCK_NUMEL = 1 << 24  # elements decoded per codec call at most (bounds the fp32 temporary)
@@ -50,20 +57,12 @@ DECODE_BLOCK_NUMEL = 1 << 24  # elements decoded per codec call at most (bounds 
 # CUDA takes, ops constant in R); past it the C pass codes them one row at a time, as the batched pass's
 # temporaries (tens of bytes an element) would grow with R.
 BATCH_MAX_NUMEL = 1 << 15
+FUSED_OUT = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes the segment decode writes
 
 
 def is_quantized_param(p: ParamShard, min_quant_numel: int) -> bool:
     """Large matrices are quantized; vectors (norms, biases) and small tensors travel raw."""
     return p.ndim >= 2 and p.numel >= min_quant_numel
-
-
-def _as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of raw bytes read as ``dtype``: a view where every row starts on a multiple of its element size, else
-    a contiguous copy first (the byte offset may not be aligned for ``dtype``)."""
-    es = torch.empty((), dtype=dtype).element_size()
-    if raw.storage_offset() % es == 0 and all(st % es == 0 for st in raw.stride()[:-1]):
-        return raw.view(dtype)
-    return raw.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,29 @@ class RowCodec:
                 runs.append((k, Segment(s.numel, not raw)))
         return runs
 
+    def fused(self, t: torch.Tensor, r_count: int, dtype: torch.dtype, layout: PieceLayout | None = None) -> bool:
+        """Whether R rows on ``t``'s device go through the segment ops (``codecs.rows_segments``: every segment of
+        every row in two launches to encode, one to decode or sum, on CUDA): a codec whose segment kernels take
+        this layout, rows stored plainly (no transport pieces), and no fused C pass (CPU keeps its row loop)."""
+        if self.codec is None or (layout is not None and layout.pieced) or c_pass_available(self.codec, t.device):
+            return False
+        numels, quantized = self._plan()
+        return segments_kernel(self.codec, t, numels, quantized, r_count, dtype)
+
+    def _plan(self) -> tuple[list[int], list[bool]]:
+        return [s.numel for _, s in self.runs], [s.quantize for _, s in self.runs]
+
+    def _seeds(self, seed: int) -> list[int]:
+        return [derive_seed(seed, k) for k, s in self.runs if s.quantize]
+
+    def sum_into(self, recv: torch.Tensor, rows: torch.Tensor, own: int, out: torch.Tensor) -> bool:
+        """``out`` (S,) <- the rank-order sum of the received (R, P) rows decoded, row ``own`` exact from ``rows``
+        (``decode_segments_sum``, one launch); False (nothing written) where ``fused`` does not hold."""
+        if not self.fused(recv, recv.shape[0], rows.dtype):
+            return False
+        decode_segments_sum(self.codec, recv, rows, own, *self._plan(), out)
+        return True
+
     def row_nbytes(self, dtype: torch.dtype) -> int:
         es = torch.empty((), dtype=dtype).element_size()
         return sum(self._seg_nbytes(s, es) for s in self.segments)
@@ -123,6 +145,9 @@ class RowCodec:
             return self.encode(rows, seed, layout.empty(rows.device), layout).view(r_count, nbytes)
         if layout is None or (layout.world, layout.row_bytes) != (r_count, nbytes) or out.numel() != r_count * nbytes:
             raise ValueError(f"out needs a PieceLayout of {r_count} rows of {nbytes} bytes and that many bytes")
+        if self.fused(rows, r_count, rows.dtype, layout) and rows.stride(-1) == 1:
+            encode_segments(self.codec, rows, *self._plan(), self._seeds(seed), out.view(r_count, nbytes))
+            return out
         es = rows.element_size()
         off = boff = 0
         for k, s in self.runs:
@@ -190,6 +215,8 @@ class RowCodec:
         """
         r_count = buf.shape[0]
         wire_dtype = out.dtype if wire_dtype is None else wire_dtype
+        if self.fused(buf, r_count, wire_dtype) and out.stride(-1) == 1 and out.dtype in FUSED_OUT:
+            return decode_segments_into(self.codec, buf, *self._plan(), wire_dtype, out, skip_row)
         es = torch.empty((), dtype=wire_dtype).element_size()
         boff = 0
         off = 0
@@ -207,7 +234,7 @@ class RowCodec:
                 for r0 in range(a0, a1, step):
                     r1 = min(r0 + step, a1)
                     if raw:
-                        dst[r0:r1].copy_(_as_dtype(src[r0:r1], wire_dtype))
+                        dst[r0:r1].copy_(as_dtype(src[r0:r1], wire_dtype))
                     else:
                         decode_rows_into(self.codec, src[r0:r1], s.numel, dst[r0:r1])
         return out
