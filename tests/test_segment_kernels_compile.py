@@ -29,8 +29,7 @@ def test_segment_scales_kernel_compiles_for_sm90(cid, xk):
     ks = codec.kernel_spec()
     ptx = _compile(
         segment_kernels._wire_kernel,
-        {"x_ptr": "*i32" if xk == 0 else "*i16", "keys_ptr": "*i32", "params_ptr": "*fp32", "wire_ptr": "*u8"}
-        | COMMON,
+        {"x_ptr": "*i32" if xk == 0 else "*i16", "keys_ptr": "*i32", "params_ptr": "*fp32", "wire_ptr": "*u8"} | COMMON,
         {"KP2": 16, "XK": xk, "KIND": int(ks.kind), "BUCKET": 512, "BLOCK": 512, "ROWS": 8, "LEVELS": ks.levels}
         | {"FMAX": float(ks.fmax), "LOG2": 9, "NORM_L2": getattr(codec, "scale_statistic", None) is None}
         | {"DIVISOR": float(getattr(codec, "_divisor", 1)), "OUT_MAX": 65504.0, "REDO_FLOOR": redo_floor(512)}
@@ -47,8 +46,7 @@ def test_segment_encode_kernel_compiles_for_sm90(cid, xk):
     ks = codec.kernel_spec()
     ptx = _compile(
         segment_kernels._encode_kernel,
-        {"x_ptr": "*i32" if xk == 0 else "*i16", "keys_ptr": "*i32", "params_ptr": "*fp32", "wire_ptr": "*u8"}
-        | COMMON,
+        {"x_ptr": "*i32" if xk == 0 else "*i16", "keys_ptr": "*i32", "params_ptr": "*fp32", "wire_ptr": "*u8"} | COMMON,
         {**codec_kernels._spec(codec), "KP2": 16, "XK": xk, "XES": 4 if xk == 0 else 2, "P": ks.enc_params}
         | {"STOCHASTIC": ks.stochastic, "FMAX": float(ks.fmax), "GROUPS": codec_kernels.GROUPS_PER_PROGRAM},
     )
