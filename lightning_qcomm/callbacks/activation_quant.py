@@ -87,6 +87,9 @@ class ActivationQuantization(pl.Callback):
             4-bit step) before the budget plan is fixed.
         stochastic: stochastic rounding (unbiased); False rounds to nearest.
         seed: user seed folded into every site's random bits.
+        batch_saves: on a GPU, a layer's saves are encoded together when its forward ends and decoded together
+            in backward (a few launches per layer instead of three per save; the layer's saves are held in full
+            precision until its forward ends). False: each save is encoded at once. No effect on CPU.
         log_every_n_steps: metric period in optimizer steps; ``None`` follows the Trainer's.
         record_saves: keep, for the last forward, a record of every saved tensor and the decision
             (``self.quantizer.records``), for inspection.
@@ -111,6 +114,7 @@ class ActivationQuantization(pl.Callback):
         calibration_steps: int = 1,
         stochastic: bool = True,
         seed: int = 0,
+        batch_saves: bool = True,
         log_every_n_steps: int | None = None,
         record_saves: bool = False,
         grad_storage: Literal["fp32", "fp8_e4m3", "fp8_e5m2"] = "fp32",

@@ -11,7 +11,7 @@ The wire row is ``[seg_0 | seg_1 | ...]``: a quantized segment of n elements is 
 (``codec.nbytes(n)`` bytes), a raw one its n elements' bytes in the rows' dtype. Quantized segment k has the seed
 ``seeds[k']`` (k': its rank among the quantized segments). Its R rows are coded as one flat tensor of R n elements,
 the random counter running on across rows (``rows.encode_flat``), when R = 1 or n is a whole number of buckets
-and of 8 (``flat_coded``); else row r as a tensor of its own with ``derive_seed(seeds[k'], r)``. So
+and of 8 (``flat_coded``); else row r as a tensor of its own with ``derive_seed(seeds[k'], r)``. So::
 
     encode_segments(rows)[r, segment k] == encode_flat(codec, rows[:, k], seed_k)[r]   (or encode_rows', bit for bit)
     decode_segments_into(wire) == each segment decoded (``rows.decode_rows_into``), raw bytes widened exactly

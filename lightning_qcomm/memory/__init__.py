@@ -11,11 +11,12 @@ is the codecs' (uniform; fp8 for gradients).
 from lightning_qcomm.memory.bit_allocation import POLICIES, budget_plan, layer_aware_plan, uniform_plan
 from lightning_qcomm.memory.config import ActivationQuantConfig, parse_patterns
 from lightning_qcomm.memory.grad_storage import FP8GradientStore
-from lightning_qcomm.memory.quantizer import ActivationQuantizer, SaveRecord
+from lightning_qcomm.memory.quantizer import ActivationQuantizer
 from lightning_qcomm.memory.recompute import recompute_from_stored
 from lightning_qcomm.memory.saved_tensors import (
     QuantizedActivation,
     SavedBytes,
+    SaveRecord,
     count_saved_tensors,
     is_parameter_like,
     quantize_activation,

@@ -47,7 +47,10 @@ class ActivationQuantConfig:
     the sites, is all 8-bit); budget_bits: budget's mean code width per quantized element
     (bits..8; None: bits + 1, at most 8); calibration_steps: optimizer steps measured (at 8 bits, about
     twice the saved bytes of a 4-bit step) before the budget plan is fixed;
-    stochastic: stochastic rounding (False: round to nearest, biased); seed: folded into every site's seed.
+    stochastic: stochastic rounding (False: round to nearest, biased); seed: folded into every site's seed;
+    batch_saves: on a GPU, encode a layer's saves together when its forward ends and decode them together in
+    backward (``save_batch``: a few launches per layer, not three per save; a layer's saves are held in full
+    precision until then); False: each save encoded at once. No effect on CPU.
 
     Example::
 
@@ -66,6 +69,7 @@ class ActivationQuantConfig:
     calibration_steps: int = 1
     stochastic: bool = True
     seed: int = 0
+    batch_saves: bool = True
 
     def __post_init__(self) -> None:
         own = type(self).__name__
@@ -75,6 +79,7 @@ class ActivationQuantConfig:
         check_int(own, "min_numel", self.min_numel, minimum=1)
         check_bool(own, "recompute", self.recompute)
         check_bool(own, "stochastic", self.stochastic)
+        check_bool(own, "batch_saves", self.batch_saves)
         if not isinstance(self.attention_patterns, tuple) or not all(
             isinstance(p, str) for p in self.attention_patterns
         ):

@@ -52,7 +52,6 @@ import fnmatch
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -64,8 +63,10 @@ from lightning_qcomm.memory.config import ActivationQuantConfig
 from lightning_qcomm.memory.intercept import _bind, _norm_r2, _QuantMode
 from lightning_qcomm.memory.op_rules import RECOMPUTABLE, OpRule
 from lightning_qcomm.memory.recompute import bypass_active, recompute_from_stored
+from lightning_qcomm.memory.save_batch import PendingSaves, batchable
 from lightning_qcomm.memory.saved_tensors import (
     SavedBytes,
+    SaveRecord,
     SharedSaves,
     derives_from,
     is_parameter_like,
@@ -89,21 +90,6 @@ log = logging.getLogger(__name__)
 MAX_RECORDS = 100_000
 # private torch API: (pack, unpack) of the innermost active saved-tensor hooks (None if this torch lacks it)
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-@dataclass(frozen=True)
-class SaveRecord:
-    """One tensor autograd saved while the quantizer was active, and what was done with it."""
-
-    site: int | None  # quantized site index, None when kept
-    module: str  # innermost running module (qualified name, or class name for the root)
-    op: str  # intercepted op name, or "other"
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    action: str  # "quantized" | "kept"
-    reason: str  # why kept ("parameter", "attention", "small", ...), or the op kind when quantized
-    bits: int | None = None
-    parameter: bool = False
 
 
 class ActivationQuantizer:
@@ -137,6 +123,8 @@ class ActivationQuantizer:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._site = 0
         self._shared = SharedSaves()
+        self._pending = PendingSaves()
+        self._layers: set[int] = set()
         self._seed_prefix: tuple[int, ...] = (0, 0, 0)
         self._warned_sites = False
         self._warned_no_api = False
@@ -205,6 +193,7 @@ class ActivationQuantizer:
     def attach(self, root: nn.Module) -> None:
         """Track which module runs (for site names and the attention scope) with forward hooks on ``root``'s tree."""
         self.detach()
+        self._layers = {id(m) for c in root.modules() if isinstance(c, nn.ModuleList) for m in c}
         for name, module in root.named_modules():
             attn = self.is_attention_module(name, module)
             label = name or type(module).__name__
@@ -215,6 +204,7 @@ class ActivationQuantizer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._layers = set()
         self._stack = []
         self._attention_depth = 0
 
@@ -226,6 +216,8 @@ class ActivationQuantizer:
         if self._stack:
             self._stack.pop()
             self._attention_depth -= attn
+        if id(module) in self._layers and len(self._pending):
+            self._pending.flush()  # a layer's forward ended: its saves are encoded together
 
     def _module_name(self) -> str:
         return self._stack[-1][0] if self._stack else ""
@@ -262,6 +254,7 @@ class ActivationQuantizer:
         """Stop intercepting (saved tensors already quantized are restored in backward whenever it runs)."""
         if not self.active:
             return
+        self._pending.flush()
         self._mode.__exit__(None, None, None)
         self._hooks.__exit__(None, None, None)
         self._mode = self._hooks = None
@@ -311,7 +304,17 @@ class ActivationQuantizer:
 
     def _quantize(self, t: torch.Tensor, op: str, kind: str):
         site, bits, seed = self._next_site()
-        stored = quantize_activation(t, self.codec(bits), seed)
+        codec = self.codec(bits)
+        # batches need layers to end them (ModuleLists' children); the budget's calibration reads scales at once
+        batch = (
+            self.config.batch_saves
+            and bool(self._layers)
+            and not (self.config.policy == "budget" and self.plan is None)
+        )
+        if batch and batchable(t, codec):
+            stored = self._pending.add(t, codec, seed)
+        else:
+            stored = quantize_activation(t, codec, seed)
         self.stats.add_quantized(tensor_nbytes(t), stored.nbytes, t.numel(), bits)
         self._record(t, op, "quantized", kind, site=site, bits=bits)
         return site, bits, stored

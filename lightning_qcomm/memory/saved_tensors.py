@@ -15,6 +15,7 @@ What this file owns:
 * ``derives_from``: whether a save of an intercepted op is that op's input (the only save it quantizes).
 * ``quantizable_reason``: the other rules (floating dtype, ``numel >= min_numel``, an intermediate of the
   autograd graph, a dense layout), returning why a tensor is kept, or None when it may be quantized.
+* ``SaveRecord``: one save seen by the quantizer and the decision taken (``ActivationQuantizer.records``).
 * ``SavedBytes`` and ``count_saved_tensors``: byte accounting of what autograd saves (each save counted
   once at its own dtype; parameters excluded: they are not activations and are held by the module anyway).
 """
@@ -31,6 +32,7 @@ from torch import nn
 
 from lightning_qcomm.codecs import Codec, Packed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
+from lightning_qcomm.memory.save_batch import BatchedActivation
 
 # autograd nodes that only re-view or re-type their single input (a parameter seen through them is still it)
 _VIEW_OR_CAST_NODES = (
@@ -51,6 +53,21 @@ _VIEW_OR_CAST_NODES = (
     "CloneBackward",
 )
 _MAX_NODE_WALK = 6
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """One tensor autograd saved while the quantizer was active, and what was done with it."""
+
+    site: int | None  # quantized site index, None when kept
+    module: str  # innermost running module (qualified name, or class name for the root)
+    op: str  # intercepted op name, or "other"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    action: str  # "quantized" | "kept"
+    reason: str  # why kept ("parameter", "attention", "small", ...), or the op kind when quantized
+    bits: int | None = None
+    parameter: bool = False
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -178,9 +195,9 @@ def quantize_activation(t: torch.Tensor, codec: Codec, seed: int) -> QuantizedAc
     return QuantizedActivation(packed=codec.encode(t.detach(), seed=seed), codec=codec, stride=tuple(t.stride()))
 
 
-def restore(saved: QuantizedActivation | torch.Tensor) -> torch.Tensor:
+def restore(saved: QuantizedActivation | BatchedActivation | torch.Tensor) -> torch.Tensor:
     """The tensor a saved-tensor hook hands back to autograd (full-precision tensors pass through)."""
-    return saved.restore() if isinstance(saved, QuantizedActivation) else saved
+    return saved.restore() if isinstance(saved, (QuantizedActivation, BatchedActivation)) else saved
 
 
 class SharedSaves:
