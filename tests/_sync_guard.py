@@ -12,7 +12,8 @@ One upload is deliberate and queued, not waited for: the per-row random keys of 
 names it; nothing else is exempt.
 
 The rows ops (``OPENED_OPS``: ``qcomm::encode_rows`` and friends, what the collectives code their rows with, and
-the server's sum and error-feedback ops ``decode_rows_sum``, ``feedback_update`` and ``feedback_rows``) are opened: their CPU kernel
+the server's sum and error-feedback ops ``decode_rows_sum``, ``feedback_update`` and ``feedback_rows``, QSDP's
+segment ops ``encode_segments``, ``decode_segments_into`` and ``decode_segments_sum``) are opened: their CPU kernel
 runs under the guard, so the ops inside them are checked too (a mode does not see into an op's kernel otherwise).
 """
 
@@ -41,6 +42,7 @@ PINNED_UPLOADS = {("rows_encode.py", "_row_keys")}  # (file, function): uploads 
 # qcomm ops whose kernel is checked (and, in benchmarks/onebit_step_ops.py, whose launches are counted, not the op)
 OPENED_OPS = frozenset(
     {"encode_rows", "decode_rows", "decode_rows_into", "decode_rows_sum", "feedback_update", "feedback_rows"}
+    | {"encode_segments", "decode_segments_into", "decode_segments_sum"}
 )
 
 

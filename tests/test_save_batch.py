@@ -75,6 +75,35 @@ def _gpt2_step(batch: bool, log: list[str]) -> dict:
     }
 
 
+def _guarded_step():
+    """Forward and backward of two blocks with their saves batched, under the host-sync guard (after a first step,
+    which uploads the layout's table): True, or the guard's refusal."""
+    import torch.nn.functional as F
+    from _sync_guard import NoHostSync
+
+    blocks = torch.nn.ModuleList(
+        [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)) for _ in range(2)]
+    )
+    q = ActivationQuantizer(ActivationQuantConfig(bits=4, min_numel=16))
+    q.attach(blocks)
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def step():
+        with q.forward_context(step=1):
+            h = x * 1.0
+            for block in blocks:
+                h = h + block[1](F.gelu(block[0](F.layer_norm(h, (64,)))))
+        h.sum().backward()
+
+    step()
+    try:
+        with NoHostSync():
+            step()
+    except AssertionError as e:
+        return repr(e)[:300]
+    return True
+
+
 def _worker() -> dict:
     import step_launches as sl
     from launch_counts import cuda_path_on_cpu, mirrored_collectives
@@ -118,6 +147,8 @@ def _worker() -> dict:
         out["strides_back"] = back.stride() == (1, 64) and float((back - z.detach()).abs().max()) < unit
         del h, later
 
+        out["sync_free"] = _guarded_step()
+
     with cuda_path_on_cpu() as log, mirrored_collectives():
         base = sl.count_step("ddp", 0.0625, 2, log)
         actq = sl.count_step("actq-4", 0.0625, 2, log)
@@ -143,6 +174,10 @@ def test_batched_saves_give_the_step_of_saves_alone(report, case):
 @pytest.mark.parametrize("case", ["batched_encodes", "batched_decodes", "nothing_pending_at_block_end"])
 def test_one_encode_and_one_decode_per_layer(report, case):
     assert report[case]
+
+
+def test_batched_saves_wait_for_nothing(report):
+    assert report["sync_free"] is True, report["sync_free"]
 
 
 @pytest.mark.parametrize("case", ["view_reused", "decoded_again", "strides_back"])
