@@ -61,8 +61,8 @@ def test_segment_decode_kernel_compiles_for_sm90(cid, ok, total):
     ptx = _compile(
         segment_kernels._decode_kernel,
         {"wire_ptr": "*u8", "table_ptr": "*i32", "x_ptr": "*i16", "out_ptr": "*i32" if ok == 0 else "*i16"}
-        | {"K": "i32", "R": "i32", "own": "i32", "wire_stride": "i64", "x_stride": "i64", "out_stride": "i64"},
-        {**codec_kernels._spec(codec), "KP2": 16, "WK": 1, "WES": 2, "OK": ok, "SUM": total}
+        | {"K": "i32", "own": "i32", "wire_stride": "i64", "x_stride": "i64", "out_stride": "i64"},
+        {**codec_kernels._spec(codec), "R": 4 if total else 1, "KP2": 16, "WK": 1, "WES": 2, "OK": ok, "SUM": total}
         | {"P": codec.scales_per_bucket, "FP8_E4M3FN": codec.kernel_spec().fp8_e4m3fn}
         | {"GROUPS": codec_kernels.GROUPS_PER_PROGRAM},
     )

@@ -218,11 +218,11 @@ def _decode_kernel(
     x_ptr,
     out_ptr,
     K,
-    R,
     own,
     wire_stride,
     x_stride,
     out_stride,
+    R: tl.constexpr,
     KP2: tl.constexpr,
     WK: tl.constexpr,
     WES: tl.constexpr,
@@ -254,7 +254,7 @@ def _decode_kernel(
     if SUM:
         mine = _to_f32(tl.load(x_ptr + own * x_stride + off + idx, mask=inb, other=0), WK)
         acc = mine
-        for j in range(R):  # rank order: row 0 itself, then + row 1, + row 2, ...
+        for j in range(R):  # rank order: row 0 itself, then + row 1, + row 2, ... (not unrolled)
             v = _values(
                 wire_ptr + j * wire_stride + code, g, lane, idx, inb, n, scale_off, quant, WK, WES, KIND, BITS,
                 BITS_P2, P, BUCKET, LEVELS, SIGN_BIT, EMIN, MBITS, FP8_BIAS, FP8_E4M3FN,
@@ -351,7 +351,8 @@ def decode_segments(
     xv = _bits(x)[1] if x is not None else o
     grid = (tiles,) if x is not None else (tiles, r)
     _decode_kernel[grid](
-        wire, table, xv, o, k, r, own, wire.stride(0), xs, o.stride(0) if o.dim() == 2 else 0,
+        wire, table, xv, o, k, own, wire.stride(0), xs, o.stride(0) if o.dim() == 2 else 0,
+        R=r if x is not None else 1,  # a constexpr: Triton 3.6's interpreter loops over no runtime bound
         KP2=triton.next_power_of_2(k), WK=wk, WES=torch.empty((), dtype=wire_dtype).element_size(), OK=ok,
         SUM=x is not None, **_spec(codec), P=codec.scales_per_bucket, FP8_E4M3FN=codec.kernel_spec().fp8_e4m3fn,
         GROUPS=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS, enable_fp_fusion=False,
