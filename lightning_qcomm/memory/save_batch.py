@@ -41,6 +41,13 @@ from lightning_qcomm.codecs.rows_segments import (
 MAX_PENDING = 32  # saves held at most before a flush, whatever the layers (a bound on the held memory)
 
 
+def in_strides(dense: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``dense`` itself where it has the saved tensor's ``stride``, else a copy of it laid out in that stride."""
+    if dense.stride() == stride:
+        return dense
+    return torch.empty_strided(dense.shape, stride, dtype=dense.dtype, device=dense.device).copy_(dense)
+
+
 def batchable(t: torch.Tensor, codec: Codec) -> bool:
     """Whether ``t``'s save may wait for a batch: the segment kernels take its codec, dtype and device."""
     return segments_kernel(codec, t, [t.numel()], [True], 1, t.dtype)
@@ -89,11 +96,9 @@ class BatchedActivation:
         """The decoded save in its shape, dtype and strides (a view of the batch's buffer where they allow)."""
         if self.batch is None:
             self.owner.flush()
-        dense = self.batch.values(self.index)[0, self.offset : self.offset + self.numel].view(self.shape)
-        if dense.stride() == self.stride:
-            return dense
-        out = torch.empty_strided(self.shape, self.stride, dtype=dense.dtype, device=dense.device)
-        return out.copy_(dense)
+        return in_strides(
+            self.batch.values(self.index)[0, self.offset : self.offset + self.numel].view(self.shape), self.stride
+        )
 
 
 class PendingSaves:
@@ -135,4 +140,4 @@ def _encode(items: list[BatchedActivation]) -> None:
         offset += it.numel
 
 
-__all__ = ["MAX_PENDING", "BatchedActivation", "PendingSaves", "batchable"]
+__all__ = ["MAX_PENDING", "BatchedActivation", "PendingSaves", "batchable", "in_strides"]

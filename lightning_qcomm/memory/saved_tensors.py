@@ -32,7 +32,7 @@ from torch import nn
 
 from lightning_qcomm.codecs import Codec, Packed
 from lightning_qcomm.codecs.base import FLOAT_DTYPES
-from lightning_qcomm.memory.save_batch import BatchedActivation
+from lightning_qcomm.memory.save_batch import BatchedActivation, in_strides
 
 # autograd nodes that only re-view or re-type their single input (a parameter seen through them is still it)
 _VIEW_OR_CAST_NODES = (
@@ -183,11 +183,7 @@ class QuantizedActivation:
 
     def restore(self) -> torch.Tensor:
         """``codec.decode`` in the original shape, dtype and strides."""
-        dense = self.codec.decode(self.packed)
-        if dense.stride() == self.stride:
-            return dense
-        out = torch.empty_strided(dense.shape, self.stride, dtype=dense.dtype, device=dense.device)
-        return out.copy_(dense)
+        return in_strides(self.codec.decode(self.packed), self.stride)
 
 
 def quantize_activation(t: torch.Tensor, codec: Codec, seed: int) -> QuantizedActivation:

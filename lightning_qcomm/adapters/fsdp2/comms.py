@@ -328,7 +328,7 @@ class QuantizedReduceScatter(_QSDPComm, ReduceScatter):
         layout = PieceLayout.for_rows(world, rc.row_nbytes(input_tensor.dtype), device)
 
         def reduce(recv: torch.Tensor) -> int:  # the send buffer is freed by now: it reads the received rows only
-            if not layout.pieced and rc.sum_into(recv.view(world, -1), rows, rank, total):
+            if rc.sum_into(recv, rows, rank, total, layout):
                 return recv.numel()  # the segment ops: every row decoded and summed in one launch
             row = torch.empty(s_numel, dtype=torch.float32, device=device) if world > 1 else total
             scratch = torch.empty(layout.row_bytes, dtype=torch.uint8, device=device) if layout.pieced else None

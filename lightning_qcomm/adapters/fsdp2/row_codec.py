@@ -111,12 +111,15 @@ class RowCodec:
     def _seeds(self, seed: int) -> list[int]:
         return [derive_seed(seed, k) for k, s in self.runs if s.quantize]
 
-    def sum_into(self, recv: torch.Tensor, rows: torch.Tensor, own: int, out: torch.Tensor) -> bool:
-        """``out`` (S,) <- the rank-order sum of the received (R, P) rows decoded, row ``own`` exact from ``rows``
-        (``decode_segments_sum``, one launch); False (nothing written) where ``fused`` does not hold."""
-        if not self.fused(recv, recv.shape[0], rows.dtype):
+    def sum_into(
+        self, recv: torch.Tensor, rows: torch.Tensor, own: int, out: torch.Tensor, layout: PieceLayout
+    ) -> bool:
+        """``out`` (S,) <- the rank-order sum of the received rows (flat, stored in ``layout``) decoded, row ``own``
+        exact from ``rows`` (``decode_segments_sum``, one launch); False (nothing written) where ``fused`` does
+        not hold."""
+        if not self.fused(recv, layout.world, rows.dtype, layout):
             return False
-        decode_segments_sum(self.codec, recv, rows, own, *self._plan(), out)
+        decode_segments_sum(self.codec, recv.view(layout.world, -1), rows, own, *self._plan(), out)
         return True
 
     def row_nbytes(self, dtype: torch.dtype) -> int:
