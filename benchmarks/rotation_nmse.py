@@ -26,12 +26,16 @@ NMSE ~ D_b and the unbiased one D_b / (1 - D_b), D_b the Lloyd-Max distortion of
 
 Tensors: Gaussian, Student t (nu = 3), and two gradients of a GPT-2 shape (``transformers.GPT2Config``,
 32,768-token vocabulary, d_model 128, 2 layers; no download: random init, trained a few AdamW steps on
-byte-pair tokens of the Python stdlib's sources): the token-embedding gradient (rows of the 4,096 most
-frequent tokens, 2^19 elements) and the first block's MLP input weight (2^16 elements).
+byte-pair tokens of the Python stdlib's sources): the token-embedding gradient (rows of the 8,192 most
+frequent tokens, 2^20 elements) and the first block's MLP input weight (2^16 elements).
 
-    OMP_NUM_THREADS=1 python benchmarks/rotation_nmse.py [--seeds 20] [--d 131072] [--quick]
+    OMP_NUM_THREADS=1 python benchmarks/rotation_nmse.py [--seeds 20] [--d 262144] [--quick]
 
-writes benchmarks/results/rotation_nmse.{json,md} (``--out`` to change the stem).
+Then two design measurements (``benchmarks/rotation_mean.py``): the error of an average over ranks with shared vs
+per-rank rotation keys (GPT-2 gradients of one weight on 8 batches; Gaussians with a shared component), and the
+residual bias of EDEN's scale over the randomized Hadamard rotation (2,000 seeds, d = 4096).
+
+Writes benchmarks/results/rotation_nmse.{json,md} (``--out`` to change the stem).
 """
 
 from __future__ import annotations
@@ -50,106 +54,9 @@ import torch
 
 from lightning_qcomm.codecs import derive_seed, get_codec
 
-# ---------------------------------------------------------------------------------------------- rotation
-
-
-def fwht_(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal fast Walsh-Hadamard transform of each row of ``x`` (rows of n = 2^k), in place.
-
-    Fixed butterfly order: for h = 1, 2, 4, ..., n/2, every pair (i, i + h) with i mod 2h < h becomes
-    (a + b, a - b); then the rows are multiplied by fl(1 / sqrt(n)) (exact when k is even). H is symmetric
-    and H H = I, so ``fwht_`` is its own inverse (up to rounding).
-    """
-    n = x.shape[-1]
-    if n & (n - 1):
-        raise ValueError(f"fwht_: row length must be a power of two, got {n}")
-    rows = x.reshape(-1, n)
-    h = 1
-    while h < n:
-        v = rows.view(rows.shape[0], n // (2 * h), 2, h)
-        a = v[:, :, 0, :].clone()
-        v[:, :, 0, :].add_(v[:, :, 1, :])
-        v[:, :, 1, :].neg_().add_(a)
-        h *= 2
-    rows.mul_(1.0 / math.sqrt(n))
-    return x
-
-
-def rademacher(seed: int, n: int) -> torch.Tensor:
-    """n random signs (+-1.0, fp32) from a ``torch.Generator`` seeded with ``seed``."""
-    g = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
-    return torch.randint(0, 2, (n,), generator=g).to(torch.float32).mul_(2).sub_(1)
-
-
-def rotate(x: torch.Tensor, block: int, seed: int) -> torch.Tensor:
-    """R x = H_B D x of flat ``x`` zero-padded to whole blocks: a (num_blocks, block) fp32 tensor."""
-    xf = x.reshape(-1).to(torch.float32)
-    nb = -(-xf.numel() // block)
-    y = torch.nn.functional.pad(xf, (0, nb * block - xf.numel())) * rademacher(seed, nb * block)
-    return fwht_(y.view(nb, block))
-
-
-def unrotate(y: torch.Tensor, seed: int, numel: int) -> torch.Tensor:
-    """R^-1 y = D H_B y (H_B its own inverse, D = D^-1), flat, cut to ``numel`` elements."""
-    z = fwht_(y.clone().view(-1, y.shape[-1])).reshape(-1)
-    return (z * rademacher(seed, z.numel()))[:numel]
-
-
-# ---------------------------------------------------------------------------------------------- Lloyd-Max
-
-
-def _phi(t: float) -> float:
-    return 0.0 if math.isinf(t) else math.exp(-0.5 * t * t) / math.sqrt(2 * math.pi)
-
-
-def _Phi(t: float) -> float:
-    return 0.5 * (1.0 + math.erf(t / math.sqrt(2)))
-
-
-def lloyd_max(bits: int, iters: int = 2000) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(levels, boundaries, distortion D_b) of the 2^b-level minimum-MSE quantizer of N(0, 1) (Lloyd's method)."""
-    L = 1 << bits
-    c = [(-1 + (2 * i + 1) / L) * 2.5 for i in range(L)]
-    for _ in range(iters):
-        t = [-math.inf] + [(c[i] + c[i + 1]) / 2 for i in range(L - 1)] + [math.inf]
-        c = [(_phi(t[i]) - _phi(t[i + 1])) / (_Phi(t[i + 1]) - _Phi(t[i])) for i in range(L)]
-    t = [-math.inf] + [(c[i] + c[i + 1]) / 2 for i in range(L - 1)] + [math.inf]
-    # D = 1 - sum_i p_i c_i^2 (centroid condition: E[z Q(z)] = E[Q(z)^2])
-    dist = 1.0 - sum((_Phi(t[i + 1]) - _Phi(t[i])) * c[i] ** 2 for i in range(L))
-    return torch.tensor(c, dtype=torch.float32), torch.tensor(t[1:-1], dtype=torch.float32), dist
-
-
-_LM: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
-
-
-def lm(bits: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    if bits not in _LM:
-        _LM[bits] = lloyd_max(bits)
-    return _LM[bits]
-
-
-def lm_quantize(y: torch.Tensor, bits: int, scale: str) -> torch.Tensor:
-    """Rotated blocks ``y`` (nb, B) -> S q per block (EDEN ``scale="unb"``, DRIVE ``"mse"``, or ``"one"``: the
-    normalisation ||y|| / sqrt(B) alone, no correction). A block with a NaN/Inf decodes NaN; a zero block 0."""
-    levels, bounds, _ = lm(bits)
-    y64 = y.double()
-    ss = (y64 * y64).sum(dim=1, keepdim=True)
-    norm = ss.sqrt()
-    z = y64 * math.sqrt(y.shape[1]) / torch.where(norm > 0, norm, torch.ones_like(norm))
-    q = levels.double()[torch.bucketize(z.float().nan_to_num(0.0), bounds)]
-    yq = (y64 * q).sum(dim=1, keepdim=True)
-    if scale == "unb":
-        s = ss / yq
-    elif scale == "mse":
-        s = yq / (q * q).sum(dim=1, keepdim=True)
-    elif scale == "one":
-        s = norm / math.sqrt(y.shape[1])
-    else:
-        raise ValueError(f"lm_quantize: scale={scale!r}; allowed: 'unb', 'mse', 'one'")
-    s = torch.where(norm > 0, s, torch.zeros_like(s))
-    s = torch.where(torch.isfinite(ss), s, torch.full_like(s, float("nan")))
-    return (s.float() * q.float()).float()
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rotation_math import lm, lm_quantize, rotate, unrotate  # noqa: E402
+from rotation_mean import rank_average, rht_bias  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- methods
 
@@ -219,8 +126,9 @@ def student_t(d: int, nu: float, g: torch.Generator) -> torch.Tensor:
     return (z / torch.sqrt(chi2 / nu)).float()
 
 
-def gpt2_grads(steps: int) -> dict[str, torch.Tensor]:
-    """Gradients of a randomly initialised GPT-2 shape after ``steps`` AdamW steps on stdlib byte-pair tokens."""
+def gpt2_grads(steps: int, ranks: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Gradients of a randomly initialised GPT-2 shape after ``steps`` AdamW steps on stdlib byte-pair tokens: the
+    named tensors of one batch, and the MLP weight's gradient on ``ranks`` other batches (data-parallel ranks)."""
     import sysconfig
 
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -235,30 +143,53 @@ def gpt2_grads(steps: int) -> dict[str, torch.Tensor]:
     vocab = 32768
     tokens = rank[pair_id].clamp_(max=vocab - 1)  # id = frequency rank of the byte pair
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=vocab, n_positions=128, n_embd=128, n_layer=2, n_head=4)
+    cfg = GPT2Config(vocab_size=vocab, n_positions=128, n_embd=128, n_layer=2, n_head=4, bos_token_id=0)
+    cfg.eos_token_id = 0
     model = GPT2LMHeadModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     batch, seq = 8, 128
-    for step in range(steps + 1):
+
+    def backward() -> float:
         starts = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=g)
         idx = torch.stack([tokens[s : s + seq] for s in starts.tolist()])
         opt.zero_grad(set_to_none=True)
         loss = model(input_ids=idx, labels=idx).loss
         loss.backward()
-        if step < steps:
-            opt.step()
-    print(f"gpt2: loss after {steps} steps {loss.item():.3f}", file=sys.stderr)
-    wte = model.transformer.wte.weight.grad[:4096].detach().clone()
-    fc = model.transformer.h[0].mlp.c_fc.weight.grad.detach().clone()
-    return {"gpt2 wte grad (4096 x 128)": wte.reshape(-1), "gpt2 h0.mlp.c_fc grad (128 x 512)": fc.reshape(-1)}
+        return loss.item()
+
+    for _ in range(steps):
+        backward()
+        opt.step()
+    loss = backward()
+    print(f"gpt2: loss after {steps} steps {loss:.3f}", file=sys.stderr)
+    fc = model.transformer.h[0].mlp.c_fc.weight
+    named = {
+        "gpt2 wte grad (8192 x 128)": model.transformer.wte.weight.grad[:8192].detach().reshape(-1).clone(),
+        "gpt2 h0.mlp.c_fc grad (128 x 512)": fc.grad.detach().reshape(-1).clone(),
+    }
+    per_rank = []
+    for _ in range(ranks):
+        backward()
+        per_rank.append(fc.grad.detach().reshape(-1).clone())
+    return named, per_rank
 
 
-def tensors(d: int, grad_steps: int) -> dict[str, torch.Tensor]:
+def tensors(d: int, grad_steps: int, ranks: int) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """The single tensors, and sets of per-rank tensors: GPT-2 gradients of one weight on ``ranks`` batches, and
+    Gaussians g + z_i (g shared, z_i per rank, equal variance: each pair of ranks correlated 1/2)."""
     g = torch.Generator().manual_seed(12345)
     out = {f"gaussian (d={d})": torch.randn(d, generator=g), f"student-t nu=3 (d={d})": student_t(d, 3.0, g)}
-    out.update(gpt2_grads(grad_steps))
-    return out
+    named, per_rank = gpt2_grads(grad_steps, ranks)
+    out.update(named)
+    common = torch.randn(1 << 16, generator=g)
+    sets = {
+        f"gpt2 h0.mlp.c_fc grad, {ranks} batches": per_rank,
+        f"gaussian g + z_i (d=65536), {ranks} ranks": [
+            common + torch.randn(1 << 16, generator=g) for _ in range(ranks)
+        ],
+    }
+    return out, sets
 
 
 # ---------------------------------------------------------------------------------------------- measure
@@ -292,7 +223,7 @@ def fmt(v: float) -> str:
     return f"{v:.4g}" if v >= 1e-3 or v == 0 else f"{v:.2e}"
 
 
-def write_md(meta: dict, rows: list[dict], theory: dict, path: Path) -> None:
+def write_md(meta: dict, rows: list[dict], theory: dict, ranks: list[dict], bias: list[dict], path: Path) -> None:
     lines = [
         "# NMSE of one encode/decode: randomized Hadamard rotation vs the codecs at equal bytes",
         "",
@@ -326,15 +257,45 @@ def write_md(meta: dict, rows: list[dict], theory: dict, path: Path) -> None:
                     f"| {r['bits']} | {r['method']} | {r['bits_per_elem']:.3f} | {fmt(r['nmse'])} | {fmt(r['se'])} "
                     f"| {fmt(r['bias'])} | {fmt(r['floor'])} |"
                 )
+    lines += [
+        "",
+        "## Average over ranks (benchmarks/rotation_mean.py)",
+        "",
+        "NMSE of the receiver's average against the true average; corr = E||mean error||^2 / ((1/n^2) sum_i "
+        "E||e_i||^2): 1 = the ranks' errors are uncorrelated, n = identical.",
+        "",
+        "| set | b | method | NMSE of mean | corr |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['set']} | {r['bits']} | {r['method']} | {fmt(r['nmse_of_mean'])} | {r['corr']:.2f} |" for r in ranks
+    ]
+    lines += [
+        "",
+        "## Residual bias of EDEN's scale over the randomized Hadamard rotation (benchmarks/rotation_mean.py)",
+        "",
+        "||E x_hat - x||^2 / ||x||^2 estimated as ||mean x_hat - x||^2/||x||^2 - floor, +- its standard error.",
+        "",
+        "| tensor | block | b | seeds | NMSE | bias^2 | +- SE |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['tensor']} | {r['block']} | {r['bits']} | {r['seeds']} | {fmt(r['nmse'])} | {r['bias2']:.2e} "
+        f"| {r['bias2_se']:.1e} |"
+        for r in bias
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--d", type=int, default=1 << 17)
+    ap.add_argument("--d", type=int, default=1 << 18)
     ap.add_argument("--blocks", default="512,4096,65536", help="rotation block sizes (powers of two), comma list")
     ap.add_argument("--grad-steps", type=int, default=10)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--rank-seeds", type=int, default=10)
+    ap.add_argument("--bias-seeds", type=int, default=2000)
     ap.add_argument("--quick", action="store_true", help="d = 2^14, 3 seeds, no GPT-2 (a smoke run)")
     ap.add_argument("--out", default="benchmarks/results/rotation_nmse")
     args = ap.parse_args()
@@ -343,9 +304,11 @@ def main() -> None:
     if args.quick:
         g = torch.Generator().manual_seed(12345)
         xs = {"gaussian": torch.randn(1 << 14, generator=g), "student-t nu=3": student_t(1 << 14, 3.0, g)}
-        seeds = 3
+        sets = {"gaussian g + z_i": [xs["gaussian"] + torch.randn(1 << 14, generator=g) for _ in range(4)]}
+        seeds, rank_seeds, bias_seeds = 3, 2, 50
     else:
-        xs, seeds = tensors(args.d, args.grad_steps), args.seeds
+        (xs, sets), seeds = tensors(args.d, args.grad_steps, args.ranks), args.seeds
+        rank_seeds, bias_seeds = args.rank_seeds, args.bias_seeds
     theory = {b: {"D": lm(b)[2], "unbiased": lm(b)[2] / (1 - lm(b)[2])} for b in (1, 2, 4)}
     rows = []
     for tname, x in xs.items():
@@ -360,6 +323,10 @@ def main() -> None:
                 file=sys.stderr,
                 flush=True,
             )
+    ranks = rank_average(sets, rank_seeds, blocks[0])
+    g = torch.Generator().manual_seed(777)
+    small = {"gaussian (d=4096)": torch.randn(4096, generator=g), "student-t nu=3 (d=4096)": student_t(4096, 3.0, g)}
+    bias = rht_bias(small, (1, 2, 4), (512, 4096), bias_seeds)
     meta = {
         "command": "OMP_NUM_THREADS=1 python " + " ".join(["benchmarks/rotation_nmse.py", *sys.argv[1:]]),
         "device": f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} thread(s)",
@@ -372,8 +339,10 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "theory": theory, "rows": rows}, indent=1) + "\n")
-    write_md(meta, rows, theory, out.with_suffix(".md"))
+    out.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "theory": theory, "rows": rows, "ranks": ranks, "bias": bias}, indent=1) + "\n"
+    )
+    write_md(meta, rows, theory, ranks, bias, out.with_suffix(".md"))
     print(f"wrote {out}.json / .md in {meta['seconds']:.0f} s", file=sys.stderr)
 
 

@@ -1,4 +1,4 @@
-"""The rotation measurement's core (benchmarks/rotation_nmse.py): the fast Walsh-Hadamard transform, the randomized
+"""The rotation measurement's core (benchmarks/rotation_math.py): the fast Walsh-Hadamard transform, the randomized
 rotation R = H D and its inverse, non-finite blocks, and the unbiased scale of the rotated Lloyd-Max quantizer.
 
 Tolerances come from fp32 rounding: the transform of a row of n = 2^k elements is k butterfly stages and one
@@ -18,7 +18,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.rotation_nmse import fwht_, lm, lm_quantize, rotate, unrotate  # noqa: E402
+from benchmarks.rotation_math import fwht_, lm, lm_quantize, rotate, unrotate  # noqa: E402
 from lightning_qcomm.codecs import get_codec  # noqa: E402
 
 EPS = 2.0**-24
