@@ -1,7 +1,7 @@
 """The layer order holds: no module of lightning_qcomm imports from a layer above its own (docs/design.md,
 "Architecture"; README, "Architecture").
 
-    0  codecs, kernels, _checks          the math of the codes and the kernels that run it
+    0  codecs, kernels, _checks, _log    the math of the codes and the kernels that run it
     1  comm                              transport, ledger, topology, process groups over torch.distributed
     2  collectives                       the compressed collectives and their engine
     3  adapters, memory, optim           adapters: the DDP hook, FSDP2's comms, the 1-bit momentum sync,
@@ -29,6 +29,7 @@ MAPPED = (REPO / "kernels",)  # lightning_qcomm.kernels.cuda, ...
 
 LAYERS = {
     "_checks": 0,
+    "_log": 0,
     "codecs": 0,
     "kernels": 0,
     "comm": 1,

@@ -38,6 +38,7 @@ import weakref
 
 import torch
 
+from lightning_qcomm._log import log_once
 from lightning_qcomm.codecs import native, packing, registry, rng, scaling
 from lightning_qcomm.codecs.kernel_spec import KernelKind
 
@@ -49,14 +50,6 @@ FLT_MAX = torch.finfo(torch.float32).max
 # 2^14 puts QSDP's per-parameter shards and DDP buckets of real models on the fused path.
 FUSED_MIN_NUMEL = 1 << 14
 ENV_SWITCH = "LIGHTNING_QCOMM_CPU_FUSED"  # "0" disables the fused path
-
-_warned: set[str] = set()
-
-
-def _log_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg)
 
 
 def supports(codec) -> bool:
@@ -71,7 +64,8 @@ def use_fused(codec, t: torch.Tensor, numel: int) -> bool:
     if os.environ.get(ENV_SWITCH) == "0":
         return False
     if native.load() is None:
-        _log_once(
+        log_once(
+            log,
             "no-cpu-fused",
             f"lightning_qcomm: fused CPU codecs unavailable ({native.load_error()}); using the torch reference",
         )

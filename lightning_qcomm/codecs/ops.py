@@ -54,6 +54,7 @@ import os
 
 import torch
 
+from lightning_qcomm._log import log_once
 from lightning_qcomm.codecs import (  # noqa: F401
     cpu_fused,
     packing,
@@ -70,7 +71,6 @@ from lightning_qcomm.codecs import (  # noqa: F401
 from lightning_qcomm.codecs.kernel_spec import C_SPEC_SCHEMA
 
 log = logging.getLogger(__name__)
-_warned: set[str] = set()
 _CODEC = "str codec, int bits, int? bucket_size, bool stochastic"
 
 _lib = torch.library.Library("qcomm", "DEF")
@@ -133,12 +133,6 @@ def decode_into_reference(codes, scales, codec: str, bits: int, bucket_size, sto
 
 
 # ---------------------------------------------------------------------------------------------- CUDA: Triton
-def _log_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg)
-
-
 def _triton_for(c, device: torch.device) -> bool:
     """True when the Triton kernels should do the element-wise work of codec ``c`` on ``device``: Triton is
     installed, not disabled, and passed its first-use check there (``codecs.triton_probe``)."""
@@ -147,7 +141,9 @@ def _triton_for(c, device: torch.device) -> bool:
     from lightning_qcomm import kernels
 
     if not kernels.HAS_TRITON:
-        _log_once("no-triton", "lightning_qcomm: Triton is not available; CUDA tensors use the torch reference codecs")
+        log_once(
+            log, "no-triton", "lightning_qcomm: Triton is not available; CUDA tensors use the torch reference codecs"
+        )
         return False
     return triton_probe.triton_works(c, device)
 

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_qcomm._log import log_once
 from lightning_qcomm.codecs import cpu_fused, packing, registry, rng, scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.fp8 import FP8Codec
@@ -54,13 +55,6 @@ _BATCHED = (UniformCodec, QSGDCodec, QSGDInfCodec, NUQSGDCodec, FP8Codec, SignCo
 _FLAT_DETERMINISTIC = (FP8Codec, SignCodec)
 _BLOCK_NUMEL = {"cpu": 1 << 18, "default": 1 << 22}  # elements per block of the batched element-wise encode
 _INT32_COUNTERS = 1 << 31
-_logged: set[str] = set()
-
-
-def _log_once(key: str, msg: str) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.warning(msg)
 
 
 def _check_rows(rows: torch.Tensor) -> None:
@@ -169,7 +163,8 @@ def encode_rows_body(codec: Codec, rows: torch.Tensor, seeds: Sequence[int], tri
     if rows_one_by_one(codec, rows):
         return _per_row(codec, rows, seeds)
     if type(codec) not in _BATCHED or n >= _INT32_COUNTERS:
-        _log_once(
+        log_once(
+            log,
             f"rows-{type(codec).__qualname__}",
             f"lightning_qcomm: {type(codec).__qualname__} rows are encoded one codec call per row "
             "(codecs.rows batches the built-in codec classes only)",

@@ -27,7 +27,7 @@ Example::
     for step in range(steps):
         bits = trial.width(step)                 # what this step's all-reduce uses
         ...                                      # forward, backward, optimizer
-        trial.step_done(step, agree)             # agree: the MAX over the ranks of a list (adapters.onebit.sync.max_over_ranks_each)
+        trial.step_done(step, agree)             # agree: the MAX over the ranks of a list (comm.agree.max_over_ranks_each)
     trial.chosen                                  # 32, 8 or 4, the same on every rank
 """
 

@@ -55,7 +55,7 @@ count untouched, but the error buffers, already used on the wire, hold that step
 per step (a second gradient before the step raises); on CUDA, one rank, or ``overlap=False``: inline, logged once.
 
 **Auto-freeze** (``auto_freeze_threshold`` = τ): every ``auto_freeze_interval`` = k steps it measures
-r = ‖v̂_t - v̂_{t-k}‖₂ / ‖v̂_t‖₂ over all parameters (max over ranks: ``adapters.onebit.sync.max_over_ranks``,
+r = ‖v̂_t - v̂_{t-k}‖₂ / ‖v̂_t‖₂ over all parameters (max over ranks: ``comm.agree.max_over_ranks``,
 one 8-byte all-reduce, ledger tag "control"); after ``auto_freeze_patience`` consecutive checks with
 r < τ the variance freezes. ``freeze_step`` stays an upper bound on the warm-up. Costs one extra copy of v
 during warm-up.
@@ -89,7 +89,8 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_qcomm.adapters.onebit.overlap import MomentumOverlap
-from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync, max_over_ranks, max_over_ranks_tensor
+from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync
+from lightning_qcomm.comm.agree import max_over_ranks, max_over_ranks_tensor
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard, all_finite
 from lightning_qcomm.optim.adam_foreach import bucket_candidates, bucket_update_, warmup_step_
 from lightning_qcomm.optim.adam_math import moment_dtype

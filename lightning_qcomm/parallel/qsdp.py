@@ -52,13 +52,14 @@ from lightning_qcomm.adapters.fsdp2.comms import (
 from lightning_qcomm.adapters.fsdp2.install import QSDPCommConfig, install_qsdp_comms
 from lightning_qcomm.adapters.fsdp2.master import project_master_weights
 from lightning_qcomm.adapters.fsdp2.shim import fsdp_roots, require
-from lightning_qcomm.adapters.onebit.sync import max_over_ranks_each, max_over_ranks_tensor
+from lightning_qcomm.comm.agree import max_over_ranks_each, max_over_ranks_tensor
 from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.parallel.hsdp import check_hsdp_mesh, fsdp_groups, install_inter_node_average
+from lightning_qcomm.parallel.hsdp import check_hsdp_mesh, fsdp_groups, install_inter_node_average, mesh_topology
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
+from lightning_qcomm.parallel.qsdp_state import load_run_state, run_state
 from lightning_qcomm.parallel.sharding import plan_fsdp_groups
 from lightning_qcomm.parallel.step_hooks import attach_step_hooks
 
@@ -143,17 +144,13 @@ class QSDPHandle:
         self._hooks = []
 
     def state_dict(self) -> dict[str, Any]:
-        """What continuing training needs besides weights and optimizer: the RNG step (same on all ranks), and
-        with an ``"auto"`` width the trial's state."""
-        state: dict[str, Any] = {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}
-        if self.trial is not None:
-            state["auto"] = self.trial.state_dict()
-        return state
+        """What continuing training needs besides weights and optimizer (``parallel.qsdp_state.run_state``: the
+        RNG step, the same on all ranks; the seed; the layout; with an ``"auto"`` width the trial's state)."""
+        return run_state(self.comm_state, self.mesh.size(), mesh_topology(self.mesh))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.comm_state.step = int(state["rng_step"])
-        if self.trial is not None:
-            self.trial.load_state_dict(state.get("auto"), self.comm_state.step)
+        """Restore ``state_dict`` (``parallel.qsdp_state.load_run_state``: another layout or seed is warned)."""
+        load_run_state("QSDPHandle", self.comm_state, state, self.mesh.size(), mesh_topology(self.mesh))
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: FSDP2's recovery (``FSDPModule.reset_iter_state``) on

@@ -50,7 +50,7 @@ from typing_extensions import override
 
 from lightning_qcomm._checks import START_METHODS, build_as, check_bool, check_choice, check_int, check_timeout
 from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState, sync_unsharded_requires_grad
-from lightning_qcomm.adapters.onebit.sync import max_over_ranks_tensor
+from lightning_qcomm.comm.agree import max_over_ranks_tensor
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
@@ -58,13 +58,12 @@ from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.parallel.hsdp import hsdp_mesh, mesh_topology
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint, new_trial
 from lightning_qcomm.parallel.qsdp_config import DEFAULT_MIN_BITS, DEFAULT_MIN_WRAP_NUMEL, BitsArg, QSDPConfig
+from lightning_qcomm.parallel.qsdp_state import load_run_state, run_state
 from lightning_qcomm.strategies.presets import QSDP_PRESETS, register_presets
 from lightning_qcomm.strategies.qsdp_checkpoint import (
     FullStateLauncher,
     check_sharded_checkpoint,
-    load_run_state,
     missing_checkpoint_hint,
-    run_state,
     save_sharded_checkpoint,
 )
 from lightning_qcomm.strategies.qsdp_checks import check_precision, no_effect_message
@@ -345,12 +344,12 @@ class QSDPStrategy(ModelParallelStrategy):
         return None if self._hsdp is None else mesh_topology(self._hsdp[1])
 
     def qsdp_state_dict(self) -> dict[str, Any]:
-        """What continuing training needs besides weights and optimizer (``qsdp_checkpoint.run_state``)."""
-        return run_state(self)
+        """What continuing training needs besides weights and optimizer (``parallel.qsdp_state.run_state``)."""
+        return run_state(self.comm_state, self.world_size, self.topology)
 
     def load_qsdp_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the RNG step; on another layout warn once (``qsdp_checkpoint.load_run_state``)."""
-        load_run_state(self, state)
+        """Restore the RNG step; another layout or seed is warned (``parallel.qsdp_state.load_run_state``)."""
+        load_run_state(type(self).__name__, self.comm_state, state, self.world_size, self.topology, rank_zero_warn)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

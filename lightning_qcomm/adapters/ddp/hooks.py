@@ -65,10 +65,10 @@ import torch.distributed as dist
 from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
 from lightning_qcomm.adapters.ddp.plan import BucketPlan, append_segment, gather_segments, scatter_segments
 from lightning_qcomm.adapters.ddp.relayout import LayoutReplay, VirtualBucket
-from lightning_qcomm.adapters.onebit.sync import max_over_ranks_each
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.collectives.hierarchical import ParamShards, hierarchical_all_reduce, local_index, shard_numel
 from lightning_qcomm.collectives.quantized import quantized_all_reduce
+from lightning_qcomm.comm.agree import max_over_ranks_each
 from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.side_stream import SideStream

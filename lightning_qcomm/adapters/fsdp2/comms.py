@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from lightning_qcomm._log import log_once
 from lightning_qcomm.adapters.fsdp2.deferred import DeferredReduceScatters
 from lightning_qcomm.adapters.fsdp2.row_codec import RowCodec, Segment, is_quantized_param
 from lightning_qcomm.adapters.fsdp2.shim import (
@@ -99,14 +100,6 @@ __all__ = [
     "is_quantized_param",
     "sync_unsharded_requires_grad",
 ]
-
-_logged: set[str] = set()
-
-
-def _log_once(key: str, msg: str) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.warning(msg)
 
 
 @dataclass
@@ -157,11 +150,12 @@ class _QSDPComm:
     ) -> RowCodec:
         wanted, codec = codec, codec if dtype in FLOAT_DTYPES else None
         if codec is None and wanted is not None:
-            _log_once(f"dtype{dtype}", f"QSDP: FSDP buffer of dtype {dtype} is not floating; sent unquantized")
+            log_once(log, f"dtype{dtype}", f"QSDP: FSDP buffer of dtype {dtype} is not floating; sent unquantized")
         if sum(p.padded_shard_numel for p in params) == row_numel:
             segs = [Segment(p.padded_shard_numel, is_quantized_param(p, self.min_quant_numel)) for p in params]
         else:
-            _log_once(
+            log_once(
+                log,
                 "layout",
                 f"QSDP: FSDP buffer row of {row_numel} elements does not match the param layout "
                 f"{[p.padded_shard_numel for p in params]}; quantizing the row as one segment",

@@ -34,15 +34,11 @@ This file owns the collectives 1-bit Adam issues and knows nothing of Lightning 
   additionally turns DDP's gradient synchronisation off after the freeze, so the hook is then not even
   called.)
 
-* ``max_over_ranks`` / ``max_over_ranks_each``: the auto-freeze decision's max of one float over ranks (one 8-byte fp64
-  all-reduce, ledger op ``all_reduce`` with tag ``"control"`` -- kept apart from ``"momentum"`` and
-  ``"grads"`` so the per-phase bytes stay clean; baseline 0 bytes, it has no fp32 counterpart).
 
 No ``from __future__ import annotations`` here: DDP checks a hook's annotations against real classes.
 """
 
 import logging
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +52,6 @@ from lightning_qcomm.collectives.sign_collective import (
     onebit_server_error_numel,
 )
 from lightning_qcomm.comm.buckets import bucket_layout
-from lightning_qcomm.comm.ledger import get_ledger
 from lightning_qcomm.comm.side_stream import SideStream
 from lightning_qcomm.comm.topology import NodeGroups
 
@@ -267,65 +262,6 @@ class OneBitMomentumSync:
         return self
 
 
-def max_over_ranks(
-    value: float,
-    group: dist.ProcessGroup | NodeGroups | None = None,
-    device: torch.device | None = None,
-    tag: str = "control",
-) -> float:
-    """max(value) over the ranks of ``group``: one 8-byte fp64 all-reduce on ``device`` (CPU if None).
-
-    Recorded in the ``CommLedger`` as (``all_reduce``, ``tag``) with a 0-byte baseline. A world of one
-    (or torch.distributed not initialised) returns ``value`` and communicates nothing.
-    """
-    return max_over_ranks_each([value], group, device, tag)[0]
-
-
-def max_over_ranks_each(
-    values: Sequence[float],
-    group: dist.ProcessGroup | NodeGroups | None = None,
-    device: torch.device | None = None,
-    tag: str = "control",
-) -> list[float]:
-    """``max_over_ranks`` of every element of ``values`` in one fp64 all-reduce (8 bytes per element)."""
-    if _world(group) == 1:
-        return [float(v) for v in values]
-    return max_over_ranks_tensor(
-        torch.tensor([float(v) for v in values], dtype=torch.float64), group, device, tag
-    ).tolist()
-
-
-def max_over_ranks_tensor(
-    t: torch.Tensor,
-    group: dist.ProcessGroup | NodeGroups | None = None,
-    device: torch.device | None = None,
-    tag: str = "control",
-) -> torch.Tensor:
-    """The element-wise max of the 1-D tensor ``t`` over the ranks of ``group``, as an fp64 tensor on ``device``
-    (``t``'s if None): one all-reduce of 8 bytes per element and no read on the host, so a decision on a device
-    value (a non-finite flag) costs the one device-to-host copy of its verdict. Ledger as ``max_over_ranks``; a
-    world of one returns ``t``.
-
-    Example::
-
-        verdict = max_over_ranks_tensor(flag.double().reshape(1), group)   # then one .cpu() for the decision
-    """
-    if _world(group) == 1:
-        return t
-    if isinstance(group, NodeGroups):  # a hierarchical momentum sync's groups: the decision is over the world
-        group = None
-    t = t.to(device=device or t.device, dtype=torch.float64, copy=True)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    get_ledger().record("all_reduce", t.numel() * t.element_size(), 0, _world(group), tag=tag)
-    return t
-
-
-def _world(group: dist.ProcessGroup | NodeGroups | None) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(None if isinstance(group, NodeGroups) else group)
-
-
 class OneBitGradHookState:
     """State of ``onebit_adam_grad_hook``: the process group and whether the warm-up is over."""
 
@@ -361,8 +297,5 @@ __all__ = [
     "OneBitGradHookState",
     "OneBitMomentumSync",
     "bucket_layout",
-    "max_over_ranks",
-    "max_over_ranks_each",
-    "max_over_ranks_tensor",
     "onebit_adam_grad_hook",
 ]
