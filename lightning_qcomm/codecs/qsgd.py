@@ -81,12 +81,6 @@ def tree_norm(xb: torch.Tensor) -> torch.Tensor:
     return sq[:, 0].double().sqrt().to(torch.float32)
 
 
-def l2_norm_rows(xb: torch.Tensor) -> torch.Tensor:
-    """``||row||_2`` of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares (fp32; inf
-    where the norm itself exceeds FLT_MAX). See ``l2_norm_rows64``."""
-    return l2_norm_rows64(xb)[0]
-
-
 def l2_norm_rows64(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32, fp64) ``||row||_2`` of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares.
 

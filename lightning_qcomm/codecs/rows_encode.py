@@ -1,26 +1,16 @@
-"""The rows encode of the codec layer: R rows of one codec, row j with its own seed, in a number of torch ops
-that does not depend on R (the kernels of ``qcomm::encode_rows``; ``codecs.rows`` is the door and the decode).
+"""The rows encode of the codec layer: R rows of one codec, row j with its own seed, in a number of torch ops that
+does not depend on R (the kernels of ``qcomm::encode_rows``; ``codecs.rows`` is the door and the decode;
+docs/design.md, "Registry, ops and kernels").
 
     encode_rows(rows, seeds)[j] == codec.encode(rows[j], seeds[j]).to_bytes()      (bit for bit)
 
-Row j is its own tensor for the codec: buckets restart at the row start (the last one may be short), the random
-counter restarts at 0, keyed by seed j. The kernels (``encode_rows_cpu`` / ``_cuda`` / ``_reference``, one body):
-
-* **CUDA**: the Triton rows kernels (``codecs.ops.rows_kernel``; buckets up to ``MAX_BUCKET``): every row's scales
-  in one launch, every row's codes in another, both straight into the payloads; the seeds' keys travel through pinned memory,
-  queued (``_row_keys``), so no host sync;
-* **CPU**: rows large enough for the fused C path keep one C pass per row (``rows_one_by_one``): there is no
-  launch to save and the C pass is faster than the eager ops; ``encode_row_into`` writes a row's payload where
-  the caller wants it, the codes straight from the C pass (any row length: ``c_pass_available``);
-* **otherwise** the codec's own math hooks run once over all rows' buckets (``_scales``, ``_encode_params``,
-  ``_quantize``; the uniform codec's last-bucket rule per row) with the per-row random bits of ``codecs.rng``
-  keyed per row, in blocks of whole buckets that bound the temporaries. Deterministic codecs on rows of whole,
-  byte-aligned buckets take one public ``encode`` call instead. A codec class this module does not know is
-  coded row by row (logged once).
-
-Rows of whole, byte-aligned buckets can also travel as one flat tensor coded with one seed, the random counter
-running on across rows (``rows.encode_flat``); on the fused CPU path row j of it comes from row j alone
-(``encode_flat_row_into``: no contiguous copy of all rows).
+The kernels (``encode_rows_reference`` on CPU and other devices, ``encode_rows_cuda``, ``encode_rows_fake``; one
+body, ``encode_rows_body``): on CUDA the Triton rows kernels (``codecs.ops.rows_kernel``; buckets up to
+``MAX_BUCKET``), every row's scales in one launch and its codes in another, keys through pinned memory (no host
+sync); on CPU rows large enough for the fused C path take one C pass per row (``rows_one_by_one``;
+``encode_row_into`` writes one row's payload where the caller wants it); otherwise the codec's math hooks run once
+over all rows' buckets, in blocks that bound the temporaries (a codec class this module does not know is coded
+row by row, logged once). ``encode_flat_row_into``: row j of a flat-coded matrix from row j alone.
 
 Example::
 

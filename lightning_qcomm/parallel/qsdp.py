@@ -1,23 +1,14 @@
 """``apply_qsdp``: QSDP on a plain torch module, no Lightning needed (entry-point layer; docs/design.md, "QSDP").
 
-What it does, in order (torchtitan's ``apply_fsdp`` shape): refuse what QSDP cannot shard (FSDP1 modules, a
-module without parameters); ``fully_shard`` the groups of ``parallel.sharding.plan_fsdp_groups`` on the 1-D
-data-parallel ``mesh`` unless the module is sharded already (then its grouping is kept); check that every
-trainable parameter is in a group; install the quantized all-gather / reduce-scatter of ``adapters.fsdp2.comms`` on
-every ``FSDPModule`` (on CPU with ``overlap_comm``, the weight all-gathers run on a background thread over a
-process group of their own, and each group prefetches the next one's weights in forward). It returns a
-``QSDPHandle``: the groups and the one piece of state training must advance, the RNG step (once per
-optimizer step; ``attach(optimizer)`` does it from an optimizer step post-hook).
-
-A width of ``"auto"`` (``QSDPConfig(weight_bits="auto", grad_bits="auto", min_bits=4)``) is chosen by timed trial
-steps (``comm.auto_trial``): the comms get one codec per candidate width (32, then 8 down to ``min_bits``, the same
-width for every ``"auto"`` direction) and use, at each step, the width of ``comm_state.trial``; ``after_step``
-times the step and, at the trial's end, agrees the figures over the mesh and keeps the fastest (logged once, rank
-0). The trial lives in ``comm_state``, so a strategy's later stages and its checkpoints keep it. On one rank
-nothing travels: 32, no trial.
-
-``QSDPStrategy`` (Trainer) and ``QSDPFabricStrategy`` (Fabric) call this function; it is the whole QSDP
-setup, theirs is only the Lightning glue around it.
+In order (torchtitan's ``apply_fsdp`` shape): refuse what QSDP cannot shard (FSDP1 modules, no parameters);
+``fully_shard`` the groups of ``parallel.sharding.plan_fsdp_groups`` on the 1-D data-parallel ``mesh`` unless the
+module is sharded already (its grouping is kept); check every trainable parameter is in a group; install the
+quantized all-gather / reduce-scatter of ``adapters.fsdp2.comms`` on every ``FSDPModule`` (on CPU with
+``overlap_comm``, on a background thread, each group prefetching the next). It returns a ``QSDPHandle``: the groups
+and the RNG step training must advance once per optimizer step (``attach(optimizer)`` does it). ``"auto"`` widths
+are chosen by timed trial steps (``comm.auto_trial``), the trial kept in ``comm_state``. ``QSDPStrategy`` and
+``QSDPFabricStrategy`` call this function; theirs is only the Lightning glue. The run state a checkpoint keeps:
+``parallel.qsdp_state``.
 
 Example::
 

@@ -1,22 +1,17 @@
 """RowCodec: the wire format of one row of an FSDP2 flat communication buffer (adapter layer; docs/design.md, "QSDP").
 
-A row is the concatenation, in ``fsdp_params`` order, of each parameter's padded dim-0 shard. It is split
-into *segments*, one per parameter shard. A segment is quantized with the codec when the parameter is
-"large" (``ndim >= 2`` and ``numel >= min_quant_numel``, the CGX rule) and travels raw in the buffer dtype
-otherwise (norm gains, biases). Quantized segments are bucketed on their own, so a bucket never mixes two
-parameters' scales. The wire row is ``[seg_0 bytes | seg_1 bytes | ...]`` with ``codec.nbytes(n)`` bytes
-(codes, then fp32 scales) per quantized segment and ``n * element_size`` per raw one: a pure function of
-the layout and the buffer dtype, so no sizes are exchanged.
+A row is the concatenation, in ``fsdp_params`` order, of each parameter's padded dim-0 shard, split into one
+*segment* per parameter. A segment is quantized when the parameter is "large" (``ndim >= 2`` and ``numel >=
+min_quant_numel``, the CGX rule) and travels raw in the buffer dtype otherwise (norm gains, biases); quantized
+segments are bucketed on their own, so a bucket never mixes two parameters' scales. The wire row is ``[seg_0 |
+seg_1 | ...]`` with ``codec.nbytes(n)`` bytes per quantized segment and ``n * element_size`` per raw one: a pure
+function of the layout and the dtype, so no sizes are exchanged. A quantized segment of whole byte-aligned buckets
+is coded as one flat tensor of its R rows (one seed), any other with row r's own seed ``derive_seed(seg_seed, r)``.
 
-A quantized segment of whole byte-aligned buckets is coded as one flat tensor of its R rows (one seed, the
-random counter running on across rows); any other with row r's own seed ``derive_seed(seg_seed, r)``.
-
-``encode`` writes the rows into a buffer of the caller's ``PieceLayout`` (``comm.transport``; default plain
-(R, P) rows). On CPU no temporary grows with R: raw segments are copied in, and a quantized segment's rows go
-through the fused C pass one at a time, straight into the buffer, when a row is of the fused path's size or
-the rows hold more than ``BATCH_MAX_NUMEL`` elements. Other rows (fewer elements, or on CUDA) are coded all
-together, in a number of ops that does not depend on R, and copied in; on CUDA that keeps
-the flat encode's contiguous copy of the rows (R x the segment, in device memory).
+``encode`` writes into a buffer of the caller's ``PieceLayout`` (``comm.transport``). On CPU no temporary grows
+with R: raw segments are copied in, and large quantized rows go through the fused C pass one at a time, straight
+into the buffer; other rows (fewer elements, or on CUDA) are coded all together, in a number of ops that does not
+depend on R.
 
 Example::
 
