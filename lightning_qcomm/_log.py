@@ -1,5 +1,5 @@
 """Say a thing once per process (layer 0, like ``_checks``: it imports nothing of the package; docs/design.md,
-"Architecture").
+"Layers and files").
 
 A fallback, a missing backend, a buffer sent unquantized: each is logged the first time it happens, under a key,
 on the logger of the module that says it (so ``caplog`` and logging filters still see that module's name). The

@@ -1,16 +1,6 @@
-"""The layer order holds: no module of lightning_qcomm imports from a layer above its own (docs/design.md,
-"Architecture"; README, "Architecture").
-
-    0  codecs, kernels, _checks, _log    the math of the codes and the kernels that run it
-    1  comm                              transport, ledger, topology, process groups over torch.distributed
-    2  collectives                       the compressed collectives and their engine
-    3  adapters, memory, optim           adapters: the DDP hook, FSDP2's comms, the 1-bit momentum sync,
-                                         saved-activation storage, OneBitAdam
-    4  parallel                          the plain-torch entry points and their configs
-    5  strategies, callbacks, fabric,    Lightning glue; the package root
-       cli, cli_checks, demo, consolidate, root
-
-(docs/design.md's picture: codecs -> comm -> collectives -> adapters -> plain-torch entry points -> Lightning.)
+"""The layer order holds: no module of lightning_qcomm imports from a layer above its own. The layers and the file
+map are in docs/design.md, "Layers and files"; ``LAYERS`` below is their machine form (the top-level ``kernels/``
+installs as ``lightning_qcomm.kernels``).
 
 Imports within one layer are free. Every import counts, also those inside functions and under
 ``TYPE_CHECKING``. Read with ``ast``, nothing is imported.

@@ -1,4 +1,4 @@
-"""What the compressed collectives stand on (docs/design.md: "Collectives", "Byte accounting").
+"""What the compressed collectives stand on (layer 1; docs/design.md: "Layers and files", "Byte accounting").
 
 By responsibility: ``transport`` (byte all-to-all / all-gather, torch version shims), ``ledger`` (the
 CommLedger: every collective's logical and wire bytes), ``topology`` (nodes and their process groups),

@@ -1,5 +1,5 @@
 """The ranks agree on a decision: the max of a few floats or of a flag tensor over a group (comm layer;
-docs/design.md, "Architecture").
+docs/design.md, "Layers and files").
 
 One fp64 all-reduce of 8 bytes per element, recorded in the ``CommLedger`` as (``all_reduce``, ``tag``) with a
 0-byte baseline (tag ``"control"`` by default, kept apart from ``"momentum"`` and ``"grads"`` so the per-phase
