@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 
 from lightning_qcomm.codecs import packing
-from lightning_qcomm.codecs.kernel_spec import KernelKind
-from lightning_qcomm.codecs.qsgd import redo_floor
+from lightning_qcomm.codecs.kernel_spec import KernelKind, redo_floor
 
 from .elementwise import is_finite
 from .norms import _finite64, _l2_norm64, _level_cap

@@ -11,8 +11,9 @@ in a number of torch ops that does not depend on R, as the ops ``qcomm::encode_r
 ``decode_rows_into`` (``codecs.ops``). ``seeds``: one ``rng.signed_seed`` per row; on CUDA their keys travel
 through pinned memory, queued (no host sync). Decode goes through the codec's public ``decode`` once over the rows
 laid out bucket-aligned (on CUDA the Triton rows kernel, one launch); encode is ``codecs.rows_encode``. Rows of
-whole, byte-aligned buckets can also travel as one flat tensor with one seed (``encode_flat``; on the fused CPU
-path row by row, ``encode_flat_row_into``). Details: docs/design.md, "Module notes".
+whole, byte-aligned buckets can also travel as one flat tensor with one seed (``encode_flat``). A caller that
+writes rows one at a time into its own buffer asks ``row_at_a_time`` and calls ``encode_row``: the fused C pass
+is chosen here, not by the caller. Details: docs/design.md, "Module notes".
 
 Example::
 
@@ -34,8 +35,10 @@ from lightning_qcomm.codecs.rows_encode import (
     _layout,
     c_pass_available,
     encode_flat_row_into,
+    encode_row,
     encode_row_into,
     encode_rows_body,
+    row_at_a_time,
     row_bucketed,
     rows_one_by_one,
 )
@@ -262,8 +265,10 @@ __all__ = [
     "decode_rows_into",
     "encode_flat",
     "encode_flat_row_into",
+    "encode_row",
     "encode_row_into",
     "encode_rows",
+    "row_at_a_time",
     "row_bucketed",
     "rows_one_by_one",
 ]

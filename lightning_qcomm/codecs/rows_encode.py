@@ -132,6 +132,19 @@ def encode_flat_row_into(codec: Codec, rows: torch.Tensor, j: int, seed: int, ou
     return out
 
 
+def row_at_a_time(codec: Codec, rows: torch.Tensor, batch_max_numel: int) -> bool:
+    """Whether the (R, n) ``rows`` are coded one row at a time into the caller's buffer (``encode_row``): on CPU,
+    rows of the fused path's size (``rows_one_by_one``), or more than ``batch_max_numel`` elements in all where the
+    C pass codes rows of any length (``c_pass_available``), so no temporary grows with R."""
+    return rows_one_by_one(codec, rows) or (rows.numel() > batch_max_numel and c_pass_available(codec, rows.device))
+
+
+def encode_row(codec: Codec, rows: torch.Tensor, j: int, seed: int, out: torch.Tensor, flat: bool) -> torch.Tensor:
+    """``out`` <- row j's payload, bit for bit, where ``row_at_a_time`` holds: ``codec.encode(rows[j], seed)``, or
+    with ``flat`` row j of ``encode_flat(codec, rows, seed)`` (``encode_row_into`` / ``encode_flat_row_into``)."""
+    return (encode_flat_row_into if flat else encode_row_into)(codec, rows, j, seed, out)
+
+
 def _per_row(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
     out = torch.empty(rows.shape[0], codec.nbytes(rows.shape[1]), dtype=torch.uint8, device=rows.device)
     for j, s in enumerate(seeds):
@@ -260,11 +273,13 @@ def encode_rows_fake(rows, seeds, codec: str, bits: int, bucket_size: int | None
 __all__ = [
     "c_pass_available",
     "encode_flat_row_into",
+    "encode_row",
     "encode_row_into",
     "encode_rows_body",
     "encode_rows_cuda",
     "encode_rows_fake",
     "encode_rows_reference",
     "row_bucketed",
+    "row_at_a_time",
     "rows_one_by_one",
 ]

@@ -32,7 +32,7 @@ import torch
 from lightning_qcomm.codecs import registry, rng
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.kernel_spec import KernelKind
-from lightning_qcomm.codecs.rows import decode_rows_into, encode_flat, encode_rows
+from lightning_qcomm.codecs.rows import c_pass_available, decode_rows_into, encode_flat, encode_rows
 
 _INT32 = 1 << 31
 _COUNT_FREE = (KernelKind.UNIFORM, KernelKind.FP8)  # scales that do not depend on a tensor's length past count
@@ -141,6 +141,12 @@ def segments_kernel(codec: Codec, t: torch.Tensor, numels, quantized, r: int, dt
     if not (codec.kernel_spec().kind in _COUNT_FREE or all(n >= b for n, q in zip(numels, quantized) if q)):
         return False
     return _kernels_work(codec, t.device, dtype)
+
+
+def segments_fused(codec: Codec, t: torch.Tensor, numels, quantized, r: int, dtype: torch.dtype) -> bool:
+    """Whether R rows of this layout on ``t``'s device take the segment kernels: no fused C pass there (CPU keeps
+    its row loop: ``rows.c_pass_available``) and ``segments_kernel``."""
+    return not c_pass_available(codec, t.device) and segments_kernel(codec, t, numels, quantized, r, dtype)
 
 
 def _kernels_work(codec: Codec, device: torch.device, dtype: torch.dtype) -> bool:
