@@ -10,7 +10,8 @@ Public API (re-exported here): codecs (``get_codec``; the registry: ``register_c
 import, so ``Trainer(strategy="qsdp")`` and ``Fabric(strategy="qsdp")`` work), the callbacks ``CommVolumeLogger``, ``OneBitAdamCallback`` and
 ``ActivationQuantization``, the optimizer ``OneBitAdam`` (1-bit Adam), the activation quantizer
 underneath the callback (``lightning_qcomm.memory``), and ``consolidate_checkpoint`` (a sharded QSDP
-checkpoint folder -> one file; also ``python -m lightning_qcomm.consolidate IN OUT``).
+checkpoint folder -> one file; also ``python -m lightning_qcomm.consolidate IN OUT``). The layers and the file map:
+docs/design.md, "Layers and files".
 """
 
 import torch

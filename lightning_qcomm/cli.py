@@ -1,26 +1,22 @@
-"""``lightning-qcomm`` (and ``python -m lightning_qcomm``): LightningCLI with lightning_qcomm preloaded.
+"""``lightning-qcomm`` (and ``python -m lightning_qcomm``): LightningCLI with lightning_qcomm preloaded (Lightning
+layer; docs/design.md, "Entry points: Trainer, Fabric and plain torch").
 
-Importing the package first registers the lowercase strategy names (``strategy: quant_ddp``) and makes
-our strategy and callback classes resolvable by short name (``class_path: QuantDDPStrategy``,
-``--trainer.callbacks+=CommVolumeLogger``) as well as by full ``class_path``. Our classes work just as
-well in a user's own ``LightningCLI`` (``class_path: lightning_qcomm.QSDPStrategy``); this entry point
-only adds two conveniences:
+Importing the package registers the strategy names (``strategy: quant_ddp``) and makes our classes resolvable by
+short name (``class_path: QuantDDPStrategy``, ``--trainer.callbacks+=CommVolumeLogger``); they work as well in a
+user's own ``LightningCLI``. This entry point adds:
 
-* **Configs by name.** ``--config quickstart.yaml`` (or ``quickstart``, or ``configs/quickstart.yaml``
-  from any directory) finds the configs shipped inside the package when no such file exists where
-  the user stands (:func:`resolve_config`); an existing path always wins.
-* **A named class starts from its own defaults.** Naming a model or data class on the command line
-  (``--model mypkg.MyModel``, ``--model=...``, ``--model.class_path ...``, ``--model '{"class_path": ...}'``)
-  discards whatever an earlier ``--config`` set for ``model`` (``data``), so a user's class gets
-  exactly its own defaults, not the values of same-named arguments of the demo (jsonargparse would
-  otherwise carry matching ``init_args`` over to the new class). Arguments given after it apply.
+* **Configs by name.** ``--config quickstart.yaml`` (or ``quickstart``) finds the configs shipped inside the package
+  when no such file exists where the user stands (:func:`resolve_config`); an existing path always wins.
+* **A named class starts from its own defaults.** Naming a model or data class on the command line discards what an
+  earlier ``--config`` set for ``model`` (``data``), so jsonargparse does not carry the demo's ``init_args`` over;
+  arguments given after it apply.
+* **One line for a YAML mistake.** A misspelled ``init_args`` key or a refused value is reported first, in one line
+  with the closest accepted name or the allowed values (``cli_checks``).
 
-* **One line for a YAML mistake.** A misspelled ``init_args`` key or a value one of our classes refuses is
-  reported first, in one line with the closest accepted name or the allowed values (``cli_checks``), instead of
-  LightningCLI's usage text and tracebacks.
+There is no default model: the demo (``lightning_qcomm.demo.ByteGPT`` on ``StdlibBytes``) comes only from the
+configs that name it.
 
-There is no default model: the demo (``lightning_qcomm.demo.ByteGPT`` on ``StdlibBytes``, no download)
-comes only from the configs that name it.
+Example::
 
     lightning-qcomm fit --config quickstart.yaml
     lightning-qcomm fit --config configs/quant_ddp_nuqsgd4.yaml --model mypkg.MyModel --data mypkg.MyData
@@ -55,11 +51,6 @@ def configs_dir() -> Path:
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(f"no configs directory next to {package} (a broken install?)")
-
-
-def packaged_configs() -> list[str]:
-    """Names of the shipped configs (``quickstart.yaml``, ...), sorted."""
-    return sorted(p.name for p in configs_dir().glob("*.yaml"))
 
 
 def resolve_config(value: str) -> str:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_codecs import extreme_values, flush_denormal
 
+from lightning_qcomm import _log
 from lightning_qcomm.codecs import cpu_fused, get_codec, native, packing
 
 CONFIGS = (
@@ -231,7 +232,7 @@ def test_build_failure_warns_once_and_uses_reference(monkeypatch, tmp_path, capl
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_load_error", None)
-    monkeypatch.setattr(cpu_fused, "_warned", set())
+    monkeypatch.setattr(_log, "_said", set())
     codec = get_codec("fp8_e4m3", 8, 512)
     x = torch.randn(N_LARGE)
     with caplog.at_level(logging.WARNING, logger=cpu_fused.log.name):
@@ -250,7 +251,7 @@ def test_no_compiler_warns_once_and_uses_reference(monkeypatch, tmp_path, caplog
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing to find there
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_load_error", None)
-    monkeypatch.setattr(cpu_fused, "_warned", set())
+    monkeypatch.setattr(_log, "_said", set())
     codec = get_codec("qsgd", 4, 512)
     x = _nasty(N_LARGE, 4)
     with caplog.at_level(logging.WARNING, logger=cpu_fused.log.name):

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from lightning_qcomm.codecs import packing
+from lightning_qcomm.codecs.kernel_spec import redo_floor
 
 from .codec_kernels import GROUPS_PER_PROGRAM, NUM_WARPS, _check_device, _load_params, _spec, pack_store
 from .elementwise import quantize_tile
@@ -318,8 +319,6 @@ def encode_segments(
     kp2 = triton.next_power_of_2(k)
     common = (table, keys, params, out, k, x.stride(0), out.stride(0), nbt)
     if progs:
-        from lightning_qcomm.codecs.qsgd import redo_floor
-
         _wire_kernel[(progs, r)](
             x, *common, KP2=kp2, XK=xk, KIND=spec["KIND"], BUCKET=codec.bucket_size, BLOCK=block,
             ROWS=_scale_rows(codec), LEVELS=spec["LEVELS"], FMAX=float(kspec.fmax), LOG2=block.bit_length() - 1,

@@ -1,30 +1,17 @@
 """Per-bucket work of the codecs in Triton: wire scales and encode parameters in one launch, and the decode
-parameters computed from the wire scales inside the decode kernel.
+parameters computed from the wire scales inside the decode kernel (docs/design.md, "Extreme finite values").
 
-Encode (every codec, buckets of at most ``MAX_BUCKET`` elements): ``_wire_kernel`` reads each bucket
-once, reduces it (min and max, max ``|x|``, or the L2 norm), and writes the wire scales (``Codec.bucket_scales``) and the
-encode parameters (``Codec._encode_params``) side by side, so an encode is this launch plus the element-wise one.
-Every formula is the torch reference's, operation for operation and in the same precision (fp64 where the
-reference widens, correctly rounded division ``div_rn`` where it divides in fp32), so the scales are bit for
-bit the reference's:
+Encode (every codec, buckets of at most ``MAX_BUCKET`` elements): ``_wire_kernel`` reads each bucket once, reduces
+it (min and max, max ``|x|``, or the L2 norm of ``qsgd.tree_norm``'s fixed order, ``norms``), and writes the wire
+scales (``Codec.bucket_scales``) and encode parameters (``Codec._encode_params``) side by side, so an encode is
+this launch plus the element-wise one. Decode: ``dec_params`` turns a bucket's wire scales into
+``Codec._decode_params`` per element (the pre-scaling flag in the scale's sign gives ``m``), so a decode is one
+launch.
 
-- uniform: ``unit = (hi - lo) / L``, flagged ``wide`` when ``lo + L unit`` overflows or ``unit > 2^126``,
-  ``tiny`` when ``0 < unit < FLT_MIN``; a flagged bucket travels as ``(lo sigma, -(unit sigma))`` computed in fp64
-  (``codecs.scaling``); parameters ``(sigma, lo, 1 / unit)``;
-- FP8: ``s = amax / fmax`` (one ulp down when ``fmax s`` overflows), ``tiny`` when ``0 < amax < fmax FLT_MIN``;
-  parameters ``(sigma, 1 / s)``.
-- QSGD, QSGDinf, NUQSGD: ``n = ||x||_2`` (``qsgd.tree_norm``'s fixed pairwise order and correctly rounded root;
-  a norm below ``redo_floor`` or not finite redone as ``amax ||x / amax||_2``, fp64 kept) or ``max |x|``; flagged
-  ``wide`` above 2^126, ``tiny`` below ``k FLT_MIN``; parameters ``(sigma, k (1 / n), level cap)``, the cap the
-  largest level whose decode stays <= ``out_max``, in fp64 with exact powers of two (``_level_cap``).
-- sign1: the rms ``n / sqrt(count)`` of the same norm n, from the fp64 norm where the fp32 quotient leaves the
-  normal range (clamped to FLT_MAX); parameter: the scale.
-
-A bucket holding NaN or +-Inf gets NaN scales (its codes are then 0 and its decode non-finite).
-
-Decode (every codec with kernels): ``dec_params`` turns a bucket's wire scales into the decode parameters
-of ``Codec._decode_params`` -- the flag in the sign of the scale gives ``m`` (1, 2^64 or 2^-64) -- per element,
-so a decode is one launch.
+Invariants: every formula is the torch reference's, operation for operation and in the same precision (fp64 where
+the reference widens, ``div_rn`` where it divides in fp32), so the scales are the reference's bit for bit,
+including the ``wide`` / ``tiny`` pre-scaled buckets at the ends of fp32's range (``codecs.scaling``); a bucket
+holding NaN or +-Inf gets NaN scales. The per-codec formulas: docs/design.md, "Module notes".
 
 Example::
 
@@ -38,8 +25,7 @@ import triton
 import triton.language as tl
 
 from lightning_qcomm.codecs import packing
-from lightning_qcomm.codecs.kernel_spec import KernelKind
-from lightning_qcomm.codecs.qsgd import redo_floor
+from lightning_qcomm.codecs.kernel_spec import KernelKind, redo_floor
 
 from .elementwise import is_finite
 from .norms import _finite64, _l2_norm64, _level_cap

@@ -1,41 +1,19 @@
-"""ActivationQuantization: Lightning glue for b-bit saved activations (docs/design.md, "Activation quantization").
+"""ActivationQuantization: Lightning glue for b-bit saved activations (Lightning layer; docs/design.md,
+"Activation quantization"; the math is ``lightning_qcomm.memory``).
+
+It checks the typed arguments, builds an ``ActivationQuantizer``, attaches it at fit start and runs it around
+every training forward (from ``on_train_batch_start`` to ``on_before_backward``; under manual optimization after
+each ``manual_backward``), never during validation or prediction. Seeds: ``derive_seed(seed, global_step,
+forward index, global rank, site)``. The budget policy's calibration sums per-site statistics over ranks so every
+rank fixes the same plan (a step with a non-finite gradient is rejected); the plan is checkpointed. Optional FP8
+gradient storage between accumulation micro-batches (``grad_storage``, ``memory.grad_storage``) keeps the
+accumulation itself in fp32. Rank 0 logs ``actq/saved_bytes``, ``actq/baseline_bytes``, ``actq/ratio`` and
+related metrics every ``log_every_n_steps``. The full rules: docs/design.md, "Module notes".
+
+Example::
 
     Trainer(callbacks=[ActivationQuantization(bits=4)])                      # any strategy, any device count
     Trainer(callbacks=[ActivationQuantization(bits=4, policy="budget", budget_bits=5.0)])
-
-What this file owns (the math is in ``lightning_qcomm.memory`` and the uniform codec):
-
-* validating the typed constructor arguments (a ``ValueError`` names the argument, the value and what is
-  allowed) and building an ``ActivationQuantizer``;
-* attaching it to the LightningModule's modules at fit start, and running it around every training
-  forward: from ``on_train_batch_start`` to ``on_before_backward``; under manual optimization also from
-  after each ``manual_backward`` until the next one or the end of the batch, which includes an
-  ``opt.step()`` called in between (an optimizer step saves nothing for backward, so nothing is quantized
-  there). Never during validation or prediction. A forward left open (a LightningModule whose
-  ``on_train_batch_start`` returns -1 skips ``on_train_batch_end``) is closed at the next batch start and at
-  the end of the epoch;
-* seeds: ``derive_seed(seed, global_step, forward index within the step, global rank, site)``;
-* the budget policy's calibration: after ``calibration_steps`` optimizer steps the per-site statistics
-  are summed over ranks (``strategy.reduce``) so every rank fixes the same plan (ranks that measured a
-  different number of sites raise ``ValueError``); a step in which any rank saw a non-finite gradient (fp16
-  overflow) is rejected (logged) and calibration restarts on the next step. The plan is saved in and
-  restored from checkpoints (``state_dict``; a plan made for another policy or widths is discarded with a
-  warning). Before the plan exists the saves are 8-bit: ``layer_aware``'s first forward and ``budget``'s
-  calibration steps hold about twice the saved-activation bytes of later 4-bit steps;
-* optionally (``grad_storage="fp8_e4m3"`` / ``"fp8_e5m2"``, AGoQ QuanGrad) holding the accumulated gradients
-  in FP8 between the micro-batches of a gradient-accumulation window (``memory.grad_storage``): compressed
-  at the start of the next micro-batch of the same window (``on_train_batch_start``, before its forward;
-  automatic optimization only), restored to fp32 in ``on_before_backward``, so the accumulation itself is
-  fp32, every ``on_after_backward`` / ``on_train_batch_end`` hook still sees ``p.grad``, and the optimizer
-  (and the DDP reduction, which runs in the last backward) see ordinary gradients. ``p.grad`` is None only
-  between a non-first micro-batch's ``on_train_batch_start`` and its ``on_before_backward``;
-* metrics, written by global rank 0 to every logger of the Trainer every ``log_every_n_steps`` optimizer
-  steps (default: ``Trainer(log_every_n_steps)``), rank 0's numbers for the largest forward of the step:
-  ``actq/saved_bytes`` (saved activations as stored), ``actq/baseline_bytes`` (the same saves unquantized),
-  ``actq/ratio`` (= saved / baseline), ``actq/quantized_ratio`` (over the quantized tensors only: the codec's
-  b/32 + scale overhead), ``actq/quantized_tensors``, ``actq/avg_bits``;
-  with FP8 gradient storage also ``actq/grad_stored_bytes`` and ``actq/grad_baseline_bytes`` (the last
-  window's gradients held between micro-batches, FP8 versus as ``p.grad``).
 """
 
 from __future__ import annotations

@@ -1,55 +1,17 @@
-"""CommVolumeLogger: turns the CommLedger into Lightning metrics and an end-of-fit summary, against DDP fp32.
+"""CommVolumeLogger: turns the CommLedger into Lightning metrics and an end-of-fit summary, against DDP fp32
+(Lightning layer; docs/design.md, "Byte accounting").
 
-What it owns:
-
-* **Step boundaries.** It installs a ``CommLedger`` at setup when none is active (``ensure_ledger``) and
-  calls ``ledger.next_step()`` once per optimizer step (``on_train_batch_end`` when ``global_step``
-  advanced). Strategies never call ``next_step``.
-* **The headline baseline: plain DDP in fp32.** Per optimizer step, what DDP's ring all-reduce of the
-  fp32 gradients of the same trainable parameters would send per rank, 2(N-1)/N * 4 * P, with P counted
-  from the model at that step (``requires_grad`` parameters, global sizes under FSDP2). ``vs_ddp`` =
-  bytes sent / that. The per-collective ``ratio`` (each collective against the same collective in fp32)
-  is kept beside it.
-* **Per-step metrics** (this rank's numbers, written to every Lightning logger by rank 0 every
-  ``log_every_n_steps`` optimizer steps). A step's traffic is the ledger's cumulative totals differenced
-  from the first micro-batch of the step to the optimizer step, so evaluation and sanity-check traffic is
-  never charged to a training step (it is in the cumulative and summary numbers):
-
-  ``comm/bytes_sent``, ``comm/ddp_bytes`` (the DDP-fp32 baseline), ``comm/vs_ddp``, ``comm/baseline_bytes``
-  and ``comm/ratio`` (same collective in fp32), ``comm/collectives`` (calls), and since training start
-  ``comm/cum_bytes_sent``, ``comm/cum_ddp_bytes``, ``comm/cum_vs_ddp``, ``comm/cum_baseline_bytes``,
-  ``comm/cum_ratio``, ``comm/scope/<scope>/bytes_sent`` (scope ``intra`` / ``inter``: inside / between nodes,
-  recorded by the hierarchical collectives; ``flat``: a collective over the whole group). With ``per_op``: ``comm/op/<op>/{bytes_sent,baseline_bytes,ratio,collectives}``
-  for each torch.distributed primitive and ``comm/tag/<tag>/...`` for each purpose (grads, weights,
-  param_average, momentum, buffers, control). Under Local SGD also ``comm/syncs`` and ``comm/mean_h``
-  (read from the strategy's ``num_syncs``); under 1-bit Adam ``comm/onebit_compressed`` (0 for a step of
-  the fp32 warm-up, 1 for a step after the optimizer's ``frozen_at``). Both are duck-typed: no import of
-  their classes.
-* **Summary** at the end of training: the totals since training start, summed over all ranks with one
-  all-reduce of a small fp64 tensor (a plain ``torch.distributed`` call, not recorded in the ledger),
-  printed on global rank 0 (``summary_table``, ``summary_doc``) and optionally written as JSON
-  (``summary_file``): the vs-DDP headline for the training steps, Local SGD's syncs and mean H, 1-bit
-  Adam's phase, then the per-collective table, each row split into ``intra MB`` and ``inter MB``
-  (``callbacks.comm_report`` formats it).
-* **Resume.** The totals since training start (all traffic, training-step traffic, the DDP-fp32
-  baseline, steps counted): each rank writes its own to its side file (``parallel.rank_files``) and restores
-  it, so after a resume the header's step count, the summary and ``comm/cum_*`` continue; the checkpoint keeps
-  their sum over ranks (this callback's ``state_dict``, one small all-reduce). With another world size that sum
-  goes to rank 0 (the summary stays right; per-rank numbers restart), logged once.
-
-Plain Lightning strategies record nothing into our ledger, so to report them honestly:
-
-* a strategy defined in ``lightning_qcomm`` records its own collectives: nothing is added;
-* any other strategy whose model is a ``DistributedDataParallel`` (e.g. ``strategy="ddp"``) gets a
-  *counting* DDP communication hook before its first batch: the default all-reduce-and-average hook
-  plus one ledger record per gradient bucket (``all_reduce``, tag ``grads``, bytes = the bucket as DDP
-  sends it), so plain DDP reports vs_ddp 1.0; if the DDP model already has a communication hook, that
-  hook's owner is responsible for recording (lightning_qcomm's own hooks, such as 1-bit Adam's warm-up
-  all-reduce, do; any other hook is named once in an info message);
-* any other multi-process strategy (FSDP, DeepSpeed, ...) is reported as not measured (logged once).
-
-Not counted for any strategy: Lightning's own bookkeeping collectives (metric ``sync_dist``, barriers,
-the initial parameter broadcast).
+It installs a ``CommLedger`` at setup when none is active and calls ``ledger.next_step()`` once per optimizer step
+(strategies never do). The headline baseline is plain DDP in fp32: 2(N-1)/N * 4 * P bytes per rank and step for
+the P trainable elements; ``vs_ddp`` = bytes sent / that, beside the per-collective ``ratio``. A step's traffic is
+the ledger's totals differenced over the step, so evaluation traffic is never charged to training. Metrics
+(``comm/bytes_sent``, ``comm/vs_ddp``, ``comm/cum_*``, ``comm/scope/<scope>/...``, with ``per_op`` also per op and
+tag) are logged by rank 0 every ``log_every_n_steps``; the summary at the end sums every rank (one small
+all-reduce, not in the ledger) and is printed on rank 0 and optionally written as JSON. Totals survive a resume
+(per-rank side files, ``parallel.rank_files``). Strategies of this package record their own collectives; another
+DDP-wrapped strategy gets a counting DDP hook (so plain DDP reports vs_ddp 1.0); any other multi-process strategy
+is reported as not measured. Lightning's own bookkeeping collectives are not counted. The full list of metrics
+and rules: docs/design.md, "Module notes".
 
 Example::
 

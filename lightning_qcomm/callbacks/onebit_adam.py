@@ -1,52 +1,19 @@
-"""OneBitAdamCallback: 1-bit Adam for an existing Lightning project (Lightning layer, docs/design.md "1-bit Adam").
+"""OneBitAdamCallback: 1-bit Adam for an existing Lightning project (Lightning layer; docs/design.md, "1-bit Adam").
+
+At fit start the single Adam/AdamW optimizer is replaced by a ``OneBitAdam`` with the same param groups (LR
+schedulers re-pointed, nested ones too; a user's ``OneBitAdam`` is kept and must agree with the callback's set
+arguments). The gradient side is ``parallel.onebit_adam.OneBitAdamDDP``: an fp32 warm-up average through
+``adapters.onebit.sync.onebit_adam_grad_hook`` (or the model's own hook), then DDP's gradient sync switched off
+once the variance is frozen, the momentum travelling 1-bit. Each rank's 1-bit error buffers go to its side file
+(``parallel.rank_files``); another world size or topology restarts them at zero (logged); the optimizer state is
+kept. ``hierarchical=True``: exact inside a node, 1-bit across nodes.
+
+Requirements (ValueError at setup otherwise): automatic optimization, exactly one optimizer, a DDP-wrapped model
+when more than one process trains, no fp16 ``GradScaler``. The full rules: docs/design.md, "Module notes".
+
+Example::
 
     Trainer(strategy="ddp", callbacks=[OneBitAdamCallback(freeze_step=100)])
-
-What it does (the math is ``optim.OneBitAdam``, the compressed momentum average ``adapters.onebit.sync``):
-
-* **Optimizer.** At ``on_fit_start`` (after the strategy built the optimizer, before a checkpoint's
-  optimizer state is loaded) the single optimizer from ``configure_optimizers`` must be
-  ``torch.optim.Adam``/``AdamW`` or a ``OneBitAdam``. Adam/AdamW is replaced by a ``OneBitAdam`` with
-  the same param groups (lr, betas, eps, weight decay, its decoupled/L2 mode, scheduler keys such as
-  ``initial_lr``); LR schedulers are re-pointed to the new optimizer, nested ones too (the inner
-  schedulers of ``SequentialLR`` / ``ChainedScheduler``); a scheduler that still holds the old optimizer
-  elsewhere is refused (ValueError). This is logged once, and so are Adam settings OneBitAdam does not
-  honour (``fused``, ``foreach``, ``capturable``, ``differentiable``: its step is a plain per-tensor loop). A
-  ``OneBitAdam`` returned by the user is kept; any callback argument that is set (not None) must then
-  agree with it (ValueError otherwise). Unset callback arguments mean OneBitAdam's defaults.
-* **Gradient all-reduce** (``parallel.onebit_adam.OneBitAdamDDP``, the plain-torch recipe, also for Fabric).
-  On a DDP-wrapped model without a comm hook (``strategy="ddp"``, CPU or CUDA) it registers
-  ``adapters.onebit.sync.onebit_adam_grad_hook``: an fp32 average recorded in the ``CommLedger``
-  (tag "grads"). If the model already has a hook (``strategy="quant_ddp"``), that hook keeps
-  carrying the warm-up gradients (compressed by QuantDDP's codec and recorded by it). Once the
-  variance is frozen, before the next forward, DDP's gradient synchronisation is switched off
-  (``require_backward_grad_sync = False``, what ``no_sync()`` does): from then on no gradient bytes
-  move at all, whichever hook is registered; the momentum travels through the 1-bit all-reduce (tag
-  "momentum"). DDP then also stops broadcasting buffers (BatchNorm statistics stay per rank), and
-  ``gradient_clip_val`` clips each rank's *local* gradient (before it enters the momentum), not the
-  average. Auto-freeze's 8-byte max of the variance change is recorded under tag "control", the variance
-  refresh's bf16 all-reduce (every ``variance_refresh`` steps after the freeze) under tag "variance".
-* **Checkpoints.** The optimizer's ``state_dict`` (m, frozen v̂, step counts, freeze step) is saved by
-  Lightning as usual. Each rank writes its own 1-bit error buffers (about 4·d·(1 + 1/N) bytes, d =
-  trainable parameters, only in the compression phase) to its side file next to the checkpoint
-  (``parallel.rank_files``, under any strategy); the checkpoint keeps ``checkpoint["onebit_adam"] =
-  {"world_size": N}``. On resume (``trainer.fit(ckpt_path=...)`` only) each rank restores its own after the
-  optimizer state. With another world size the buffers restart at zero (logged). A checkpoint loaded by
-  ``validate``/``test``/``predict`` is ignored, and each ``fit`` starts without a previous one's loaded buffers.
-
-* **Hierarchical** (``hierarchical=True``, docs/design.md "Topology"): the compressed momentum average only
-  across nodes, exact (fp32) inside a node; ranks per node are Lightning's devices per node unless ``node_size``
-  is given (it must divide the world: ValueError at setup); the groups are made once, at the first setup, with
-  the strategy's timeout. One node or one rank per node: flat, warned once. The warm-up is unchanged. The
-  checkpoint entry records the topology; resuming on another one (2 x 2 -> 4 x 1, or another world size)
-  restarts the error buffers at zero, warned once (the optimizer state is kept).
-
-Requirements (ValueError at setup otherwise): automatic optimization (with ``automatic_optimization =
-False`` Lightning switches DDP's gradient sync back on after every forward); exactly one optimizer; a
-DDP-wrapped model when more than one process trains (not FSDP/QSDP/LocalSGD); no fp16 ``GradScaler``
-(``precision="16-mixed"``): its per-rank inf check would let one rank skip a step the other takes, and
-after the freeze the gradients are local. 32-true, bf16-mixed, bf16-true and 16-true work (for fp16/bf16
-parameters the optimizer keeps its moments in fp32).
 """
 
 from __future__ import annotations

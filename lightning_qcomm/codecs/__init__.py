@@ -1,4 +1,5 @@
-"""Codecs: pure tensor -> Packed -> tensor functions (docs/design.md, "Codecs"). Every layer goes through ``get_codec``.
+"""Codecs: pure tensor -> Packed -> tensor functions (layer 0; docs/design.md, "Codecs", "Layers and files").
+Every layer goes through ``get_codec``.
 
 >>> codec = get_codec("qsgd", bits=4, bucket_size=512)
 >>> packed = codec.encode(x, seed=derive_seed(0, step, rank))

@@ -1,29 +1,23 @@
-"""The codec contract: ``Codec.encode(x, seed) -> Packed`` and ``Codec.decode(Packed) -> Tensor``.
+"""The codec contract: ``Codec.encode(x, seed) -> Packed`` and ``Codec.decode(Packed) -> Tensor`` (docs/design.md,
+"Codecs").
 
-Every codec works on the flattened input split into buckets of ``bucket_size`` elements (the last
-one may be short). Per bucket it computes a few fp32 *scales* that travel with the codes; the codes
-of all elements are bit-packed densely (see ``packing``). The wire size of a tensor of d elements is
+Every codec works on the flattened input split into buckets of ``bucket_size`` elements (the last one may be
+short); per bucket a few fp32 *scales* travel with the densely bit-packed codes (``packing``), so a tensor of d
+elements takes ``nbytes(d) = ceil(d / 8) * bits + ceil(d / B) * scales_per_bucket * 4`` bytes.
 
-    nbytes(d) = ceil(d / 8) * bits  +  ceil(d / B) * scales_per_bucket * 4
+Invariants: a bucket containing NaN or +-Inf gets a NaN scale and decodes non-finite, so compression never makes
+non-finite gradients finite; a finite bucket decodes finite, also at the ends of fp32's range (buckets pre-scaled by
+a power of two, flagged in a scale's sign: ``codecs.scaling``); the codecs work in fp32 (an fp64 input beyond fp32's
+range is +-Inf there). The per-element work has a torch reference here, a C kernel (``kernels/cpu``) and a Triton
+kernel (``lightning_qcomm.kernels``), all given the per-bucket parameters computed by torch, so all give the same
+codes for the same seed. ``encode`` / ``decode`` call the ops ``qcomm::encode`` / ``decode`` (``codecs.ops``),
+whose kernel the dispatcher picks by device, and ``torch.compile`` traces through them; a codec class that is not
+the one registered under its name (``codecs.registry``) may override the math and runs this reference directly.
 
-A bucket containing NaN or +-Inf gets a NaN scale, so its whole decode is non-finite: compression
-never turns non-finite gradients into finite numbers. A finite bucket decodes finite (at most the output
-dtype's largest value), also at the ends of fp32's range: buckets whose parameters would overflow or be
-subnormal are pre-scaled by a power of two, flagged in the sign of one scale (``codecs.scaling``). The codecs
-work in fp32: an fp64 input is rounded to fp32 first, so an fp64 value beyond fp32's range (``abs(x) > 3.4e38``) is
-+-Inf there and its bucket decodes non-finite, as a NaN/Inf one does (the non-finite guards then skip the step).
+Example::
 
-The per-element work (random bits, quantize, pack / unpack, dequantize) has a torch reference here,
-a C kernel (``kernels/cpu``, CPU) and a Triton kernel (``lightning_qcomm.kernels``, CUDA); all take
-the per-bucket parameters computed below by torch, so they produce bit-identical codes for the same seed.
-Those parameters (P per bucket, 1 to 3) are not the wire scales (``scales_per_bucket``): they add the
-pre-scaling factor, its inverse, and the norm codecs' level cap.
-
-``encode`` / ``decode`` call the torch ops ``qcomm::encode`` / ``qcomm::decode`` (``codecs.ops``), whose
-kernel torch's dispatcher picks by device: CPU (``codecs.cpu_fused``: the C passes for large tensors, else
-this reference), CUDA (Triton), any other device (this reference). The ops carry the codec as
-``op_args()``, so ``torch.compile`` traces through them. A codec class that is not the one registered under
-its name (``codecs.registry``) may override the math: it runs this reference directly.
+    codec = get_codec("uniform", bits=8, bucket_size=512)
+    x_hat = codec.decode(codec.encode(x, seed=7))     # unbiased: E[x_hat] == x
 """
 
 from __future__ import annotations
@@ -98,7 +92,8 @@ class Codec(ABC):
     min_bits: int = 1
     max_bits: int = 8
     # Which exact per-bucket statistic the wire scales are a function of, for the fused CPU path (which
-    # computes it in C): "minmax" (lo, hi), "amax" (max |x|), or None (an L2 norm: torch's summation order).
+    # computes it in C): "minmax" (lo, hi), "amax" (max |x|), or None (an L2 norm, qsgd.tree_norm: computed
+    # from the bucket itself).
     scale_statistic: str | None = None
 
     def __init__(self, bits: int, bucket_size: int | None = 512) -> None:

@@ -1,26 +1,18 @@
-"""CPU kernels of the codec ops (``qcomm::encode`` / ``decode`` / ``decode_into``): a few compiled passes
-instead of ~40 eager ops (the 1-bit all-reduce's sign passes: ``codecs.cpu_sign``).
+"""CPU kernels of the codec ops (``qcomm::encode`` / ``decode`` / ``decode_into``): a few compiled passes instead of
+~40 eager ops (docs/design.md, "Registry, ops and kernels"; the 1-bit sign passes: ``codecs.cpu_sign``).
 
-The torch reference (``Codec._scales`` + ``encode_reference`` / ``decode_reference``) stays the spec. On CPU
-tensors of at least ``FUSED_MIN_NUMEL`` elements of a codec with native kernels, the same arithmetic runs in
-the C kernels (``kernels/cpu``, reached as the ``torch.ops.qcomm.c_*`` ops), in two passes for
-encode and one for decode::
+The torch reference (``Codec._scales`` + ``encode_reference`` / ``decode_reference``) stays the spec. On CPU tensors
+of at least ``FUSED_MIN_NUMEL`` elements of a codec with native kernels the same arithmetic runs in the C kernels
+(``kernels/cpu``, the ``torch.ops.qcomm.c_*`` ops): encode in two passes (per-bucket stats, then counter hash,
+quantize and pack), decode in one (unpack, LUT, scale). Smaller tensors, other codecs and
+``LIGHTNING_QCOMM_CPU_FUSED=0`` run the reference; so does everything when the library cannot be built
+(``codecs.native``; logged once).
 
-    encode: per-bucket stats (min, max, max |x|, finiteness) -> wire scales and per-bucket params (torch,
-            on nb-element tensors) -> counter hash, uniform u, quantize, finiteness mask, pack b-bit codes
-    decode: unpack -> LUT[code] -> (lo + LUT[code] * unit) * m (uniform), LUT[code] * scale * m (the others)
-
-(m, and the sigma x is multiplied by before quantizing, are 1 except in the pre-scaled buckets at the ends
-of fp32's range, ``codecs.scaling``.) Smaller tensors, other codecs and ``LIGHTNING_QCOMM_CPU_FUSED=0`` run
-the reference; so does everything when the library cannot be built (``codecs.native``; logged once).
-
-Bit-identical to the reference (tests/test_cpu_fused.py): floor() of a value known to lie in [0, 2^23) is a
-truncating int conversion (exact); the decode LUT is filled by calling the codec's own ``_dequantize`` on the
-2^bits codes with unit params (``LUT[c] * 1 == LUT[c]`` exactly). Scales come from the codec's own
-``_scales`` applied to the exact per-bucket stats (see ``_scales``); L2-norm scales (qsgd, nuqsgd, sign1) are
-still computed by torch, because their rounding depends on torch's summation order. Single-threaded, no
-OpenMP: it runs in the calling thread (the dispatcher releases the GIL), under the caller's floating-point
-environment (e.g. ``torch.set_flush_denormal``), like the reference with one torch thread.
+Invariants: bit-identical to the reference (tests/test_cpu_fused.py): the decode LUT comes from the codec's own
+``_dequantize``; the scales are the codec's own ``_scales`` of exact per-bucket stats (min/max, ``max |x|``) or, for the
+L2-norm codecs (qsgd, nuqsgd, sign1), of ``qsgd.tree_norm``'s fixed pairwise order (its C kernel on CPU), so no
+scale depends on torch's summation order. Single-threaded, in the calling thread, under the caller's
+floating-point environment.
 
 Example::
 
@@ -38,6 +30,7 @@ import weakref
 
 import torch
 
+from lightning_qcomm._log import log_once
 from lightning_qcomm.codecs import native, packing, registry, rng, scaling
 from lightning_qcomm.codecs.kernel_spec import KernelKind
 
@@ -49,14 +42,6 @@ FLT_MAX = torch.finfo(torch.float32).max
 # 2^14 puts QSDP's per-parameter shards and DDP buckets of real models on the fused path.
 FUSED_MIN_NUMEL = 1 << 14
 ENV_SWITCH = "LIGHTNING_QCOMM_CPU_FUSED"  # "0" disables the fused path
-
-_warned: set[str] = set()
-
-
-def _log_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg)
 
 
 def supports(codec) -> bool:
@@ -71,7 +56,8 @@ def use_fused(codec, t: torch.Tensor, numel: int) -> bool:
     if os.environ.get(ENV_SWITCH) == "0":
         return False
     if native.load() is None:
-        _log_once(
+        log_once(
+            log,
             "no-cpu-fused",
             f"lightning_qcomm: fused CPU codecs unavailable ({native.load_error()}); using the torch reference",
         )
@@ -266,8 +252,8 @@ def _scales(codec, x: torch.Tensor) -> torch.Tensor:
     - min/max (uniform) and max |x| (qsgdinf, fp8) do not depend on the reduction order, so the codec's
       own ``_scales`` applied to the stats ((lo, hi) rows, or (amax,) rows) gives the reference's bits (a zero
       min or max becomes +0 there, whatever its sign in the stats);
-    - L2-norm codecs (qsgd, nuqsgd, sign1): the norm's rounding depends on torch's summation order, so
-      ``_scales`` runs on the bucketed tensor as in the reference; only the finiteness pass is fused.
+    - L2-norm codecs (qsgd, nuqsgd, sign1): ``_scales`` runs on the bucketed tensor as in the reference (its norm
+      is ``qsgd.tree_norm``'s fixed order, in one C pass); only the finiteness pass is fused.
     """
     n = x.numel()
     blen = codec.bucket_len(n)

@@ -25,7 +25,14 @@ Example::
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
+
+
+def redo_floor(row_len: int) -> float:
+    """The smallest first-pass norm ``qsgd.l2_norm_rows64`` accepts for rows of ``row_len`` elements: sqrt(n) * 2^-51
+    (the norm kernels read it as ``REDO_FLOOR``)."""
+    return math.sqrt(row_len) * 2.0**-51
 
 
 class KernelKind(enum.IntEnum):

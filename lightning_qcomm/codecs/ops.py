@@ -1,44 +1,18 @@
-"""The codec layer's torch ops, ``torch.ops.qcomm.*``: schemas, fake kernels, and which kernel runs where.
+"""The codec layer's torch ops, ``torch.ops.qcomm.*``: schemas, fake kernels, and which kernel runs where
+(docs/design.md, "Registry, ops and kernels").
 
-A codec travels through the ops as ``Codec.op_args()`` = ``(codec, bits, bucket_size, stochastic)`` (rebuilt
-by ``registry.codec_for_op``); torch's dispatcher picks the kernel by device:
+A codec travels through the ops as ``Codec.op_args()`` = ``(codec, bits, bucket_size, stochastic)`` (rebuilt by
+``registry.codec_for_op``); torch's dispatcher picks the kernel by device: CPU the fused C passes
+(``codecs.cpu_fused``, ``codecs.native``) where they apply, CUDA the Triton kernels (``lightning_qcomm.kernels``),
+any other device the torch reference. The ops: ``encode`` / ``decode`` / ``decode_into``; the C kernels'
+``c_*`` ops (CPU only); the 1-bit ``sign_*`` ops (``codecs.sign_ops``); the rows ops ``encode_rows`` /
+``decode_rows`` / ``decode_rows_into`` (``codecs.rows``); ``decode_rows_sum`` / ``feedback_update`` /
+``feedback_rows`` (``codecs.rows_reduce``, ``codecs.rows_feedback``); the segment ops (``codecs.rows_segments``).
 
-- ``encode``, ``decode``, ``decode_into``: CPU ``cpu_fused`` (the C passes on tensors of at least
-  ``FUSED_MIN_NUMEL`` elements, else the reference); CUDA: Triton (``lightning_qcomm.kernels``): a decode is one
-  launch (decode parameters made from the wire scales in the kernel), an encode two (scales and parameters,
-  then the codes; buckets over ``MAX_BUCKET`` elements: the scales in torch); default (any other device): the torch reference;
-- ``c_encode_codes``, ``c_decode_codes``, ``c_bucket_stats``, ``c_tree_norm``, ``c_uniform_encode``,
-  ``c_uniform_decode``: the C
-  kernels (``kernels/cpu``), CPU only, on flat contiguous tensors given the per-bucket parameters (the uniform ones: the
-  wire scales; what ``cpu_fused`` calls); the encodes'
-  ``offset`` starts the random counter there (a row of a longer tensor coded on its own, ``codecs.rows``);
-- ``sign_encode_err``, ``sign_server_sum``, ``sign_decode`` (``codecs.sign_ops``): CPU the C kernels,
-  default the same arithmetic in torch.
-- ``decode_rows_sum``, ``feedback_update`` (``codecs.rows_reduce``), ``feedback_rows`` (``codecs.rows_feedback``): a
-  compressed all-reduce's server step (N rows decoded and summed, torch's order or rank order) and error-feedback
-  tail (given the decoded values, or the payloads, decoded in the kernel); CPU the eager ops, CUDA one Triton
-  launch each.
-- ``encode_segments``, ``decode_segments_into``, ``decode_segments_sum`` (``codecs.rows_segments``): rows of
-  quantized and raw segments (QSDP's wire rows); CPU a codec door per segment, CUDA the Triton segment kernels
-  (two launches to encode, one to decode or sum).
-- ``encode_rows``, ``decode_rows``, ``decode_rows_into`` (``codecs.rows``): R rows of n elements, row j coded as
-  a tensor of its own with seed j; CPU the C pass per row (rows of the fused path's size) or the codec's hooks
-  over all rows' buckets at once (encode) / one flat decode; CUDA the Triton rows kernels (``rows_kernel``: two
-  launches to encode, buckets up to ``MAX_BUCKET``; one to decode), else what the CPU runs.
-
-The C kernels are registered when ``codecs.native`` loads the library (on the first fused use); the fake
-kernels give the output shapes, so ``torch.compile`` traces ``Codec.encode`` / ``decode`` without a graph
-break. Codecs without native kernels (``register_codec(kernels=False)``) run the reference on every device.
-
-    encode(Tensor x, str codec, int bits, int? bucket_size, bool stochastic, int seed) -> (codes, scales)
-    decode(Tensor codes, Tensor scales, int numel, <codec>) -> Tensor        (flat fp32)
-    decode_into(Tensor codes, Tensor scales, <codec>, ScalarType dtype, Tensor(a!) out) -> ()
-    encode_rows(Tensor rows, int[] seeds, <codec>) -> Tensor                  ((R, nbytes(n)) uint8)
-    decode_rows(Tensor wire, int n, <codec>) -> Tensor                       ((R, n) fp32)
-    decode_rows_into(Tensor wire, int n, <codec>, Tensor(a!) out) -> ()
-
-``seed`` (and every one of ``seeds``) is ``rng.signed_seed(seed)`` (the 64-bit seed as an int64). ``LIGHTNING_QCOMM_DISABLE_TRITON=1`` makes
-the CUDA kernels use the reference; without Triton they do too, and say so once.
+Invariants: every kernel gives the reference's bits; the fake kernels give the output shapes, so
+``torch.compile`` traces ``Codec.encode`` / ``decode`` without a graph break; ``seed`` is ``rng.signed_seed``'s
+int64; codecs without native kernels run the reference everywhere; ``LIGHTNING_QCOMM_DISABLE_TRITON=1`` (or no
+Triton, said once) makes CUDA use the reference. Schemas and per-op kernels: docs/design.md, "Module notes".
 
 Example::
 
@@ -54,6 +28,7 @@ import os
 
 import torch
 
+from lightning_qcomm._log import log_once
 from lightning_qcomm.codecs import (  # noqa: F401
     cpu_fused,
     packing,
@@ -70,7 +45,6 @@ from lightning_qcomm.codecs import (  # noqa: F401
 from lightning_qcomm.codecs.kernel_spec import C_SPEC_SCHEMA
 
 log = logging.getLogger(__name__)
-_warned: set[str] = set()
 _CODEC = "str codec, int bits, int? bucket_size, bool stochastic"
 
 _lib = torch.library.Library("qcomm", "DEF")
@@ -133,12 +107,6 @@ def decode_into_reference(codes, scales, codec: str, bits: int, bucket_size, sto
 
 
 # ---------------------------------------------------------------------------------------------- CUDA: Triton
-def _log_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg)
-
-
 def _triton_for(c, device: torch.device) -> bool:
     """True when the Triton kernels should do the element-wise work of codec ``c`` on ``device``: Triton is
     installed, not disabled, and passed its first-use check there (``codecs.triton_probe``)."""
@@ -147,7 +115,9 @@ def _triton_for(c, device: torch.device) -> bool:
     from lightning_qcomm import kernels
 
     if not kernels.HAS_TRITON:
-        _log_once("no-triton", "lightning_qcomm: Triton is not available; CUDA tensors use the torch reference codecs")
+        log_once(
+            log, "no-triton", "lightning_qcomm: Triton is not available; CUDA tensors use the torch reference codecs"
+        )
         return False
     return triton_probe.triton_works(c, device)
 

@@ -26,14 +26,13 @@ below one gap).
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 
 from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
-from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec
+from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec, redo_floor
 from lightning_qcomm.codecs.registry import register_codec
 
 # The C kernel's clamp of qsgd's scaled magnitude |x| s / n: above s + 1 (s <= 127), so it changes no level.
@@ -48,11 +47,6 @@ def float_exponent(r: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.T
 def exp2_int(e: torch.Tensor) -> torch.Tensor:
     """2**e as fp32, exactly, for integer e in [-126, 127], built from the exponent bits."""
     return ((e + 127).to(torch.int32) << 23).view(torch.float32)
-
-
-def redo_floor(row_len: int) -> float:
-    """The smallest first-pass norm ``l2_norm_rows64`` accepts for rows of ``row_len`` elements: sqrt(n) * 2^-51."""
-    return math.sqrt(row_len) * 2.0**-51
 
 
 def _c_tree_norm() -> bool:
@@ -79,12 +73,6 @@ def tree_norm(xb: torch.Tensor) -> torch.Tensor:
     while sq.shape[1] > 1:
         sq = sq[:, 0::2] + sq[:, 1::2]
     return sq[:, 0].double().sqrt().to(torch.float32)
-
-
-def l2_norm_rows(xb: torch.Tensor) -> torch.Tensor:
-    """``||row||_2`` of each row of fp32 ``xb``, with no fp32 underflow or overflow of the squares (fp32; inf
-    where the norm itself exceeds FLT_MAX). See ``l2_norm_rows64``."""
-    return l2_norm_rows64(xb)[0]
 
 
 def l2_norm_rows64(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,36 +1,19 @@
-"""R payloads of one codec in a fixed number of torch ops: the rows form of the codec layer (docs/design.md,
-"Collectives"), the door the chunked collectives code their rows through.
+"""R payloads of one codec in a fixed number of torch ops: the rows form of the codec layer, the door the chunked
+collectives code their rows through (docs/design.md, "Registry, ops and kernels").
 
-A chunked collective codes an (R, n) matrix row by row: row j is its own tensor for the codec (buckets
-restart at the row start, the last one may be short, the random counter restarts at 0) with its own seed,
-and travels as ``codec.encode(row_j, seed_j).to_bytes()``. Calling the codec once per row costs O(R) calls,
-each a few dozen kernel launches on a GPU. Here
+Row j of an (R, n) matrix is its own tensor for the codec (buckets restart at the row start, the random counter at
+0) with its own seed::
 
     encode_rows(codec, rows, seeds)[j] == codec.encode(rows[j], seeds[j]).to_bytes()      (bit for bit)
     decode_rows(codec, wire, n)[j]     == codec.decode(codec.from_bytes(wire[j], (n,), fp32))
 
-are computed in a number of torch ops that does not depend on R, as the torch ops (``codecs.ops``)::
-
-    encode_rows(Tensor rows, int[] seeds, str codec, int bits, int? bucket_size, bool stochastic) -> Tensor
-    decode_rows(Tensor wire, int n, <codec>) -> Tensor                       ((R, n) fp32)
-    decode_rows_into(Tensor wire, int n, <codec>, Tensor(a!) out) -> ()
-
-``seeds``: one ``rng.signed_seed`` per row (the 64-bit seeds as int64s; their keys reach a CUDA kernel through
-pinned memory, queued: no host sync). The functions below hold a ``Codec`` and call the ops (a codec class the
-registry does not carry runs the same bodies directly); the dispatcher picks the kernel by device:
-
-* **decode** goes through the codec's public ``decode`` once: the rows' codes are laid out as one tensor
-  whose every row is padded to a whole number of buckets (a repack of the codes when n is not a multiple of
-  the bucket and of 8), so the codec's bucket i is row i // nb's bucket i % nb; the padding is cut away.
-  The codec then dispatches as usual (Triton on CUDA, the fused C path on large CPU tensors). On CPU, rows
-  large enough for the fused C path that would need the repack decode one C call each; on CUDA the Triton rows
-  kernel decodes every row in one launch (``codecs.ops.rows_kernel``).
-* **encode**: ``codecs.rows_encode`` (the Triton rows kernels on CUDA, buckets up to ``MAX_BUCKET``; the C pass per row
-  on large CPU rows; else the codec's math hooks over all rows' buckets at once).
-
-Rows of whole, byte-aligned buckets can also travel as one flat tensor: ``encode_flat`` (one codec call with
-one seed, the random counter running on across rows), or on the fused CPU path row by row,
-``encode_flat_row_into`` (row j of it from row j alone: no contiguous copy of all rows).
+in a number of torch ops that does not depend on R, as the ops ``qcomm::encode_rows`` / ``decode_rows`` /
+``decode_rows_into`` (``codecs.ops``). ``seeds``: one ``rng.signed_seed`` per row; on CUDA their keys travel
+through pinned memory, queued (no host sync). Decode goes through the codec's public ``decode`` once over the rows
+laid out bucket-aligned (on CUDA the Triton rows kernel, one launch); encode is ``codecs.rows_encode``. Rows of
+whole, byte-aligned buckets can also travel as one flat tensor with one seed (``encode_flat``). A caller that
+writes rows one at a time into its own buffer asks ``row_at_a_time`` and calls ``encode_row``: the fused C pass
+is chosen here, not by the caller. Details: docs/design.md, "Module notes".
 
 Example::
 
@@ -52,8 +35,10 @@ from lightning_qcomm.codecs.rows_encode import (
     _layout,
     c_pass_available,
     encode_flat_row_into,
+    encode_row,
     encode_row_into,
     encode_rows_body,
+    row_at_a_time,
     row_bucketed,
     rows_one_by_one,
 )
@@ -280,8 +265,10 @@ __all__ = [
     "decode_rows_into",
     "encode_flat",
     "encode_flat_row_into",
+    "encode_row",
     "encode_row_into",
     "encode_rows",
+    "row_at_a_time",
     "row_bucketed",
     "rows_one_by_one",
 ]

@@ -1,26 +1,16 @@
-"""The rows encode of the codec layer: R rows of one codec, row j with its own seed, in a number of torch ops
-that does not depend on R (the kernels of ``qcomm::encode_rows``; ``codecs.rows`` is the door and the decode).
+"""The rows encode of the codec layer: R rows of one codec, row j with its own seed, in a number of torch ops that
+does not depend on R (the kernels of ``qcomm::encode_rows``; ``codecs.rows`` is the door and the decode;
+docs/design.md, "Registry, ops and kernels").
 
     encode_rows(rows, seeds)[j] == codec.encode(rows[j], seeds[j]).to_bytes()      (bit for bit)
 
-Row j is its own tensor for the codec: buckets restart at the row start (the last one may be short), the random
-counter restarts at 0, keyed by seed j. The kernels (``encode_rows_cpu`` / ``_cuda`` / ``_reference``, one body):
-
-* **CUDA**: the Triton rows kernels (``codecs.ops.rows_kernel``; buckets up to ``MAX_BUCKET``): every row's scales
-  in one launch, every row's codes in another, both straight into the payloads; the seeds' keys travel through pinned memory,
-  queued (``_row_keys``), so no host sync;
-* **CPU**: rows large enough for the fused C path keep one C pass per row (``rows_one_by_one``): there is no
-  launch to save and the C pass is faster than the eager ops; ``encode_row_into`` writes a row's payload where
-  the caller wants it, the codes straight from the C pass (any row length: ``c_pass_available``);
-* **otherwise** the codec's own math hooks run once over all rows' buckets (``_scales``, ``_encode_params``,
-  ``_quantize``; the uniform codec's last-bucket rule per row) with the per-row random bits of ``codecs.rng``
-  keyed per row, in blocks of whole buckets that bound the temporaries. Deterministic codecs on rows of whole,
-  byte-aligned buckets take one public ``encode`` call instead. A codec class this module does not know is
-  coded row by row (logged once).
-
-Rows of whole, byte-aligned buckets can also travel as one flat tensor coded with one seed, the random counter
-running on across rows (``rows.encode_flat``); on the fused CPU path row j of it comes from row j alone
-(``encode_flat_row_into``: no contiguous copy of all rows).
+The kernels (``encode_rows_reference`` on CPU and other devices, ``encode_rows_cuda``, ``encode_rows_fake``; one
+body, ``encode_rows_body``): on CUDA the Triton rows kernels (``codecs.ops.rows_kernel``; buckets up to
+``MAX_BUCKET``), every row's scales in one launch and its codes in another, keys through pinned memory (no host
+sync); on CPU rows large enough for the fused C path take one C pass per row (``rows_one_by_one``;
+``encode_row_into`` writes one row's payload where the caller wants it); otherwise the codec's math hooks run once
+over all rows' buckets, in blocks that bound the temporaries (a codec class this module does not know is coded
+row by row, logged once). ``encode_flat_row_into``: row j of a flat-coded matrix from row j alone.
 
 Example::
 
@@ -38,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_qcomm._log import log_once
 from lightning_qcomm.codecs import cpu_fused, packing, registry, rng, scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.fp8 import FP8Codec
@@ -54,13 +45,6 @@ _BATCHED = (UniformCodec, QSGDCodec, QSGDInfCodec, NUQSGDCodec, FP8Codec, SignCo
 _FLAT_DETERMINISTIC = (FP8Codec, SignCodec)
 _BLOCK_NUMEL = {"cpu": 1 << 18, "default": 1 << 22}  # elements per block of the batched element-wise encode
 _INT32_COUNTERS = 1 << 31
-_logged: set[str] = set()
-
-
-def _log_once(key: str, msg: str) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.warning(msg)
 
 
 def _check_rows(rows: torch.Tensor) -> None:
@@ -148,6 +132,19 @@ def encode_flat_row_into(codec: Codec, rows: torch.Tensor, j: int, seed: int, ou
     return out
 
 
+def row_at_a_time(codec: Codec, rows: torch.Tensor, batch_max_numel: int) -> bool:
+    """Whether the (R, n) ``rows`` are coded one row at a time into the caller's buffer (``encode_row``): on CPU,
+    rows of the fused path's size (``rows_one_by_one``), or more than ``batch_max_numel`` elements in all where the
+    C pass codes rows of any length (``c_pass_available``), so no temporary grows with R."""
+    return rows_one_by_one(codec, rows) or (rows.numel() > batch_max_numel and c_pass_available(codec, rows.device))
+
+
+def encode_row(codec: Codec, rows: torch.Tensor, j: int, seed: int, out: torch.Tensor, flat: bool) -> torch.Tensor:
+    """``out`` <- row j's payload, bit for bit, where ``row_at_a_time`` holds: ``codec.encode(rows[j], seed)``, or
+    with ``flat`` row j of ``encode_flat(codec, rows, seed)`` (``encode_row_into`` / ``encode_flat_row_into``)."""
+    return (encode_flat_row_into if flat else encode_row_into)(codec, rows, j, seed, out)
+
+
 def _per_row(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
     out = torch.empty(rows.shape[0], codec.nbytes(rows.shape[1]), dtype=torch.uint8, device=rows.device)
     for j, s in enumerate(seeds):
@@ -169,7 +166,8 @@ def encode_rows_body(codec: Codec, rows: torch.Tensor, seeds: Sequence[int], tri
     if rows_one_by_one(codec, rows):
         return _per_row(codec, rows, seeds)
     if type(codec) not in _BATCHED or n >= _INT32_COUNTERS:
-        _log_once(
+        log_once(
+            log,
             f"rows-{type(codec).__qualname__}",
             f"lightning_qcomm: {type(codec).__qualname__} rows are encoded one codec call per row "
             "(codecs.rows batches the built-in codec classes only)",
@@ -275,11 +273,13 @@ def encode_rows_fake(rows, seeds, codec: str, bits: int, bucket_size: int | None
 __all__ = [
     "c_pass_available",
     "encode_flat_row_into",
+    "encode_row",
     "encode_row_into",
     "encode_rows_body",
     "encode_rows_cuda",
     "encode_rows_fake",
     "encode_rows_reference",
     "row_bucketed",
+    "row_at_a_time",
     "rows_one_by_one",
 ]

@@ -1,12 +1,11 @@
 """The error-feedback tail of a compressed all-reduce read from the payloads just encoded, a torch op of the codec
-layer (docs/design.md, "Collectives")::
+layer (docs/design.md, "Launches per bucket and host syncs")::
 
     feedback_rows(Tensor y, Tensor wire, int n, <codec>, Tensor reduced, Tensor held, int start, float k,
                   ScalarType held_dtype, Tensor(a!) err) -> ()
 
 Exactly ``feedback_update(y, dec, reduced, held, start, k, held_dtype, err)`` (``codecs.rows_reduce``) with
-``dec = decode_rows(codec, wire, n).view(-1)[:m]``, m = y.numel() and (R - 1) n < m <= R n for the R payloads
-of ``wire``: with c = ``reduced.numel()``,
+``dec = decode_rows(codec, wire, n).view(-1)[:m]``, m = y.numel(), (R - 1) n < m <= R n; with c = ``reduced.numel()``::
 
     new[i] = y[i] - D(wire)[i]                                   (i < m, row i // n, element i % n)
     new[start:start+c] += (reduced - held[start:start+c] rounded through held_dtype) * k      (clipped to m)
@@ -14,10 +13,9 @@ of ``wire``: with c = ``reduced.numel()``,
 
 CPU (and any device but CUDA): the eager decode and ``feedback_update_reference``. CUDA: one Triton launch
 (``kernels.cuda.reduce_kernels.feedback_rows``) where the rows decode kernel takes the codec and every operand is
-contiguous fp32 and 1-D: each element decoded in registers with the rows decode's own operations (the same bits,
-no FMA contraction), so no decoded tensor is written or read; else the rows decode then ``feedback_update``'s
-CUDA kernel (two launches). Checked once per (codec, device) against the eager ops before first use
-(``codecs.triton_probe``).
+contiguous 1-D fp32, each element decoded in registers with the rows decode's own operations (the same bits, no
+decoded tensor); else the rows decode then ``feedback_update`` (two launches). Checked once per (codec, device)
+against the eager ops before first use (``codecs.triton_probe``).
 
 Example::
 

@@ -1,33 +1,16 @@
 """The server step and the error-feedback tail of a compressed all-reduce as torch ops of the codec layer, one
-launch each on CUDA (docs/design.md, "Collectives")::
+launch each on CUDA (docs/design.md, "Launches per bucket and host syncs")::
 
     decode_rows_sum(Tensor wire, int n, <codec>, bool avg, bool rank_order=False) -> Tensor           ((n,) fp32)
     feedback_update(Tensor y, Tensor dec, Tensor reduced, Tensor held, int start, float k,
                     ScalarType held_dtype, Tensor(a!) err) -> ()
 
-**decode_rows_sum**: S = sum_r D(wire[r]) over the R payloads of n elements in ``wire`` (``avg``: S / R), exactly
-the eager ``decode_rows(codec, wire, n).sum(dim=0)`` (then ``/= R``) on the device it runs on. CPU (and any device
-but CUDA): those very ops (torch's CPU ``sum(dim=0)`` adds a column's rows in rank order from +0.0 for R <= 4;
-for more rows its order depends on the column's place in its vectorized blocks, so the ops are kept, not
-rewritten). CUDA: one Triton launch (``kernels.cuda.reduce_kernels``) reproducing torch's CUDA sum for
-R <= ``MAX_SUM_ROWS`` and n >= 2 (one thread per column: four running sums, row r into sum r % 4, then
-((s0 + s1) + s2) + s3) and its ``/=`` by a Python number (times fl(1/R)); more rows, rows of one element (then
-torch reduces R contiguous values across threads, in another order), or rows the Triton rows kernels do not take
-run the eager ops. ``rank_order``: S = ((D(wire[0]) + D(wire[1])) + D(wire[2])) + ..., one rounding per addition
-from row 0 (not from +0.0: all rows -0.0 sum to -0.0), as the 1-bit sync's reference loop (``collectives.
-sign_batched``); eager ops: that loop; CUDA: one launch for any R (the kernel's rows loop is not unrolled).
-``avg`` as above: ``/= R`` eagerly, times fl(1/R) in the kernel (CUDA's ``/=``; on CPU the same bits for
-R = 1, 2, 4, 8, ...).
-
-**feedback_update**: the residual of one piece and its write where finite, as ``collectives.quantized`` computed it
-in eager ops: with ``new = y - dec`` (n values) and c = ``reduced.numel()``,
-
-    new[start:start+c] += (reduced - held[start:start+c] rounded through held_dtype) * k      (clipped to n)
-    err <- new where new is finite (new - new == 0), else err unchanged
-
-(``held_dtype`` bf16 / fp16: the fp32 values rounded to that dtype and back, as x finally holds them). CUDA: one
-Triton launch for fp32 ``err`` (all operands contiguous fp32), else the eager ops. ``codecs.rows_feedback``'s
-``feedback_rows`` is this tail with ``dec`` decoded from the payloads inside the kernel.
+``decode_rows_sum``: the sum of the R payloads' decodes (``avg``: over R), exactly the eager
+``decode_rows(...).sum(dim=0)`` (then ``/= R``) on the device it runs on; ``rank_order``: row 0, + row 1, ..., one
+rounding each. ``feedback_update``: new = y - dec plus the requantization term on this rank's chunk, written to
+``err`` where finite. CPU (and any device but CUDA): the eager ops themselves. CUDA: one Triton launch
+(``kernels.cuda.reduce_kernels``) that reproduces torch's CUDA sum order and ``/=`` where it applies, else the
+eager ops. The orders and limits: docs/design.md, "Module notes".
 
 Example::
 

@@ -1,5 +1,5 @@
-"""Segmented rows: R rows of one layout, each row a concatenation of segments, each quantized with the codec as a
-tensor of its own or carried raw (docs/design.md, "QSDP"), as torch ops of the codec layer::
+"""Segmented rows: R rows of one layout, each row a concatenation of segments, each quantized as a tensor of its
+own or carried raw (docs/design.md, "QSDP"), as torch ops of the codec layer::
 
     encode_segments(Tensor rows, int[] numels, bool[] quantized, int[] seeds, <codec>, Tensor(a!) out) -> ()
     decode_segments_into(Tensor wire, int[] numels, bool[] quantized, <codec>, ScalarType wire_dtype,
@@ -7,22 +7,12 @@ tensor of its own or carried raw (docs/design.md, "QSDP"), as torch ops of the c
     decode_segments_sum(Tensor wire, Tensor rows, int own, int[] numels, bool[] quantized, <codec>,
                         Tensor(a!) out) -> ()
 
-The wire row is ``[seg_0 | seg_1 | ...]``: a quantized segment of n elements is ``codec.encode(x, seed).to_bytes()``
-(``codec.nbytes(n)`` bytes), a raw one its n elements' bytes in the rows' dtype. Quantized segment k has the seed
-``seeds[k']`` (k': its rank among the quantized segments). Its R rows are coded as one flat tensor of R n elements,
-the random counter running on across rows (``rows.encode_flat``), when R = 1 or n is a whole number of buckets
-and of 8 (``flat_coded``); else row r as a tensor of its own with ``derive_seed(seeds[k'], r)``. So::
-
-    encode_segments(rows)[r, segment k] == encode_flat(codec, rows[:, k], seed_k)[r]   (or encode_rows', bit for bit)
-    decode_segments_into(wire) == each segment decoded (``rows.decode_rows_into``), raw bytes widened exactly
-    decode_segments_sum(wire, rows, own) == sum over rows j = 0, 1, ... in that order (fp32, one rounding each) of
-        row j decoded, row ``own`` taken exact from ``rows[own]``; written to ``out`` rounded once to its dtype
-
-Kernels: any device but CUDA the reference (a codec door per segment); CUDA, where the Triton kernels take the
-codec (``kernels.cuda.segment_kernels``; ``segments_kernel``): every segment of every row in two launches to
-encode (scales, then codes and raw bytes) and one to decode or to sum, straight into FSDP's buffers. The table of
-the layout is uploaded once per (layout, device); each encode sends its (row, segment) keys through pinned memory,
-queued: no host sync.
+The wire row is ``[seg_0 | seg_1 | ...]``: a quantized segment of n elements is ``codec.encode(x, seed).to_bytes()``,
+a raw one its bytes in the rows' dtype. A quantized segment's R rows are one flat tensor with one seed when R = 1 or
+n is a whole number of buckets and of 8 (``flat_coded``), else row r with ``derive_seed(seed, r)``. The sum adds
+rows 0, 1, ... in fp32 (one rounding each), row ``own`` exact from ``rows``, rounded once into ``out``. Kernels:
+any device but CUDA a codec door per segment; CUDA the Triton segment kernels (``segments_kernel``: two launches
+to encode, one to decode or sum), keys through pinned memory, no host sync. Details: docs/design.md, "Module notes".
 
 Example::
 
@@ -42,7 +32,7 @@ import torch
 from lightning_qcomm.codecs import registry, rng
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.kernel_spec import KernelKind
-from lightning_qcomm.codecs.rows import decode_rows_into, encode_flat, encode_rows
+from lightning_qcomm.codecs.rows import c_pass_available, decode_rows_into, encode_flat, encode_rows
 
 _INT32 = 1 << 31
 _COUNT_FREE = (KernelKind.UNIFORM, KernelKind.FP8)  # scales that do not depend on a tensor's length past count
@@ -151,6 +141,12 @@ def segments_kernel(codec: Codec, t: torch.Tensor, numels, quantized, r: int, dt
     if not (codec.kernel_spec().kind in _COUNT_FREE or all(n >= b for n, q in zip(numels, quantized) if q)):
         return False
     return _kernels_work(codec, t.device, dtype)
+
+
+def segments_fused(codec: Codec, t: torch.Tensor, numels, quantized, r: int, dtype: torch.dtype) -> bool:
+    """Whether R rows of this layout on ``t``'s device take the segment kernels: no fused C pass there (CPU keeps
+    its row loop: ``rows.c_pass_available``) and ``segments_kernel``."""
+    return not c_pass_available(codec, t.device) and segments_kernel(codec, t, numels, quantized, r, dtype)
 
 
 def _kernels_work(codec: Codec, device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,4 +1,4 @@
-"""The compressed collectives and their engine (docs/design.md: "Collectives").
+"""The compressed collectives and their engine (layer 2; docs/design.md: "Layers and files", "Collectives").
 
 By responsibility: ``engine`` (one pipelined two-phase exchange, parameterised by a reducer), ``quantized``
 (all-gather, reduce-scatter, all-reduce of a codec), ``sign_collective`` and ``sign_batched`` (the 1-bit

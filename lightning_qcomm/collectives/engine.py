@@ -1,33 +1,16 @@
-"""The pipelined two-phase exchange every compressed all-reduce runs (collectives layer).
+"""The pipelined two-phase exchange every compressed all-reduce runs (collectives layer; docs/design.md,
+"Pieces, overlap and the consistency check").
 
-A compressed all-reduce over N ranks moves each unit of work (a piece of the input, or a group of equal pieces)
-through two collectives, with the math of the unit in a *reducer*:
-
-1. ``reducer.encode(u)``: this rank's payloads for every rank j, row j for rank j; ``all_to_all_single``;
-2. ``reducer.reduce(u, recv)``: from the N rows received (row r from rank r) the payload of this rank's reduced
-   chunk; ``all_gather_single``;
-3. ``reducer.decode(u, gathered)``: the result of the unit from the N reduced chunks, identical on every rank;
-
-and ``reducer.finish()`` once every unit is decoded (error buffers move on there). The engine alone decides the
-order of the collectives and of the reducers' calls, so every reducer issues the same collectives in the same
-order on every rank:
-
-* every unit's all-to-all is issued, asynchronously, as soon as the unit is encoded;
-* unit k is reduced and its all-gather issued once its all-to-all is done, while later units are on the wire;
-* units are decoded in order once their all-gathers are done; the input is read whole (step 1 of every unit)
-  before any unit's result is written (step 3), so a reducer may decode into the input's own storage.
-
-Two blocking phases in a row would leave the link idle between them (BENCHMARKS.md §3, "Why two blocking phases
-lose the link"). The send and receive buffers of step 1 are freed before the first decode.
-
-Reducers: the plain fp32 sum with error feedback (``collectives.quantized``), the 1-bit average with worker and server
-error, per piece (``collectives.sign_collective``: the reference and the fused CPU passes) or as one batch of pieces
-(``collectives.sign_batched``).
-
-The reduce-scatter and the all-gather are each one phase of the same exchange, so they run its two halves alone:
-``run_reduce_scatter`` (encode, all-to-all, reduce: the quantized reduce-scatter's plain sum, QSDP's sum with the
-own row exact) and ``run_all_gather`` (encode, all-gather, decode: the quantized all-gather, QSDP's weights).
-Their transfers are blocking, cut into concurrent column pieces on CPU/gloo (``comm.transport``).
+Each unit of work goes through two collectives, its math in a *reducer*: ``reducer.encode(u)`` (row j for rank j;
+``all_to_all_single``), ``reducer.reduce(u, recv)`` (this rank's reduced chunk; ``all_gather_single``),
+``reducer.decode(u, gathered)`` (the unit's result, identical on every rank), and ``reducer.finish()`` once every
+unit is decoded. The engine alone orders the collectives and the reducers' calls, so every rank issues the same
+collectives in the same order: every all-to-all is issued as soon as its unit is encoded, unit k is reduced while
+later units are on the wire, units decode in order, and the input is read whole before any result is written (a
+reducer may decode into the input's storage). Reducers: ``collectives.quantized`` (fp32 sum with error feedback),
+``collectives.sign_collective`` and ``collectives.sign_batched`` (the 1-bit average). ``run_reduce_scatter`` and
+``run_all_gather`` run one half each (QSDP's collectives), their transfers cut into concurrent pieces on gloo
+(``comm.transport``). Why two blocking phases lose the link: BENCHMARKS.md §3.
 
 Example::
 

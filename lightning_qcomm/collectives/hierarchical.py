@@ -1,30 +1,15 @@
-"""Hierarchical all-reduce: exact inside a node, compressed only across nodes (collectives layer).
+"""Hierarchical all-reduce: exact inside a node, compressed only across nodes (collectives layer; docs/design.md,
+"Topology").
 
-With M nodes of L ranks (``comm.topology``), a flat tensor x of d elements on every rank, c = ceil(d / L):
-
-1. intra-node reduce-scatter, fp32, SUM: the rank with local index l gets its node's exact sum of chunk l,
-   s_l = Σ_{ranks of the node} x[l·c : (l+1)·c]  (zero-padded);
-2. inter-node: ``quantized_all_reduce(s_l, codec, group=inter, op="sum")`` among the M ranks with local index
-   l (one per node), precision preserving: S_l = Σ_nodes D(Q(s_l)) summed in fp32, requantized, identical on
-   those M ranks; error feedback, if given, keeps this rank's residual of its c-element shard;
-3. intra-node all-gather of the L fp32 shards: x ← concat_l S_l [:d], divided by M·L for ``op="avg"``.
-
-So each compressed byte crosses the slow links once: per node, the inter-node wire bytes are 1/L of a flat
-compressed all-reduce's (whose all-to-all sends (N − L)/(N − 1) of its chunks off the node). The result is
-identical on every rank. ``codec=None`` makes step 2 a plain fp32 all-reduce: the result then equals a flat
-fp32 all-reduce up to the order of the fp32 additions.
-
-``hierarchical_onebit_all_reduce`` is the same three steps around 1-bit Adam's error-compensated average
-(``onebit_all_reduce``): step 2 averages the node means s_l / L over the inter group, with this rank's worker
-and server errors of its c-element shard, so the compressed (1-bit) momentum crosses only the slow links and
-the average inside a node is exact.
-
-``ParamShards`` lays a vector of several tensors out so that each rank's shard holds a fixed piece of every
-tensor (``QuantDDP``'s buckets): a per-rank residual of its shard is then kept per tensor (by parameter name),
-whatever bucket the tensor travels in.
-
-Ledger: steps 1 and 3 are recorded under ``f"{tag}@intra"``, step 2 under ``f"{tag}@inter"`` (the scopes of
-``comm.ledger.scope_of``).
+With M nodes of L ranks and c = ceil(d / L): (1) an fp32 reduce-scatter inside the node gives local rank l its
+node's exact sum s_l of chunk l; (2) ``quantized_all_reduce(s_l, codec, group=inter, op="sum")`` among the M ranks
+of local index l (precision preserving; error feedback keeps this rank's residual of its shard); (3) an fp32
+all-gather inside the node, divided by M·L for ``op="avg"``. Each compressed byte crosses the slow links once; the
+result is identical on every rank; ``codec=None`` equals a flat fp32 all-reduce up to the order of the additions.
+``hierarchical_onebit_all_reduce`` runs the same three steps around ``onebit_all_reduce`` (the node means averaged
+1-bit across nodes). ``ParamShards`` lays several tensors out so each rank's shard holds a fixed piece of every
+tensor (per-parameter residuals whatever the bucket). Ledger: steps 1 and 3 under ``f"{tag}@intra"``, step 2 under
+``f"{tag}@inter"``.
 
 Example::
 

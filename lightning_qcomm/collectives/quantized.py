@@ -1,28 +1,17 @@
-"""The quantized collectives: all-gather, reduce-scatter and the precision-preserving all-reduce (collectives layer).
+"""The quantized collectives: all-gather, reduce-scatter and the precision-preserving all-reduce (collectives layer;
+docs/design.md, "Collectives").
 
-This file owns the process logic that moves codec payloads between ranks; the math of each codec lives in
-``lightning_qcomm.codecs``, the bytes' transport in ``comm.transport``, the per-call cross-rank check in
-``collectives.call_check`` and the byte accounting in ``comm.ledger`` (docs/design.md, "Collectives").
+The process logic that moves codec payloads between ranks; the codecs' math is ``lightning_qcomm.codecs``, the
+transport ``comm.transport``, the per-call cross-rank check ``collectives.call_check`` (``check=True``: one 64-byte
+all-gather per call), the byte accounting ``comm.ledger``.
 
-Seeds: a caller passes ``seed`` (fold step and tensor id into it with ``codecs.derive_seed``). Internally
-the chunk rank r encodes for rank j in phase 1 uses ``derive_seed(seed, 1, r, j)`` and the reduced chunk
-j (encoded by rank j) uses ``derive_seed(seed, 2, j)``; the all-gather shard of rank r uses
-``derive_seed(seed, r)``. Every rank decodes every chunk, its own included, from the same bytes, so the
-results of ``quantized_all_gather`` and ``quantized_all_reduce`` are bit-identical on all ranks.
-
-Consistency check (``check=True``, the default): ``collectives.call_check``; one 64-byte all-gather per call.
-
-World size 1 (or torch.distributed not initialised, which is treated as a world of one): no
-torch.distributed call is made, the ledger records zero wire bytes, and the result is exactly what N
-ranks would compute with one rank: the quantized round trip(s) of the input (codec=None: the input).
-
-Non-finite input: a codec bucket holding NaN/Inf decodes entirely to NaN, so a non-finite element on
-any rank makes the corresponding output chunk non-finite on every rank. Error-feedback buffers are
-only updated where the new residual is finite, so a skipped step does not poison later ones.
-
-Every call records one entry (plus the check's entry) into ``get_ledger()``: ``payload_bytes`` = bytes
-of the tensors this rank hands to torch.distributed, ``collective_bytes`` per the ledger convention, and
-the fp32 baseline = 4 bytes per logical element of the same collective.
+Invariants: seeds derive from the caller's ``seed`` (phase 1: ``derive_seed(seed, 1, r, j)``, the reduced chunk:
+``derive_seed(seed, 2, j)``, an all-gather shard: ``derive_seed(seed, r)``), and every rank decodes every chunk
+from the same bytes, so all-gather and all-reduce results are bit-identical on all ranks. A world of one (or no
+process group) calls nothing and returns the quantized round trip of the input. A bucket holding NaN/Inf decodes to
+NaN, so a non-finite element on any rank makes its output chunk non-finite on every rank; error-feedback buffers
+move only where the new residual is finite. Every call records one ledger entry (payload bytes, collective bytes,
+the fp32 baseline).
 
 Example::
 

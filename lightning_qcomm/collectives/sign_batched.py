@@ -1,52 +1,17 @@
-"""The 1-bit all-reduce's pieces as one batch: the accelerator form of ``onebit_all_reduce`` (collectives layer).
+"""The 1-bit all-reduce's pieces as one batch: the accelerator form of ``onebit_all_reduce`` (collectives layer;
+docs/design.md, "1-bit all-reduce").
 
-``onebit_all_reduce`` cuts a bucket of d elements into pieces of n = N*m elements (``onebit_pieces``; N ranks,
-m = ``piece_numel``), the last piece shorter, and runs the error-compensated 1-bit exchange on every piece
-with chunks of c = ceil(n/N) elements. The per-piece reference (``sign_collective._ReferencePhases``) costs a
-fixed set of torch ops per piece: on a GPU, where each op is a kernel launch, a 124M-parameter bucket at N = 1
-is 475 pieces and the host, not the device, bounds the step. Here the pieces are grouped by shape: all K full
-pieces (n = N*m, c = m) are one group and the shorter last piece, if any, a second one. A group of K pieces
-runs every phase as one set of multi-row ops over a (K, N, c) view, so the number of ops per call does not
-depend on K::
+``onebit_all_reduce`` cuts a bucket into pieces of n = N*m elements and runs the error-compensated 1-bit exchange
+on each; the per-piece reference costs a fixed set of torch ops per piece, which on a GPU bounds the step by the
+host. Here the pieces are grouped by shape (all full pieces, then the short last one) and each group runs every
+phase as one set of multi-row ops over a (K, N, c) view, so the number of ops does not depend on K; the rows are
+coded with ``codecs.encode_rows`` / ``decode_rows`` and the sums with ``codecs.decode_rows_sum``.
 
-    worker:  Y = X + E_w                       (K, N*c)  the pieces' inputs, zero-padded to N*c each
-             S = C(rows of Y)                  (K*N) payloads; E_w <- Y - C(Y) where finite (first n of each piece)
-             send S as (N, K, P): row j (rank j) holds chunk j of every piece, in piece order
-    server:  Z = (1/N) sum_r C_r + E_s         (K, c)  rank order; E_s = this rank's chunks, piece order
-             Z[:, valid:] = 0                  (valid = real elements of this rank's chunk)
-             payloads C(rows of Z); E_s <- Z - C(Z) where finite (padding set to 0); all-gather as (N, K, P)
-    all:     X[piece k] = concat_j C(Z_j[k])[:n]
-
-with C the ``sign1`` codec per chunk (or per block of ``block_numel``), ``codecs.encode_rows`` and
-``decode_rows`` for the rows. Row j of a batched encode is the codec's encode of row j alone, bit for bit, and
-every other step is element-wise, so the values (outputs, E_w, E_s, wire bytes per piece) are the per-piece
-reference's bit for bit (tests/test_onebit_batched.py); only the number and size of the collective calls
-differ (one all-to-all and one all-gather per group instead of per piece), so every rank must take the same
-path. The error buffers move on where the new residual is finite, a group's elements as soon as the group no
-longer reads them (``codecs.feedback_rows`` with no correction: y - C(y) written where finite, C(y) decoded from
-the payloads just encoded inside the one launch on CUDA); the reference keeps the residuals apart and writes them
-at the end (``chunked._update_error``), the same values.
-
-Launches: a group of one piece (the one group of a bucket ``OneBitMomentumSync`` sends as one piece off the CPU)
-sums the received rows with ``codecs.decode_rows_sum(avg=True, rank_order=True)``, one launch on CUDA at any N:
-received[0] + received[1] + ... from row 0, one rounding per addition, then ``/= N``, the reference's own loop
-(the eager ops off CUDA; on CUDA the kernel multiplies by fl(1/N) as CUDA's ``/=`` by a Python number does, the
-reference's division on a GPU). Several pieces sum in an eager rank-order loop. With ``sign1`` blocks the rows
-kernels take, a one-piece group is 8 launches on CUDA (encode 2, the worker's residual from the payloads 1, the
-sum 1, the server's encode 2, its residual 1, the final decode 1, straight into the output, padding dropped), two
-torch ops (Y = X + E_w, Z += E_s; one more for Y's zero padding, and two on a rank whose chunk is short: Z's and
-E_s's padding) and the two collectives: 12.
-
-No value is read on the host: no ``.item()``, no tensor made from Python data, no data-dependent shape. Memory
-beside the codec's temporaries: Y (d fp32, during the worker phase), Z (d/N fp32), the decoded received chunks
-(d fp32, during the server phase; not with the sum kernel), C(Y) and C(Z) where ``feedback_rows`` runs the eager
-ops (not on CUDA), and the payloads (about d/8 bytes, three times).
-
-``PATH`` selects the form ``onebit_all_reduce`` runs (tests and benchmarks force it):
-
-* ``"auto"``: the fused CPU kernels where they apply, else this batched form off the CPU, else the reference;
-* ``"batched"``: this form on any device (the accelerator form on CPU tensors);
-* ``"reference"``: the per-piece reference on any device.
+Invariants: outputs, error buffers and wire bytes are the per-piece reference's bit for bit
+(tests/test_onebit_batched.py); only the number of collective calls differs, so every rank takes the same path;
+no value is read on the host. ``PATH`` selects the form: ``"auto"`` (fused CPU kernels, else this form off the
+CPU, else the reference), ``"batched"`` or ``"reference"``. The phases, launch counts and memory:
+docs/design.md, "Module notes".
 
 Example::
 

@@ -1,9 +1,10 @@
-"""What the compressed collectives stand on (docs/design.md: "Collectives", "Byte accounting").
+"""What the compressed collectives stand on (layer 1; docs/design.md: "Layers and files", "Byte accounting").
 
 By responsibility: ``transport`` (byte all-to-all / all-gather, torch version shims), ``ledger`` (the
 CommLedger: every collective's logical and wire bytes), ``topology`` (nodes and their process groups),
 ``process_group`` (groups made here, destroyed at exit), ``buckets`` (the flat-bucket planner),
-``nonfinite`` and ``consistency`` (cross-rank checks), ``side_stream`` and ``comm_worker`` (where a
+``nonfinite`` and ``consistency`` (cross-rank checks), ``agree`` (the max over ranks that decisions take),
+``auto_trial`` (the timed choice of an ``"auto"`` width), ``side_stream`` and ``comm_worker`` (where a
 collective runs). The compressed collectives themselves are in ``lightning_qcomm.collectives``.
 """
 

@@ -1,25 +1,15 @@
 """Auto widths by trial: ``QuantDDPConfig(codec="auto")`` and ``QSDPConfig(weight_bits="auto", grad_bits="auto")``
 time a few optimizer steps at each candidate width and keep the fastest (comm layer; docs/design.md, "Auto widths").
 
-A cost model (T(b) = W_b / R + P · c_b from a probe of the link and the codec) cannot see what decides the choice
-on a fast link: DDP overlaps its fp32 all-reduce with backward and FSDP2 prefetches its all-gathers, while the
-codec's work shares the rank's core with the backward pass; per-call overheads; the comm thread. A trial measures
-whole steps instead, so compression is chosen only where it is measured to pay, and 32 (no compression) keeps
-the uncompressed collectives.
+A cost model cannot see what decides the choice on a fast link (DDP's overlap, FSDP2's prefetch, the codec's work
+sharing the core with backward), so the trial measures whole steps. From step ``start`` each candidate (32 first,
+then the widths down to ``min_bits``) runs ``warm_steps + measured_steps`` steps; a step's duration is the time
+between the ends of consecutive steps; a candidate's figure is the minimum over its measured steps; the ranks agree
+on the elementwise maximum of the figures (one all-reduce), and ``choose_measured`` takes the widest candidate
+within ``tolerance`` of the fastest. After ``recheck_steps`` (0: never) the trial runs again.
 
-Schedule, from step ``start`` on: the candidates c_1 .. c_K (32 first, then the widths down to ``min_bits``) each
-run ``warm_steps + measured_steps`` consecutive optimizer steps. The duration of step s is the wall time between
-the ends of steps s - 1 and s (``step_done``), so it holds step s's forward, its backward with the overlapped
-communication DDP waits for before the optimizer, and the optimizer; the first ``warm_steps`` of a candidate are
-not measured (they carry its first-use costs: kernel builds, plans, buffers). A candidate's figure is the
-minimum over its measured steps: on a shared machine noise (another process, a validation loop, a checkpoint
-write) only adds time. The ranks agree on the elementwise maximum of the figures (one all-reduce, the slowest
-rank's), and ``choose_measured`` takes the widest candidate within ``tolerance`` of the fastest: a near-tie goes
-to the more accurate width. After ``recheck_steps`` steps at the choice (0: never) the trial runs again.
-
-Invariants: the width of step s is a function of s and the agreed figures only, so every rank runs the same
-width at every step; ``choose_measured`` is deterministic given the figures. The trial's state (choice, the
-step it was made, the figures) is checkpointed, so a resumed run continues with the choice, without a new trial.
+Invariants: the width of step s depends only on s and the agreed figures, so every rank runs the same width;
+``choose_measured`` is deterministic; the trial's state is checkpointed, so a resumed run keeps the choice.
 
 Example::
 
@@ -27,7 +17,7 @@ Example::
     for step in range(steps):
         bits = trial.width(step)                 # what this step's all-reduce uses
         ...                                      # forward, backward, optimizer
-        trial.step_done(step, agree)             # agree: the MAX over the ranks of a list (adapters.onebit.sync.max_over_ranks_each)
+        trial.step_done(step, agree)             # agree: comm.agree.max_over_ranks_each over the group
     trial.chosen                                  # 32, 8 or 4, the same on every rank
 """
 

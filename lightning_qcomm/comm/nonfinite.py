@@ -109,7 +109,7 @@ def _local(g: torch.Tensor) -> torch.Tensor:
 class NonFiniteGuard:
     """The policy of one strategy. ``agree(flag) -> flag's max over the ranks`` when ranks check different
     gradients (None: the checked gradients are the same on every rank): ``flag`` is a one-element fp64 tensor,
-    1.0 where this rank saw a non-finite gradient; ``agree`` returns a tensor (``adapters.onebit.sync.max_over_ranks_tensor``:
+    1.0 where this rank saw a non-finite gradient; ``agree`` returns a tensor (``comm.agree.max_over_ranks_tensor``:
     one all-reduce, no host read), so the local flags and the agreed verdict reach the host in one copy."""
 
     def __init__(self, policy: str, owner: str, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:

@@ -1,6 +1,7 @@
-"""Lightning Fabric strategies of lightning_qcomm (Lightning layer, docs/design.md): the same QSDP, QuantDDP and
-Local SGD as the Trainer strategies, over the same plain-torch entry points (``lightning_qcomm.parallel``),
-and the same registry names (``strategies.presets``), registered in Fabric's registry at import.
+"""Lightning Fabric strategies of lightning_qcomm (layer 5; docs/design.md, "Layers and files"): the same QSDP,
+QuantDDP and Local SGD as the Trainer strategies, over the same plain-torch entry points
+(``lightning_qcomm.parallel``), and the same registry names (``strategies.presets``), registered in Fabric's registry
+at import.
 
 A Trainer strategy (``QSDPStrategy``, ...) is not a Fabric strategy: ``Fabric(strategy=QSDPStrategy(...))`` is
 refused by Fabric itself ("must be ... an instance of lightning.fabric.strategies.Strategy"); use the class

@@ -34,9 +34,10 @@ from lightning_qcomm._checks import check_bool, check_timeout
 from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.fabric._base import QCommFabricStrategy, config_from
-from lightning_qcomm.parallel.hsdp import another_topology_message, hsdp_mesh, mesh_topology
+from lightning_qcomm.parallel.hsdp import hsdp_mesh, mesh_topology
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint, new_trial
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
+from lightning_qcomm.parallel.qsdp_state import load_run_state, run_state
 from lightning_qcomm.strategies.presets import QSDP_PRESETS
 from lightning_qcomm.strategies.qsdp_checks import no_effect_message
 
@@ -135,22 +136,14 @@ class QSDPFabricStrategy(QCommFabricStrategy, ModelParallelStrategy):
 
     @override
     def checkpoint_entry(self, state: dict[str, Any]) -> tuple[dict[str, Any], None]:
-        entry = {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}  # per-rank state: sharded
-        if self.comm_state.trial is not None:
-            entry["auto"] = self.comm_state.trial.state_dict()
-        return {**entry, "world_size": self.world_size, "topology": self.topology}, None
+        return run_state(self.comm_state, self.world_size, self.topology), None  # the same on every rank
 
     @override
     def restore_entry(self, entry: dict[str, Any] | None, state: dict[str, Any], own: Any = None) -> None:
         if entry is None:
             rank_zero_warn(f"{type(self).__name__}: the checkpoint has no 'qsdp' entry; the RNG step stays")
             return
-        self.comm_state.step = int(entry["rng_step"])
-        message = another_topology_message(type(self).__name__, entry, self.world_size, self.topology)
-        if self.comm_state.trial is not None:  # a choice made on another layout is measured again
-            self.comm_state.trial.load_state_dict(None if message else entry.get("auto"), self.comm_state.step)
-        if message is not None:
-            rank_zero_warn(message)
+        load_run_state(type(self).__name__, self.comm_state, entry, self.world_size, self.topology, rank_zero_warn)
 
 
 __all__ = ["QSDPFabricStrategy"]

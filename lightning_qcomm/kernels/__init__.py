@@ -1,22 +1,18 @@
 """The device kernels of the codec layer, shipped as ``lightning_qcomm.kernels``: this facade, the Triton kernels
-(``kernels.cuda``, CUDA) and the C++ sources of the CPU kernels (``kernels/cpu``, compiled by ``codecs.native``).
+(``kernels.cuda``, CUDA) and the C++ sources of the CPU kernels (``kernels/cpu``, compiled by ``codecs.native``);
+docs/design.md, "Layers and files".
 
-``encode(codec, xf, enc_params, seed)`` and ``decode(codec, codes, dec_params, numel)`` are the fused
-element-wise halves of every codec (random bits, quantize, bit packing and back), bit-identical to
-``Codec.encode_reference`` / ``Codec.decode_reference``; their constants are the codec's ``kernel_spec()``,
-the same the C kernels read; ``wire_encode_params(codec, xf)`` computes the wire scales and encode parameters of
-every codec in one launch (``fused_scales`` says when). They are the CUDA kernels of the ops
-``qcomm::encode`` / ``decode``
-(``codecs.ops``), used when ``HAS_TRITON``. With ``TRITON_INTERPRET=1`` set before this package is imported (Triton reads it
-when the kernels are decorated), the same kernels run on CPU tensors through Triton's interpreter,
-which is how the tests compare them with the reference.
+``encode(codec, xf, enc_params, seed)`` and ``decode(codec, codes, dec_params, numel)`` are the fused element-wise
+halves of every codec, bit-identical to ``Codec.encode_reference`` / ``decode_reference`` (their constants are the
+codec's ``kernel_spec()``, the same the C kernels read); ``wire_encode_params(codec, xf)`` computes the wire scales
+and encode parameters in one launch (``fused_scales`` says when). They are the CUDA kernels of ``qcomm::encode`` /
+``decode`` (``codecs.ops``), used when ``HAS_TRITON``. With ``TRITON_INTERPRET=1`` set before import, the same
+kernels run on CPU tensors through Triton's interpreter, which is how the tests compare them with the reference.
 
-Where the modules live: the repository keeps them in its top-level ``kernels/`` folder (``cuda/``, ``cpu/``),
-which ``pyproject.toml`` maps to ``lightning_qcomm/kernels/`` in a wheel. In a source checkout (editable or not
-installed) this facade adds that folder to its ``__path__``, so ``lightning_qcomm.kernels.cuda`` is always the
-one next to this file's package. The top-level folder has no ``__init__.py`` on purpose: with the repository
-root on ``sys.path`` it is only a namespace portion, which never shadows PyPI's ``kernels`` package (Hugging
-Face's, which ``transformers`` imports when it is installed).
+The repository keeps the modules in its top-level ``kernels/`` (``cuda/``, ``cpu/``), which ``pyproject.toml`` maps
+to ``lightning_qcomm/kernels/`` in a wheel; in a source checkout this facade adds that folder to its ``__path__``.
+The folder has no ``__init__.py`` on purpose: with the repository root on ``sys.path`` it is only a namespace
+portion, which never shadows PyPI's ``kernels`` package (which ``transformers`` imports).
 
 Example::
 

@@ -1,4 +1,4 @@
-"""Memory adapters (docs/design.md, "Architecture": adapters layer): quantized storage of saved activations (AGoQ LAAQ).
+"""Memory adapters (layer 3; docs/design.md, "Layers and files"): quantized storage of saved activations (AGoQ LAAQ).
 
 ``config`` holds the validated settings, ``saved_tensors`` the quantized container and the rules for what
 may be quantized, ``recompute`` the norm / activation ops that keep only their quantized input,

@@ -1,38 +1,22 @@
-"""Bit-width policies for quantized activations: one width per *site* (a quantized save, in forward order).
-
-Policies (``policy=``):
+"""Bit-width policies for quantized activations: one width per *site*, a quantized save in forward order (memory
+layer; docs/design.md, "Activation quantization").
 
 * ``uniform``: every site at ``bits``.
-* ``layer_aware``: AGoQ's layer-aware rule restricted to what a single model exposes (no pipeline stages):
-  attention stays in full precision (enforced by the quantizer for every policy), norms and activation
-  functions store their quantized input and recompute, and the two *edge* sites, the first and the last
-  quantized save of the forward (in a transformer: the embedding output entering the first norm, and the
-  input of the LM head), get ``edge_bits`` (8); every other site gets ``bits``. The edges are where an
-  error reaches every parameter's gradient (the first) or enters the loss gradient directly (the last);
-  they are 2 of the 8-9·L sites of an L-layer transformer, so the memory cost is small. This is the
-  long-standing "keep first and last layers at higher precision" practice of quantized training.
-* ``budget``: widths in ``widths_for(bits)`` = {bits} ∪ {w in (4, 5, 6, 8): w > bits} (4 is one of them
-  when bits < 4) chosen to minimise the estimated gradient error subject to an average of at most
-  ``budget_bits`` code bits per quantized element (AGoQ's DBCA "more bits where memory is spare",
-  generalised from pipeline stages to layers).
+* ``layer_aware``: the first and the last quantized save of the forward get ``edge_bits`` (8), every other site
+  ``bits`` (AGoQ's layer-aware rule for one model; attention stays exact under every policy).
+* ``budget``: widths from ``widths_for(bits)`` chosen to minimise the estimated gradient error subject to an
+  average of at most ``budget_bits`` code bits per quantized element (AGoQ's DBCA, per layer), greedily on the
+  marginal error reduction per added bit and element, with the per-site error model::
 
-The rule ``budget`` uses (stated, and measured on calibration steps by the quantizer):
+      E_l(b) = A_l / (2^b - 1)^2,     A_l = G_l · V_l,     V_l = Σ_blocks count_k · range_k² / 6
 
-    E_l(b) = A_l / (2^b - 1)^2,     A_l = G_l · V_l,     V_l = Σ_blocks count_k · range_k² / 6
+The measurements of one calibration forward live here too (``output_grad_energy``: G_l; ``norm_r2``;
+``site_coefficient``: A_l); a non-finite output gradient gives no coefficient and ``budget_plan`` refuses
+non-finite ones. The derivation: docs/design.md, "Module notes".
 
-V_l · /(2^b - 1)² is the total variance stochastic rounding adds to site l's saved tensor at b bits
-(per element unit²·f(1-f), f the fractional position, averaged over f ~ U[0,1) gives unit²/6).
-G_l turns activation variance into gradient variance: for a Linear, E‖ΔdW‖² = Σ_n ‖dY_n‖² Σ_i Var(x̃_ni)
-≈ (‖dY‖²_F / rows) · V, so G_l = ‖dY‖²_F / rows, with dY the gradient of the consuming op's output
-(rows = numel / last dim); for a norm G_l additionally carries the mean of r² = 1/(σ² + eps) over rows (the
-backward scales input errors by r); for an element-wise activation rows = numel. Allocation is greedy on
-the marginal error reduction per added bit·element, which is optimal for this separable convex problem up
-to the one 2-bit step (6 -> 8).
+Example::
 
-The measurement side lives here too: ``output_grad_energy`` (G_l from the consuming op's output gradient),
-``norm_r2`` (the norm factor) and ``site_coefficient`` (A_l = G_l · r² · V_l of one calibration forward). A
-non-finite output gradient (an fp16 overflow step) gives no finite G_l: the quantizer skips that
-measurement and the calibration step is rejected, and ``budget_plan`` refuses non-finite coefficients.
+    plan = budget_plan(numels, coefficients, bits=4, budget_bits=5.0)   # one width per site
 """
 
 from __future__ import annotations

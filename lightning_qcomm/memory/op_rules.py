@@ -1,33 +1,18 @@
-"""Which saved tensors the activation quantizer stores in low precision, decided by the op that saves them.
+"""Which saved tensors the activation quantizer stores in low precision, decided by the op that saves them (memory
+layer; docs/design.md, "What activation quantization stores").
 
-The rule (docs/design.md, "What activation quantization stores"): a tensor autograd saves is classified by
-the torch function that was running when it was saved (the outermost one: what a ``TorchFunctionMode``
-sees, so ``F.linear``, ``torch.addmm``, ``x * y``, ``x.pow(2)`` and ``torch.tanh`` each count, whichever
-module class calls them):
+A tensor autograd saves is classified by the outermost torch function running when it was saved (what a
+``TorchFunctionMode`` sees), whichever module calls it:
 
-* **quantized** (stored in b bits, restored in backward):
-
-  - a *projection*: ``linear``, ``conv*``, ``addmm``/``baddbmm``/``addbmm``/``addmv`` (GPT-2's ``Conv1D``),
-    and ``matmul``/``mm``/``bmm``/``einsum``/``@`` with a parameter operand: the activation operand's
-    saves (a computed weight such as ``weight_norm``'s stays exact);
-  - a *norm*: ``layer_norm``, ``rms_norm``, ``group_norm``, ``batch_norm``, ``instance_norm``: the input's
-    saves (the statistics are small and stay exact);
-  - an *element-wise* op: activation functions (``gelu``, ``silu``, ``relu``, ``tanh``, ``sigmoid``, ...),
-    the products and quotients around them (``mul``, ``div``, ``addcmul``, ...), and the pieces of norms
-    written as Python arithmetic (``pow``, ``rsqrt``, ``sqrt``, ``var``, ``mean`` of a square...): every
-    floating save that is an activation;
-  - dropout: its saved mask, a temporary float tensor of 0 and 1/(1-p) on CPU (two values per block, which
-    min-max blocks store to within a rounding of the scale; CUDA's fused dropout saves a bool mask, kept).
-
-* **exact by rule**: attention (``scaled_dot_product_attention``, ``multi_head_attention_forward``,
-  ``softmax``, and a matmul whose operands are both activations: Q·Kᵀ and P·V written by hand), and losses
-  (``cross_entropy``, ``log_softmax``, ``nll_loss``, any ``*_loss``): their saves feed gradients whose
-  error would not average out (probabilities, log-probabilities).
-
-* **exact, not covered**: every other op (embedding, gather, cumprod, ...).
+* **quantized**: a projection's activation operand (``linear``, ``conv*``, ``addmm`` and kin, ``matmul`` with a
+  parameter operand), a norm's input, element-wise ops (activation functions, products, the arithmetic of
+  hand-written norms), dropout's float mask;
+* **exact by rule**: attention (``scaled_dot_product_attention``, ``softmax``, a matmul of two activations) and
+  losses (``cross_entropy``, ``log_softmax``, ``*_loss``): their error would not average out;
+* **exact, not covered**: every other op (embedding, gather, ...).
 
 Whatever the op, parameters, small tensors, leaves and non-floating tensors stay exact
-(``saved_tensors.quantizable_reason``).
+(``saved_tensors.quantizable_reason``). The full op lists: docs/design.md, "Module notes".
 
 Example::
 

@@ -1,49 +1,26 @@
-"""ActivationQuantizer: stores the saved activations of a forward pass in b bits (AGoQ LAAQ; docs/design.md).
+"""ActivationQuantizer: stores the saved activations of a forward pass in b bits (AGoQ LAAQ; memory layer;
+docs/design.md, "Activation quantization").
 
-What it quantizes is decided by the op that saves a tensor (``op_rules``: every torch function call is seen
-by a ``TorchFunctionMode`` while a forward runs under ``begin()``/``end()`` or ``forward_context``):
-projections (linear, conv, addmm, matmul with a weight: the activation operand), norms (the input),
-activation functions, element-wise products and the arithmetic of hand-written norms (every activation
-they save), dropout's mask; whatever module class calls them.
+What is quantized is decided by the op that saves a tensor (``memory.op_rules``, seen by a ``TorchFunctionMode``
+while a forward runs under ``begin()`` / ``end()``): projections' inputs, norms' inputs, activation functions and
+element-wise arithmetic, dropout's mask. Attention, losses, parameters, small or non-floating tensors and leaves
+stay exact. Norms and GELU/SiLU recompute from their stored input (``memory.recompute``); every other quantized op
+keeps torch's backward through a saved-tensor hook. A tensor saved by several ops is stored once.
 
-* ``F.layer_norm`` / ``F.rms_norm`` and ``F.gelu`` / ``F.silu``: with ``recompute`` (default) the op runs
-  as ``recompute.recompute_from_stored``, holding only the quantized input and recomputing the op in
-  backward; every other quantized op keeps torch's own backward, through a saved-tensor hook around the
-  call that stores the save quantized and restores it in backward.
-* Of a projection's or a norm's saves only its input is quantized (``saved_tensors.derives_from``): a
-  computed weight (``weight_norm``'s, a merged LoRA ``W + BA``) or a norm's statistics stay exact.
-* A tensor saved by several ops (the input of the Q, K and V projections) is stored once
-  (``saved_tensors.SharedSaves``).
+Invariants: each quantized save is a *site* in forward order, its width from the policy's plan
+(``memory.bit_allocation``; 8 bits before a plan exists) and its random bits from ``derive_seed(seed, step,
+micro, rank, site)``, so runs are reproducible; regions under another owner's saved-tensor hooks (non-reentrant
+checkpointing, ``save_on_cpu``) are left alone; ``stats`` counts the bytes with and without quantization. Not
+supported: ``torch.compile``, double backward through a recomputed op, ops from another thread. The full rules:
+docs/design.md, "Module notes".
 
-What it keeps in full precision, whatever the policy:
+Example::
 
-* attention: every tensor saved by ``F.scaled_dot_product_attention``, ``F.multi_head_attention_forward``,
-  ``softmax``, and matmuls of two activations (Q·Kᵀ, P·V written by hand); and everything saved while a
-  module matching ``attention_patterns`` runs (``fnmatch`` on the attribute or class name, case-insensitive;
-  default none).
-* losses (``cross_entropy``, ``log_softmax``, ``*_loss``): their saves are probabilities.
-* parameters and views/casts of them, tensors below ``min_numel``, non-floating tensors, leaves and
-  tensors saved by any other op (embedding, gather, ...): see ``saved_tensors``.
-
-Each quantized save is a *site*, numbered in forward order; its width comes from the policy's plan
-(``bit_allocation``); its random bits come from ``derive_seed(seed, step, micro, rank, site)``, so runs
-are reproducible. Before a plan exists every site is stored at ``CALIBRATION_BITS`` = 8: the first forward
-of ``layer_aware`` (which counts the sites) and the ``calibration_steps`` optimizer steps of ``budget`` hold
-about twice the saved-activation bytes of a 4-bit step, so size the batch for that peak.
-
-Every saved tensor is also counted (``SavedBytes``): ``stats`` holds the current forward's
-bytes with and without quantization. ``records`` (when ``record`` is set) lists every save it saw with
-the decision and the reason, for inspection and tests.
-
-Regions under another owner's saved-tensor hooks (``torch.utils.checkpoint`` with ``use_reentrant=False``,
-``torch.autograd.graph.save_on_cpu``, ...) are left to that owner: nothing inside is intercepted or counted
-(a checkpointed region keeps no activations anyway, and quantizing inside it would break its recompute).
-
-Not supported: ``torch.compile`` (saved-tensor hooks then run at the compiled-graph boundary,
-pytorch#148222), double backward through a recomputed op, ops called from another thread than the one
-that called ``begin()``. Leaving checkpointed regions alone needs torch's private
-``torch._C._autograd._top_saved_tensors_default_hooks``; on a torch without it the quantizer logs one
-warning and stays off (``begin()`` quantizes nothing).
+    q = ActivationQuantizer(ActivationQuantConfig(bits=4))
+    q.attach(model)
+    with q.forward_context(step=0):
+        loss = model(x).sum()
+    loss.backward()   # the quantized activations are restored here
 """
 
 from __future__ import annotations

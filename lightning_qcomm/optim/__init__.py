@@ -1,4 +1,5 @@
-"""Optimizers of lightning_qcomm (docs/design.md, "Architecture"): ``OneBitAdam`` (1-bit Adam, Tang et al. 2021)."""
+"""Optimizers of lightning_qcomm (layer 3; docs/design.md, "Layers and files"): ``OneBitAdam`` (1-bit Adam, Tang et
+al. 2021)."""
 
 from lightning_qcomm.optim.onebit_adam import OneBitAdam
 from lightning_qcomm.optim.onebit_adam_config import OneBitAdamConfig

@@ -1,26 +1,17 @@
-"""OneBitAdam's arithmetic over many parameters at once (optim layer): what ``OneBitAdam.step`` runs.
+"""OneBitAdam's arithmetic over many parameters at once (optim layer; docs/design.md, "1-bit Adam"): what
+``OneBitAdam.step`` runs.
 
 ``optim.adam_math`` states the math one parameter at a time and is the reference; this module computes the same
-numbers with a number of ops that does not grow with the number of parameters, so that a GPU step is a handful of
-launches instead of a Python loop of ~30 per parameter:
+numbers in a number of ops that does not grow with the number of parameters: ``warmup_step_`` (torch's AdamW step
+as ``torch._foreach_*`` ops, in the same order), ``bucket_candidates`` (``adam_math.momentum_candidates`` of a
+bucket) and ``bucket_update_`` (``adam_math.frozen_update_`` of every trainable member of a bucket).
 
-* ``warmup_step_``: torch's AdamW step of ``adam_math.adamw_update_`` as ``torch._foreach_*`` ops, in the same
-  order (torch's own multi-tensor AdamW is the same sequence);
-* ``bucket_candidates``: ``adam_math.momentum_candidates`` of a bucket: the per-parameter ``lerp`` as one
-  ``_foreach_lerp``, the rest on the bucket's flat vector;
-* ``bucket_update_``: ``adam_math.frozen_update_`` of every trainable member of a bucket: the mask and the new m on
-  the flat vector, m written back with one ``_foreach_copy_``, p with ``_foreach_mul_`` / ``_foreach_add_``.
-
-**Bit for bit.** An op that rounds once (``mul``, ``add``, ``sqrt``, ``reciprocal``, a dtype conversion) or not at
-all (``where``, ``clamp``, comparisons, copies) gives each element the same result wherever the element sits, so
-those run on the flat vector of a run of members. An op that rounds twice (``lerp``, ``add`` with ``alpha``,
-``addcmul``, ``addcdiv``) may be contracted into a fused multiply-add in a vectorised loop and not in its scalar
-tail, so its result can depend on where a tensor starts and ends; those run per tensor, as ``_foreach`` ops (on
-CPU: the single-tensor op per tensor, bit for bit the reference; on CUDA: torch's fused multi-tensor kernels).
-
-A run is a stretch of consecutive members of one param group with fp32 moments; a member with other moments (an
-fp64 parameter) takes the reference. Lists are split by parameter dtype where an op writes parameters (torch's
-CUDA fast path needs one dtype per list).
+**Bit for bit.** An op that rounds once (``mul``, ``add``, ``sqrt``, ``reciprocal``, a conversion) or not at all
+(``where``, ``clamp``, comparisons, copies) gives each element the same result wherever it sits, so those run on
+the flat vector of a run of members. An op that rounds twice (``lerp``, ``add`` with ``alpha``, ``addcmul``,
+``addcdiv``) may be contracted into an FMA in a vectorised loop but not in its scalar tail, so it runs per tensor,
+as ``_foreach`` ops. A run is a stretch of consecutive members of one param group with fp32 moments; a member with
+other moments takes the reference. Lists are split by parameter dtype where an op writes parameters.
 
 Example::
 

@@ -1,81 +1,22 @@
-"""OneBitAdam: 1-bit Adam (Tang et al. 2021) as a torch optimizer (docs/design.md, "1-bit Adam").
+"""OneBitAdam: 1-bit Adam (Tang et al. 2021) as a torch optimizer (optim layer; docs/design.md, "1-bit Adam").
 
-This file owns the optimizer math (run in multi-tensor form by ``optim.adam_foreach``; ``optim.adam_math`` states it
-per parameter) and when the variance freezes (the settings and their checks are
-``optim.onebit_adam_config``, the freeze on the state ``optim.variance_freeze``); the compressed momentum average is
-``adapters.onebit.sync.OneBitMomentumSync`` and the Lightning glue (replacing Adam/AdamW, switching DDP's
-gradient all-reduce off, per-rank checkpoints) is ``callbacks.onebit_adam.OneBitAdamCallback``.
+This file owns the optimizer math (multi-tensor form: ``optim.adam_foreach``; per parameter: ``optim.adam_math``)
+and when the variance freezes (settings: ``optim.onebit_adam_config``; the freeze: ``optim.variance_freeze``). The
+compressed momentum average is ``adapters.onebit.sync``; the Lightning glue ``callbacks.onebit_adam``.
 
-Per parameter p with gradient g, lr η, betas (β1, β2), eps ε, weight decay λ, t = the parameter's step count:
+Phases: a warm-up that is torch's AdamW bit for bit (fp32 parameters); at ``freeze_step`` (or by auto-freeze) v is
+replaced by its bias-corrected v̂ and frozen (refreshed every ``variance_refresh`` steps); then each step averages
+the preconditioned momentum u = m / (√v̂ + ε), clipped, with the error-compensated 1-bit all-reduce, and no gradient
+all-reduce. Invariants: m, v̂ and p are the same on every rank; non-finite gradients stay non-finite; the state
+uses torch's Adam keys (an AdamW checkpoint loads); the 1-bit error buffers differ per rank and travel through
+``rank_state_dict`` / ``load_rank_state_dict``, not ``state_dict``. Unsupported (ValueError): amsgrad, maximize,
+sparse gradients, complex parameters. The full statement: docs/design.md, "Module notes".
 
-**Warm-up** (the first ``freeze_step`` optimizer steps): exactly torch's AdamW (Adam when
-``decoupled_weight_decay=False``: g <- g + λp), on the gradient it is given -- in data-parallel
-training that is the all-reduced average, which the DDP hook provides::
+Example::
 
-    p <- p (1 - ηλ);  m <- β1 m + (1-β1) g;  v <- β2 v + (1-β2) g²
-    p <- p - η/(1-β1^t) · m / (√v / √(1-β2^t) + ε)
-
-**Freeze**: at the end of step ``freeze_step`` (or earlier, see auto-freeze) v is replaced in place
-by its bias-corrected value v̂ = v / (1-β2^t) and never updated again (``state["exp_avg_sq"]`` holds
-v̂ from then on). Using v̂ keeps the step size continuous across the switch; DeepSpeed drops both
-bias corrections, which after a short warm-up (1-β2^100 ≈ 0.095) would multiply the step by ~3. At the freeze
-r (below) over the last ``auto_freeze_interval`` steps is measured; r >= τ (``auto_freeze_threshold``, else 0.1)
-is warned once (``variance_freeze.warn_if_unstable``).
-
-**Compression phase**: no gradient all-reduce; g is this rank's local gradient. The 1-bit average carries the
-*preconditioned* momentum u = m · w, w = 1/(√v̂ + ε) where √v̂ > ε and 0 elsewhere (``adam_math.frozen_weight``)::
-
-    m <- β1 m + (1-β1) g                           (g <- g + λp first when not decoupled)
-    u <- onebit_all_reduce(clip(m · w, ±b))         (b = max(1, (1-β1)/√(1-β2)): Adam's largest step; error-
-                                                     compensated, flat fused buckets, all ranks equal)
-    u <- 0 where w = 0;   m <- u (√v̂ + ε)
-    p <- p (1 - ηλ) - η/(1-β1^t) · u                = AdamW's p - η m̂ / (√v̂ + ε) with v frozen
-
-v̂ is the same on every rank, so averaging u is averaging m; but each chunk's one 1-bit magnitude is now in units
-of Adam's step: it cannot give a coordinate whose v̂ is tiny a step of lr · scale / √v̂ (docs/design.md, "1-bit
-Adam", "Why the preconditioned momentum"). Coordinates with √v̂ <= ε had no usable gradient in the warm-up (a
-vocabulary row never seen, an attention key bias): they stay where they are, as DeepSpeed's ``exp_avg_mask``
-would keep them, found from v̂. The clip keeps a coordinate whose gradient outgrew its frozen v̂ at the step Adam
-would at most take, and out of its chunk's scale. The bytes are those of the momentum: ≈ 1 bit per element.
-The momentum keeps its bias correction 1/(1-β1^t) (t keeps counting). With ``variance_refresh`` = K > 0 (the default)
-v̂ is not frozen for good: every K compressed steps it moves as Adam's v would over K steps of the ranks' mean local
-g², v̂ <- β2^K v̂ + (1-β2^K) s (one bf16 all-reduce, ledger tag "variance"; ``optim.variance_refresh``). Parameters without a gradient on this rank
-in a step contribute g = 0 (every rank must take part in the collective); parameters that never had a gradient
-during warm-up have no v and are not updated after the freeze (warned once). A parameter with
-``requires_grad=False`` is skipped as torch's AdamW skips it: its m, v̂, step and value stay as they are (its u
-still enters the 1-bit average, read-only, so the bucket layout does not change; the flag must be the same on
-every rank).
-
-**Overlap** (``overlap=True``, the default; ``adapters.onebit.overlap``): from the second compression step on, each
-bucket's new m is formed out of place and its 1-bit average started from the parameters' gradient hooks while
-backward still runs (a background thread, a process group of its own); the step waits for every bucket and applies
-the update, bit-identical to the inline sync. The non-finite verdict is read from the averaged momentum (the same on
-every rank, non-finite wherever any rank's was): no agreement all-reduce. A skipped step leaves m, v̂, p and the step
-count untouched, but the error buffers, already used on the wire, hold that step's finite residuals. One backward
-per step (a second gradient before the step raises); on CUDA, one rank, or ``overlap=False``: inline, logged once.
-
-**Auto-freeze** (``auto_freeze_threshold`` = τ): every ``auto_freeze_interval`` = k steps it measures
-r = ‖v̂_t - v̂_{t-k}‖₂ / ‖v̂_t‖₂ over all parameters (max over ranks: ``adapters.onebit.sync.max_over_ranks``,
-one 8-byte all-reduce, ledger tag "control"); after ``auto_freeze_patience`` consecutive checks with
-r < τ the variance freezes. ``freeze_step`` stays an upper bound on the warm-up. Costs one extra copy of v
-during warm-up.
-
-**Precision**: for fp16/bf16 parameters m and v are held in fp32 (a variance frozen from fp16 statistics would be
-coarse or zero). For fp32 parameters the warm-up is torch's AdamW bit for bit. **Memory**: m and v as AdamW; after
-the freeze also this rank's error buffers (d fp32 worker + ceil(d_b/N) fp32 server elements per bucket of d_b) and
-the flat fp32 buckets while they are synced (d fp32 in all); one copy of v for the last ``auto_freeze_interval``
-warm-up steps (the stability check at the freeze, see "Freeze").
-
-**Non-finite gradients** stay non-finite: NaN/Inf reach m and, through the 1-bit all-reduce, every rank's
-m and p (the error buffers keep their last finite values), as torch's AdamW would make them.
-
-**State**: per parameter ``step``, ``exp_avg``, ``exp_avg_sq`` (torch's Adam keys, so an AdamW checkpoint
-loads here), plus ``exp_avg_sq_ref`` while auto-freeze is tracking. ``state_dict()["onebit"]`` holds the
-optimizer-wide step count, the step at which v froze and the auto-freeze counters (equal on all ranks).
-The 1-bit error buffers differ per rank and are NOT in ``state_dict()``: save ``rank_state_dict()`` on
-every rank and give it back with ``load_rank_state_dict`` (the Lightning callback does this).
-
-Unsupported (ValueError): amsgrad, maximize, sparse gradients, complex parameters.
+    optimizer = OneBitAdam(ddp.parameters(), lr=1e-3, freeze_step=100)
+    onebit_adam_ddp(ddp, optimizer)                    # parallel.onebit_adam: the DDP side
+    torch.save(optimizer.rank_state_dict(), f"onebit_rank{rank}.pt")   # per rank, beside optimizer.state_dict()
 """
 
 from __future__ import annotations
@@ -89,7 +30,8 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_qcomm.adapters.onebit.overlap import MomentumOverlap
-from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync, max_over_ranks, max_over_ranks_tensor
+from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync
+from lightning_qcomm.comm.agree import max_over_ranks, max_over_ranks_tensor
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard, all_finite
 from lightning_qcomm.optim.adam_foreach import bucket_candidates, bucket_update_, warmup_step_
 from lightning_qcomm.optim.adam_math import moment_dtype

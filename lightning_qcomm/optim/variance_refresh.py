@@ -1,36 +1,17 @@
-"""The periodic variance refresh of 1-bit Adam after the freeze (docs/design.md, "1-bit Adam", "Variance refresh").
+"""The periodic variance refresh of 1-bit Adam after the freeze (optim layer; docs/design.md, "1-bit Adam").
 
-A variance frozen at the freeze step stays the preconditioner for the rest of training; on a model whose gradient
-scales keep moving (a large vocabulary's rows, layers that wake up late) the frozen v̂ drifts away from the one
-AdamW would hold, and the loss trails AdamW's even with an exact momentum average. ``VarianceRefresh`` brings v̂
-along at a small, fixed cost: with ``variance_refresh`` = K > 0, after the freeze each rank sums its local squared
-gradient over a window of K optimizer steps (per parameter, in the moment dtype; g + λp under L2 weight decay, as
-Adam's v sees it, with p as the step left it: the sum is taken after the update, a difference of at most η·λ·b per
-coordinate in the L2 term)::
+A frozen v̂ drifts away from the one AdamW would hold on models whose gradient scales keep moving. With
+``variance_refresh`` = K > 0 each rank sums its local g² over a window of K compressed steps (a <- a + g²), and at
+the window's end one bf16 all-reduce (ledger tag ``"variance"``) gives the ranks' mean square s = Σ_ranks a / (N K)
+and v̂ moves as Adam's v would over K steps of it::
 
-    a <- a + g²                                   (every compressed step; a = 0 at the window's start)
-
-and at the end of each window one all-reduce (bf16 payload, ledger tag ``"variance"``, in pieces of at most
-``bucket_numel`` elements) averages the windows over the N ranks, and v̂ moves as Adam's v would have over K steps
-of that mean square, per param group's β2::
-
-    s = (1/(N K)) Σ_ranks a                       (the window's mean square gradient, averaged over the ranks)
     v̂ <- β2^K v̂ + (1 - β2^K) s;    a <- 0
 
-If g² were constant over the window this is exactly Adam's K updates v <- β2 v + (1-β2) g² (v̂ is already bias-
-corrected). It is chosen over replacing v̂ by s, by measurement (BENCHMARKS.md §6b: +0.02% of AdamW's loss against
-+1.98%): a vocabulary row that no token of the window touched would get v̂ = 0 and stop; the blend keeps its
-memory as AdamW's v does. s averages local squared gradients, which carry the
-per-rank noise, so s >= (mean gradient)² on average: v̂ errs on the larger side, steps on the smaller one. A
-coordinate that had no usable variance at the freeze (w = 0, ``adam_math.frozen_weight``) joins the 1-bit average
-once its refreshed √v̂ > ε. The 1-bit error buffers keep their residuals across a refresh (in units of the old w,
-off by the relative change of √v̂ for that one step).
-
-Cost: 16 bits per element every K steps, 16/K bits per element and step (0.125 at K = 128), next to the momentum's
-~1 + 32/B; memory one accumulator per trainable parameter (its moment dtype). The accumulators differ per rank:
-they are saved with the 1-bit error buffers (``state_dict`` / ``load_state_dict`` here, called by
-``OneBitAdam.rank_state_dict`` / ``load_rank_state_dict``); the position in the window is (steps since the freeze)
-mod K, from the optimizer's own step counts. K = 0 turns it off (the original frozen variance).
+Invariants: v̂ stays the same on every rank; the blend (not a replacement of v̂ by s) keeps the memory of rows the
+window did not touch (the choice is measured in BENCHMARKS.md); a coordinate with no usable variance at the freeze
+joins once its √v̂ > ε; the accumulators differ per rank and are saved with the 1-bit error buffers; the window's
+position comes from the optimizer's own step counts. K = 0 turns it off. Cost and derivation: docs/design.md,
+"Module notes".
 
 Example::
 

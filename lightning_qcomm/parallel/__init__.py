@@ -1,5 +1,5 @@
-"""Plain-torch entry points (docs/design.md, "Architecture"): QSDP, quantized DDP, Local SGD and 1-bit Adam on a
-torch model in a ``torch.distributed`` script, no Lightning Trainer or Fabric needed. Each takes a config
+"""Plain-torch entry points (layer 4; docs/design.md, "Layers and files"): QSDP, quantized DDP, Local SGD and 1-bit
+Adam on a torch model in a ``torch.distributed`` script, no Lightning Trainer or Fabric needed. Each takes a config
 dataclass of typed primitives, checked when it is made; the Trainer and Fabric strategies are thin callers.
 
 Example::

@@ -1,44 +1,23 @@
-"""``LocalSGD``: Local SGD / Local AdamW on a plain torch model, no Lightning needed (entry-point layer).
+"""``LocalSGD``: Local SGD / Local AdamW on a plain torch model, no Lightning needed (entry-point layer;
+docs/design.md, "Local SGD and QSR").
 
-Each rank trains its own replica (no ``DistributedDataParallel``, no per-step gradient all-reduce) and the
-replicas are averaged every H optimizer steps, H from a rule of ``parallel.sync_rules`` (constant, post-local,
-or the Quadratic Synchronization Rule); the averaging is ``collectives.averaging.TensorAverager`` (docs/design.md,
-"Local SGD and QSR"). Per optimizer step, in this order:
-
-* ``begin_step()``, before the step: a round starts if none is open; H is evaluated then from the lr this step
-  uses (the maximum over all param groups of all optimizers: the fastest-moving group sets the period),
-  capped by ``total_steps - step`` so training ends on a sync.
-* ``prepare_gradients(optimizer)``, after backward: in a data-parallel step (post_local before
-  ``switch_step``) the gradients are averaged, as DDP would; then the non-finite policy.
-* the optimizer step.
-* ``end_step()``: counts the step; when H steps are done the parameters (and floating buffers, and optionally
-  optimizer state) are averaged.
-
-Given an optimizer, ``LocalSGD`` runs these from its step pre- and post-hooks (as torchft's ``LocalSGD``
-does), so the loop calls ``optimizer.step()`` only; call it before ``lr_scheduler.step()``. ``sync()``
-averages replicas that moved since the last average (before evaluating or saving the model). At
-construction the parameters and buffers are broadcast from rank 0 (every replica starts equal).
-
-``scope="inter_node"`` (docs/design.md, "Local SGD across nodes"): the ranks of a node are data-parallel (their
-gradients are averaged over the node, fp32, every step, so they stay identical) and the nodes' replicas are
-averaged every H steps over the world hierarchically (``collectives.hierarchical``: each buffer crosses the slow links
-once). ``outer_optimizer="nesterov"`` turns each scheduled average into DiLoCo's outer step
-(``parallel.outer_optim``); forced averages (``sync()``) stay plain averages and leave the outer state alone.
-``overlap=True`` runs each scheduled parameter average in the background during the next round and applies it at
-that round's end (``parallel.local_sgd_overlap``); buffers and optimizer state are still averaged inline.
-
-``LocalSGDStrategy`` (Trainer) and ``LocalSGDFabricStrategy`` (Fabric) drive the same object.
+Each rank trains its own replica (no DDP, no per-step gradient all-reduce) and the replicas are averaged every H
+optimizer steps, H from a rule of ``parallel.sync_rules``, through ``collectives.averaging.TensorAverager``. Per
+step: ``begin_step()`` (opens a round, H from the largest lr, capped so training ends on a sync),
+``prepare_gradients(optimizer)`` (the data-parallel average of post_local's early steps, then the non-finite
+policy), the optimizer step, ``end_step()`` (counts; averages after H steps). Given an optimizer these run from
+its step hooks. ``sync()`` averages replicas that moved (before evaluating or saving). ``scope="inter_node"``,
+``outer_optimizer="nesterov"`` (DiLoCo) and ``overlap=True`` (``parallel.local_sgd_overlap``): docs/design.md,
+"Local SGD across nodes" and "Module notes". ``LocalSGDStrategy`` and ``LocalSGDFabricStrategy`` drive this object.
 
 Example::
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     local_sgd = LocalSGD(model, optimizer, LocalSGDConfig(sync="constant", period=8), total_steps=1000)
     for x, y in batches:
         loss_fn(model(x), y).backward()
         optimizer.step()           # every 8th step also averages the replicas
         optimizer.zero_grad()
     local_sgd.sync()               # average before evaluating / saving
-    torch.save({"model": model.state_dict(), "local_sgd": local_sgd.state_dict()}, path)
 """
 
 from __future__ import annotations

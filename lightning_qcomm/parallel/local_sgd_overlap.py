@@ -1,25 +1,15 @@
-"""Local SGD's parameter average overlapped with the next round (entry-point layer).
+"""Local SGD's parameter average overlapped with the next round (entry-point layer; docs/design.md, "The average
+overlapped with the next round").
 
-With ``LocalSGDConfig(overlap=True)`` a scheduled average no longer stops training (docs/design.md, "Local SGD
-and QSR"). At the end of round k each rank takes a flat copy s_k of its parameters and starts their average
-A_k = mean_r s_k^(r) on a ``CommWorker`` over process groups of its own (``AveragingLane``), and trains round
-k+1 on from its own parameters x. At the end of round k+1 it waits for A_k and swaps the snapshot for the
-average, keeping the progress it made meanwhile:
+With ``LocalSGDConfig(overlap=True)`` each rank snapshots its parameters s_k at the end of round k, starts their
+average A_k on a ``CommWorker`` over groups of its own (``AveragingLane``) and trains round k+1 on; at its end it
+swaps the snapshot for the average, keeping its progress: x <- A_k + (x - s_k) (``"nesterov"``: the outer step from
+A_k instead of A_k), CoCoD-SGD's update. The last scheduled sync and every ``LocalSGD.sync()`` first finish the
+pending average, then average inline, so evaluated and saved replicas are equal.
 
-    x <- A_k + (x - s_k)                                     (outer_optimizer="average")
-    x <- θ_g' + (x - s_k),   θ_g' = the outer step from θ̄ = A_k   (outer_optimizer="nesterov")
-
-and then snapshots x and starts the next average. This is CoCoD-SGD's update (Shen et al. 2019) and, with the
-outer step, DiLoCo's outer step delayed by one round: every average a rank applies is one round old, and the
-replicas differ by their last round's progress. They are made equal by an exact, inline average where that
-matters: the last scheduled sync (step == total_steps) and every ``LocalSGD.sync()`` (evaluation, checkpoints)
-first finish the pending average, then average inline.
-
-Invariants: the values an average produces are those of the inline averager on the snapshot (same averager,
-same seed per round, same bytes); at most one average is in flight; with a codec in delta mode the anchor moves
-to A_k on the worker, and only the worker touches it while an average is in flight. Memory: the snapshot and
-the buffer in flight, one flat copy of the trainable parameters each (the delta codecs send their own fp32
-difference instead of the second copy).
+Invariants: an average's values are those of the inline averager on the snapshot (same averager, seed and bytes);
+at most one average is in flight; in delta mode only the worker touches the anchor while an average is in flight.
+Memory: the snapshot and the buffer in flight.
 
 Example::
 

@@ -1,37 +1,23 @@
-"""``onebit_adam_ddp``: 1-bit Adam on a ``DistributedDataParallel`` model, no Lightning needed (entry-point layer).
+"""``onebit_adam_ddp``: 1-bit Adam on a ``DistributedDataParallel`` model, no Lightning needed (entry-point layer;
+docs/design.md, "1-bit Adam").
 
-``OneBitAdam`` (``optim.onebit_adam``) is a plain torch optimizer; in data-parallel training it needs three
-things around it, which this file owns (docs/design.md, "1-bit Adam"):
+``OneBitAdam`` is a plain torch optimizer; in data-parallel training it needs three things around it:
 
 1. the momentum all-reduce on DDP's process group (``OneBitAdam.set_process_group``);
-2. during the warm-up, the averaged gradient: a DDP model without a comm hook gets
-   ``adapters.onebit.sync.onebit_adam_grad_hook`` (an fp32 average counted in the ``CommLedger``); a model that has
-   one (``QuantDDP``'s) keeps it;
-3. once the variance is frozen, no gradient all-reduce at all: DDP's gradient synchronisation is switched
-   off (``require_backward_grad_sync = False``, what ``no_sync()`` does) before the next forward, and the
-   momentum travels 1-bit. DDP then also stops broadcasting buffers, and gradient clipping clips each rank's
-   local gradient.
+2. during the warm-up the averaged gradient: ``adapters.onebit.sync.onebit_adam_grad_hook`` on a DDP model
+   without a comm hook (an fp32 average in the ``CommLedger``); a model with one keeps it;
+3. once the variance is frozen, no gradient all-reduce: DDP's gradient sync is switched off before the next
+   forward (``OneBitAdamDDP.switch_if_frozen``, run from the optimizer's step post-hook).
 
-Hierarchical (``hierarchical=True``, docs/design.md "Topology"): the momentum average of step 3 is exact (fp32)
-inside a node and 1-bit only across nodes (``collectives.hierarchical.hierarchical_onebit_all_reduce``; each rank's
-error buffers belong to its 1/node_size shard of each bucket). Ranks per node: ``node_size``, else torchrun's
-``LOCAL_WORLD_SIZE``; one node or one rank per node runs flat (warned once). The warm-up is unchanged.
-
-``OneBitAdamDDP.switch_if_frozen()`` does step 3; ``onebit_adam_ddp`` runs it from the optimizer's step
-post-hook, right after the step that froze the variance. ``OneBitAdamCallback`` (Trainer) calls the same
-object; under Fabric, pass the model and optimizer ``fabric.setup`` returned. Checkpoints: the optimizer's
-``state_dict`` is the same on every rank, its 1-bit error buffers are not: save ``rank_state_dict()`` on
-every rank and give it back with ``load_rank_state_dict`` (the Trainer callback does this for you).
+``hierarchical=True``: exact inside a node, 1-bit across nodes. The optimizer's ``state_dict`` is the same on every
+rank; its 1-bit error buffers are not (``rank_state_dict`` per rank). ``OneBitAdamCallback`` (Trainer) calls the
+same object; under Fabric pass what ``fabric.setup`` returned.
 
 Example::
 
     ddp = DistributedDataParallel(model)
     optimizer = OneBitAdam(ddp.parameters(), lr=1e-3, freeze_step=100)
-    onebit_adam_ddp(ddp, optimizer)          # or onebit_adam_ddp(ddp, optimizer, hierarchical=True) on many nodes
-    for x, y in batches:                     # AdamW for 100 steps, then 1-bit momentum only
-        loss_fn(ddp(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    onebit_adam_ddp(ddp, optimizer)          # AdamW for 100 steps, then 1-bit momentum only
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """``apply_qsdp``: QSDP on a plain torch module, no Lightning needed (entry-point layer; docs/design.md, "QSDP").
 
-What it does, in order (torchtitan's ``apply_fsdp`` shape): refuse what QSDP cannot shard (FSDP1 modules, a
-module without parameters); ``fully_shard`` the groups of ``parallel.sharding.plan_fsdp_groups`` on the 1-D
-data-parallel ``mesh`` unless the module is sharded already (then its grouping is kept); check that every
-trainable parameter is in a group; install the quantized all-gather / reduce-scatter of ``adapters.fsdp2.comms`` on
-every ``FSDPModule`` (on CPU with ``overlap_comm``, the weight all-gathers run on a background thread over a
-process group of their own, and each group prefetches the next one's weights in forward). It returns a
-``QSDPHandle``: the groups and the one piece of state training must advance, the RNG step (once per
-optimizer step; ``attach(optimizer)`` does it from an optimizer step post-hook).
-
-A width of ``"auto"`` (``QSDPConfig(weight_bits="auto", grad_bits="auto", min_bits=4)``) is chosen by timed trial
-steps (``comm.auto_trial``): the comms get one codec per candidate width (32, then 8 down to ``min_bits``, the same
-width for every ``"auto"`` direction) and use, at each step, the width of ``comm_state.trial``; ``after_step``
-times the step and, at the trial's end, agrees the figures over the mesh and keeps the fastest (logged once, rank
-0). The trial lives in ``comm_state``, so a strategy's later stages and its checkpoints keep it. On one rank
-nothing travels: 32, no trial.
-
-``QSDPStrategy`` (Trainer) and ``QSDPFabricStrategy`` (Fabric) call this function; it is the whole QSDP
-setup, theirs is only the Lightning glue around it.
+In order (torchtitan's ``apply_fsdp`` shape): refuse what QSDP cannot shard (FSDP1 modules, no parameters);
+``fully_shard`` the groups of ``parallel.sharding.plan_fsdp_groups`` on the 1-D data-parallel ``mesh`` unless the
+module is sharded already (its grouping is kept); check every trainable parameter is in a group; install the
+quantized all-gather / reduce-scatter of ``adapters.fsdp2.comms`` on every ``FSDPModule`` (on CPU with
+``overlap_comm``, on a background thread, each group prefetching the next). It returns a ``QSDPHandle``: the groups
+and the RNG step training must advance once per optimizer step (``attach(optimizer)`` does it). ``"auto"`` widths
+are chosen by timed trial steps (``comm.auto_trial``), the trial kept in ``comm_state``. ``QSDPStrategy`` and
+``QSDPFabricStrategy`` call this function; theirs is only the Lightning glue. The run state a checkpoint keeps:
+``parallel.qsdp_state``.
 
 Example::
 
@@ -52,13 +43,14 @@ from lightning_qcomm.adapters.fsdp2.comms import (
 from lightning_qcomm.adapters.fsdp2.install import QSDPCommConfig, install_qsdp_comms
 from lightning_qcomm.adapters.fsdp2.master import project_master_weights
 from lightning_qcomm.adapters.fsdp2.shim import fsdp_roots, require
-from lightning_qcomm.adapters.onebit.sync import max_over_ranks_each, max_over_ranks_tensor
+from lightning_qcomm.comm.agree import max_over_ranks_each, max_over_ranks_tensor
 from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
-from lightning_qcomm.parallel.hsdp import check_hsdp_mesh, fsdp_groups, install_inter_node_average
+from lightning_qcomm.parallel.hsdp import check_hsdp_mesh, fsdp_groups, install_inter_node_average, mesh_topology
 from lightning_qcomm.parallel.qsdp_config import QSDPConfig
+from lightning_qcomm.parallel.qsdp_state import load_run_state, run_state
 from lightning_qcomm.parallel.sharding import plan_fsdp_groups
 from lightning_qcomm.parallel.step_hooks import attach_step_hooks
 
@@ -143,17 +135,13 @@ class QSDPHandle:
         self._hooks = []
 
     def state_dict(self) -> dict[str, Any]:
-        """What continuing training needs besides weights and optimizer: the RNG step (same on all ranks), and
-        with an ``"auto"`` width the trial's state."""
-        state: dict[str, Any] = {"rng_step": self.comm_state.step, "seed": self.comm_state.seed}
-        if self.trial is not None:
-            state["auto"] = self.trial.state_dict()
-        return state
+        """What continuing training needs besides weights and optimizer (``parallel.qsdp_state.run_state``: the
+        RNG step, the same on all ranks; the seed; the layout; with an ``"auto"`` width the trial's state)."""
+        return run_state(self.comm_state, self.mesh.size(), mesh_topology(self.mesh))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.comm_state.step = int(state["rng_step"])
-        if self.trial is not None:
-            self.trial.load_state_dict(state.get("auto"), self.comm_state.step)
+        """Restore ``state_dict`` (``parallel.qsdp_state.load_run_state``: another layout or seed is warned)."""
+        load_run_state("QSDPHandle", self.comm_state, state, self.mesh.size(), mesh_topology(self.mesh))
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: FSDP2's recovery (``FSDPModule.reset_iter_state``) on

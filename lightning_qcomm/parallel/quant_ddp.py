@@ -1,40 +1,21 @@
-"""``quant_ddp_hook``: the quantized gradient all-reduce as a DDP comm hook, no Lightning needed (entry-point layer).
+"""``quant_ddp_hook``: the quantized gradient all-reduce as a DDP comm hook, no Lightning needed (entry-point layer;
+docs/design.md, "QuantDDP").
 
-It returns the ``(state, hook)`` pair DDP's ``register_comm_hook`` takes, so the same pair serves a plain
-``DistributedDataParallel`` and Lightning's ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``. Lightning's
-``DDPStrategy`` registers a comm hook only on CUDA: on CPU it silently trains with plain DDP, which is one
-reason ``QuantDDPStrategy`` exists (it registers on every device, counts the optimizer steps and saves each
-rank's error feedback in checkpoints).
-
-The hook's seeds and its uncompressed warm-up (``start_step``) read an optimizer-step counter,
-``state.step``. Passing ``optimizer=`` advances it from that optimizer's step post-hook (and applies the
-``nonfinite`` policy from its pre-hook); without it, call ``state.next_step()`` after every optimizer step.
-
-Per-rank checkpoints (``select_rank_state``): each rank's state (step counter, error-feedback residuals, DDP's
-bucket layout) goes to that rank's side file (``parallel.rank_files``), and the checkpoint itself holds
-``{"world_size": N, "step": step}``; on load each rank takes its own, and with another world size keeps the step
-and resets the residuals (a residual belongs to one rank's data stream). Used by the Trainer and Fabric strategies.
-Checkpoints of earlier versions (``{"world_size": N, "per_rank": [...]}`` in rank 0's file) load the same way.
-
-Hierarchical (``QuantDDPConfig(hierarchical=True)``): the hook reduces over intra-/inter-node groups
-(``comm.topology``), made here collectively (every rank calls this function) unless ``node_groups`` is given;
-ranks per node from ``config.node_size``, else ``devices_per_node``, else torchrun's ``LOCAL_WORLD_SIZE``. One
-node or one rank per node: flat, warned once. The checkpoint entry records the topology (``[num_nodes,
-node_size]``, None when flat): a residual is this rank's share of its node's shard, so resuming on another
-topology (2x2 -> 4x1, or another world size) keeps the step counter and resets the residuals to zero, with one
-warning (docs/design.md, "Topology").
+It returns the ``(state, hook)`` pair DDP's ``register_comm_hook`` takes (a plain ``DistributedDataParallel``, or
+Lightning's ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``, which registers hooks on CUDA only; hence
+``QuantDDPStrategy``). The hook's seeds and warm-up read ``state.step``: pass ``optimizer=`` to advance it (and
+apply the non-finite policy) from the optimizer's step hooks, else call ``state.next_step()`` after every step.
+Per-rank checkpoints (``select_rank_state``): each rank's state goes to its side file (``parallel.rank_files``);
+another world size or topology keeps the step and resets the residuals. ``QuantDDPConfig(hierarchical=True)``:
+intra-/inter-node groups made here (collectively) unless ``node_groups`` is given; one node runs flat, warned
+once. Details: docs/design.md, "Module notes".
 
 Example::
 
-    config = QuantDDPConfig(codec="uniform", bits=8)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    state, hook = quant_ddp_hook(config, ddp, optimizer=optimizer)   # optimizer: counts the steps itself
+    state, hook = quant_ddp_hook(QuantDDPConfig(codec="uniform", bits=8), ddp, optimizer=optimizer)
     ddp.register_comm_hook(state, hook)
-    # Lightning (CUDA only, see above): DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)
-
-    # torchrun --nnodes 2 --nproc-per-node 8: exact inside a node, 8-bit across nodes
-    state, hook = quant_ddp_hook(QuantDDPConfig(codec="uniform", bits=8, hierarchical=True), ddp, optimizer=optimizer)
 """
 
 from __future__ import annotations

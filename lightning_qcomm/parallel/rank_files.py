@@ -1,26 +1,18 @@
-"""Per-rank checkpoint state in side files: each rank writes and reads its own (docs/design.md, "Per-rank checkpoints").
+"""Per-rank checkpoint state in side files: each rank writes and reads its own (entry-point layer; docs/design.md,
+"Per-rank checkpoints").
 
-State that differs per rank (QuantDDP's error-feedback residuals, 1-bit Adam's error buffers, Local SGD's
-per-rank optimizer states, CommVolumeLogger's per-rank totals) is not gathered into rank 0's file: at a
-save every rank writes its own entries, through the strategy's ``CheckpointIO``, to
+State that differs per rank (error-feedback residuals, 1-bit error buffers, Local SGD's per-rank optimizer states,
+CommVolumeLogger's totals) is not gathered into rank 0's file: every rank writes its own entries through the
+strategy's ``CheckpointIO`` to ``<checkpoint>.qcomm-rank<r>of<N>-<token>.pt``, and rank 0's checkpoint gets a
+manifest ``{"world_size": N, "token": token, "keys": [...]}`` under ``MANIFEST_KEY``.
 
-    <checkpoint>.qcomm-rank<r>of<N>-<token>.pt        (e.g. epoch=0-step=8.ckpt.qcomm-rank1of4-3f9a01c2.pt)
-
-and rank 0's checkpoint gets a small manifest ``{"world_size": N, "token": token, "keys": [...]}`` under
-``MANIFEST_KEY``. Memory and bytes per rank are those of its own state, whatever N. The token is drawn by
-rank 0 and broadcast (one small collective per save); the side files are on disk (barrier) before rank 0
-writes the checkpoint that names them, and rank 0 then removes the side files of earlier saves to the same
-path. A save interrupted at any point therefore leaves the previous checkpoint and its side files whole.
-
-Loading (every rank): with the manifest's world size, each rank reads its own side file into
-``checkpoint[RANK_STATE_KEY]``; with another world size nothing is read and each owner applies its
-documented policy (reset with a warning). A missing side file raises ``FileNotFoundError`` naming it.
-Removing a checkpoint (``ModelCheckpoint``'s top-k) removes its side files too, through
-``CheckpointIO.remove_checkpoint``. Like Lightning, this assumes one filesystem shared by all ranks.
-
-Owners put their entries in with ``stash`` (on every rank, before the strategy's ``save_checkpoint``) and get
-them back with ``own_entry``. Trainer strategies of this package call ``save``/``load``/``remove`` in their
-overrides; a callback running under another strategy calls ``attach(trainer.strategy)``.
+Invariants: the side files are on disk (barrier) before rank 0 writes the checkpoint that names them, and older
+side files of the same path are removed after, so an interrupted save leaves the previous checkpoint whole; on load
+each rank reads its own file into ``checkpoint[RANK_STATE_KEY]`` when the world size matches, else nothing (each
+owner resets with a warning); a missing side file raises ``FileNotFoundError`` naming it; removing a checkpoint
+removes its side files (``CheckpointIO.remove_checkpoint``). One filesystem shared by all ranks, as Lightning.
+Owners ``stash`` their entries before the save and get them back with ``own_entry``; Trainer strategies call
+``save`` / ``load`` / ``remove``; a callback under another strategy calls ``attach(trainer.strategy)``.
 
 Example::
 

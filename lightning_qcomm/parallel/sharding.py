@@ -1,25 +1,19 @@
-"""How QSDP splits a model into FSDP2 groups when nobody called ``fully_shard`` on it (``apply_qsdp``; under the
-Trainer, a LightningModule without ``configure_model``).
+"""How QSDP splits a model into FSDP2 groups when nobody called ``fully_shard`` on it (entry-point layer;
+docs/design.md, "QSDP").
 
-``plan_fsdp_groups(root, layer_classes, min_wrap_numel)`` returns the modules to ``fully_shard``, inner
-before outer, the root last:
+``plan_fsdp_groups(root, layer_classes, min_wrap_numel)`` returns the modules to ``fully_shard``, inner before
+outer, the root last:
 
-1. **Layer groups.** Every module whose class name is in ``layer_classes``; if none is given, every element
-   of an ``nn.ModuleList`` that holds parameters (transformer blocks); if the model has no such element, a
-   size policy like FSDP1's ``size_based_auto_wrap_policy``: visiting modules children first, a module
-   becomes a group when the parameters in it that no inner group took number at least ``min_wrap_numel``
-   elements.
-2. **Children of the root.** Each direct child of the root module that still holds parameters outside
-   every group (embeddings, final norms and heads, a CNN's ``self.net``).
-3. **The root.** The root module itself when parameters remain: those it holds directly (a ViT's
-   ``cls_token`` / ``pos_embed``) and tied parameters shared across its children. FSDP2 then treats it as
-   the root group, gathered in the root's forward (the Trainer strategy runs every ``*_step`` through it).
+1. **Layer groups.** Every module whose class name is in ``layer_classes``; if none is given, every element of an
+   ``nn.ModuleList`` that holds parameters; if there is none, a size policy like FSDP1's: children first, a module
+   becomes a group when the parameters in it that no inner group took number at least ``min_wrap_numel``.
+2. **Children of the root** that still hold parameters outside every group (embeddings, final norms and heads).
+3. **The root** when parameters remain (those it holds directly, tied parameters shared across its children).
 
-Tied parameters (``head.weight = tok_emb.weight``) and modules registered twice: a module is never a group
-when a parameter under it is also held by a module outside it. The tied parameter thereby lands in the
-smallest group that contains every module holding it (at worst the root's), and stays one parameter.
-Containers that are never called (``nn.ModuleList`` / ``ModuleDict`` themselves) are never groups either:
-FSDP2 gathers a group in its module's forward.
+Invariants: a module is never a group when a parameter under it is also held by a module outside it, so a tied
+parameter (``head.weight = tok_emb.weight``) lands in the smallest group that holds every user and stays one
+parameter; containers that are never called (``nn.ModuleList`` / ``ModuleDict``) are never groups, since FSDP2
+gathers a group in its module's forward.
 
 Example::
 

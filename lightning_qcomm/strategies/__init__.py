@@ -1,5 +1,5 @@
-"""Lightning Trainer strategies of lightning_qcomm (Lightning layer, docs/design.md) and their registry names
-(``presets``: one table per family, shared with the Fabric classes of ``lightning_qcomm.fabric``)."""
+"""Lightning Trainer strategies of lightning_qcomm (layer 5; docs/design.md, "Layers and files") and their registry
+names (``presets``: one table per family, shared with the Fabric classes of ``lightning_qcomm.fabric``)."""
 
 from typing import Any
 

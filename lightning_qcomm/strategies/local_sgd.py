@@ -1,49 +1,19 @@
-"""LocalSGDStrategy: Local SGD / Local AdamW in Lightning, with the Quadratic Synchronization Rule.
+"""LocalSGDStrategy: Local SGD / Local AdamW in Lightning, with the Quadratic Synchronization Rule (Lightning layer;
+docs/design.md, "Local SGD and QSR").
 
-Each rank trains its own replica and takes H optimizer steps between parameter averages; there is
-no per-step gradient all-reduce. H comes from a rule in ``parallel.sync_rules`` ("qsr": H = max(h_base,
-floor((alpha/lr)^power)), "constant", "post_local"). The settings are a ``parallel.LocalSGDConfig``; the
-schedule and the averaging are ``parallel.LocalSGD`` (the plain-torch averager, over
-``collectives.averaging.TensorAverager``); this file is only the Lightning glue:
+Each rank trains its own replica and takes H optimizer steps between parameter averages, with no per-step
+gradient all-reduce; H comes from a rule of ``parallel.sync_rules`` (``"qsr"``, ``"constant"``, ``"post_local"``).
+The settings are a ``parallel.LocalSGDConfig``, the schedule and the averaging ``parallel.LocalSGD``; this file is
+the Lightning glue: no DDP wrapper (parameters and buffers broadcast from rank 0 once), one optimizer step per
+``optimizer_step`` call, H chosen before a round's first step from the largest lr of all param groups and capped
+so training ends on a sync, averages forced before validation, checkpoints and the end of training (they do not
+change the schedule), post_local's data-parallel steps reduced in the optimizer closure, ``scope="inter_node"``
+over node groups made at setup, and the checkpoint entry ``checkpoint["local_sgd"]`` (per-rank optimizer states
+in side files unless they are averaged). The full rules: docs/design.md, "Module notes".
 
-* **No DDP wrapper.** The module is not wrapped in ``DistributedDataParallel``: DDP would allocate
-  gradient buckets, re-broadcast rank 0's buffers on every forward (fighting buffer averaging) and
-  need ``no_sync`` around every forward/backward to stay silent. Instead the parameters and buffers
-  are broadcast from rank 0 once at setup, and the strategy issues collectives only at syncs.
-  Launching, process-group setup, samplers, ``barrier``/``broadcast``/``reduce`` come from
-  ``DDPStrategy``.
-* **Counting.** One optimizer step = one call of ``optimizer_step`` (so gradient accumulation
-  micro-batches do not count, and with several optimizers every ``step()`` counts, like
-  ``trainer.global_step``).
-* **When H is chosen.** A round starts at the first optimizer step after a sync; H is evaluated
-  then, before that step runs, from the lr that step will use -- i.e. right after the sync and the
-  lr scheduler update, the order of the QSR reference code. The lr is the **maximum over all
-  param groups of all optimizers** (the fastest-moving group sets the period: a group with lr/10,
-  e.g. layer-wise decay, would otherwise be allowed 100x longer rounds than the head). During the
-  first ``warmup_steps`` steps H = h_base. H is capped by ``trainer.estimated_stepping_batches -
-  step`` so training ends on a sync.
-* **Sync points outside the schedule.** Before validation, before a checkpoint is dumped (in
-  ``lightning_module_state_dict``, which Lightning calls on every rank) and at the end of training,
-  the replicas are averaged if they moved since the last average: what is evaluated and saved is
-  the averaged model. These extra averages do not change the schedule (counted in
-  ``num_forced_syncs``).
-* **What is averaged.** Trainable parameters (optionally quantized with ``codec``/``bits``; the
-  codec then compresses the change since the last average), floating buffers such as BatchNorm
-  statistics (``average_buffers``, fp32), and optionally floating optimizer-state tensors of
-  dimension >= 1 such as Adam's ``exp_avg``/``exp_avg_sq`` (``average_optimizer_state``, fp32).
-* **post_local.** For steps < ``switch_step`` the rule gives H = 1 and the step is data-parallel:
-  gradients are all-reduced (tag "grads") inside the optimizer closure, before clipping and the
-  optimizer update, exactly like DDP; afterwards parameters are averaged every ``period`` steps.
-* **Across nodes.** ``scope="inter_node"``: the ranks of a node are data-parallel (gradients averaged over
-  the node, fp32, in the closure like post_local's) and the nodes' replicas are averaged every H steps with
-  the hierarchical all-reduce; the node groups are made once at setup with the strategy's ``timeout``, ranks
-  per node from Lightning's devices per node (or ``node_size``), part of the cross-rank config check; one
-  node warns and runs the global form. ``outer_optimizer="nesterov"``: DiLoCo's outer step at each scheduled
-  sync (``parallel.outer_optim``; docs/design.md "Local SGD across nodes"), its state in the checkpoint.
-* **Checkpoint.** ``checkpoint["local_sgd"]`` holds the schedule state (step, H, steps since sync,
-  number of syncs, step of the last sync) and the averaging round counter; unless optimizer states are
-  averaged, every rank writes its own optimizer states to its side file (``parallel.rank_files``) and
-  reloads them from there (another world size: every rank keeps rank 0's, logged).
+Example::
+
+    Trainer(strategy=LocalSGDStrategy(sync="qsr", h_base=4, alpha=0.01))      # or strategy="local_sgd_qsr"
 """
 
 from __future__ import annotations

@@ -1,31 +1,23 @@
-"""QSDPStrategy: FSDP2 with quantized weight all-gather and gradient reduce-scatter (docs/design.md, "QSDP").
+"""QSDPStrategy: FSDP2 with quantized weight all-gather and gradient reduce-scatter (Lightning layer; docs/design.md,
+"QSDP").
 
-Lightning glue only: the settings are a ``parallel.QSDPConfig``; ``parallel.apply_qsdp`` shards the
-LightningModule with FSDP2 on the 1-D data-parallel mesh (unless ``configure_model`` did) and installs the
-quantized comms; this file runs Lightning's setup around it, advances the RNG step once per optimizer step
-(``QSDPHandle.after_step``, which also projects the master weights with ``quantize_master``), runs every
-``*_step`` through the root group's forward when the LightningModule is one, and saves / restores the RNG
-step in checkpoints, with the layout they were written on (another one is warned once) (the files: ``qsdp_checkpoint``; registry names: ``presets``; the grouping:
-``parallel.sharding``).
+Lightning glue only: the settings are a ``parallel.QSDPConfig``; ``parallel.apply_qsdp`` shards the LightningModule
+with FSDP2 on the 1-D data-parallel mesh (unless ``configure_model`` did) and installs the quantized comms; this
+file runs Lightning's setup around it, advances the RNG step once per optimizer step (``QSDPHandle.after_step``),
+runs every ``*_step`` through the root group's forward when the LightningModule is one, and saves / restores the
+run state with the checkpoint (``parallel.qsdp_state``; the files: ``qsdp_checkpoint``; registry names:
+``presets``; the grouping: ``parallel.sharding``). Setup is idempotent: fit -> validate -> test -> predict, or a new
+Trainer, take an already sharded module as it is and install this strategy's comms on it.
+
+Bit widths: ``bits`` sets both, ``weight_bits`` / ``grad_bits`` one each; 32 means unquantized (FSDP2's own
+collective, counted in the ledger); codec names are ``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"``; ``"auto"``
+is chosen by timed trial steps (``comm.auto_trial``), logged once, kept for later stages and checkpointed.
+
+Example::
 
     Trainer(strategy=QSDPStrategy(bits=8))                     # weights and gradients at 8 bits
     Trainer(strategy=QSDPStrategy(weight_bits=8, grad_bits=4)) # or strategy="qsdp" / "qsdp_w8g8" / "qsdp_w4g4"
-
-Bit widths: ``bits`` sets both widths; ``weight_bits`` / ``grad_bits`` override one each. A width of 32
-means "unquantized" (FSDP2's own collective, counted in the ledger). Codec names are those of
-``lightning_qcomm.codecs.CODEC_NAMES`` or ``"none"`` (unquantized). A width of ``"auto"`` is chosen by timed
-trial steps (``comm.auto_trial``: 32, then 8 down to ``min_bits``, the same on every rank), logged once, kept
-for later stages and checkpointed (``run_config`` once chosen):
-
     Trainer(strategy=QSDPStrategy(weight_bits="auto", grad_bits="auto", min_bits=4))
-
-Auto-sharding (no ``configure_model`` calling ``fully_shard``): ``parallel.sharding.plan_fsdp_groups``
-(``layer_classes`` or ``nn.ModuleList`` elements, else a ``min_wrap_numel`` size policy; then the
-LightningModule's children; then the LightningModule itself for parameters it holds or that are tied across
-children). When the LightningModule is an FSDP group itself, every ``*_step`` runs through its forward so
-FSDP2 gathers it. A user's ``configure_model`` that calls ``fully_shard`` keeps its grouping and still gets
-the quantized comms. Setup is idempotent: fit -> validate -> test -> predict, or a new Trainer, take an
-already sharded module as it is and install this strategy's comms on it.
 """
 
 from __future__ import annotations
@@ -50,7 +42,7 @@ from typing_extensions import override
 
 from lightning_qcomm._checks import START_METHODS, build_as, check_bool, check_choice, check_int, check_timeout
 from lightning_qcomm.adapters.fsdp2.comms import QSDPCommState, sync_unsharded_requires_grad
-from lightning_qcomm.adapters.onebit.sync import max_over_ranks_tensor
+from lightning_qcomm.comm.agree import max_over_ranks_tensor
 from lightning_qcomm.comm.comm_worker import BackgroundComm
 from lightning_qcomm.comm.consistency import check_same_config, presence_timeout
 from lightning_qcomm.comm.nonfinite import NonFiniteGuard
@@ -58,13 +50,12 @@ from lightning_qcomm.comm.process_group import destroy_gloo_group_at_exit
 from lightning_qcomm.parallel.hsdp import hsdp_mesh, mesh_topology
 from lightning_qcomm.parallel.qsdp import QSDPHandle, apply_qsdp, config_fingerprint, new_trial
 from lightning_qcomm.parallel.qsdp_config import DEFAULT_MIN_BITS, DEFAULT_MIN_WRAP_NUMEL, BitsArg, QSDPConfig
+from lightning_qcomm.parallel.qsdp_state import load_run_state, run_state
 from lightning_qcomm.strategies.presets import QSDP_PRESETS, register_presets
 from lightning_qcomm.strategies.qsdp_checkpoint import (
     FullStateLauncher,
     check_sharded_checkpoint,
-    load_run_state,
     missing_checkpoint_hint,
-    run_state,
     save_sharded_checkpoint,
 )
 from lightning_qcomm.strategies.qsdp_checks import check_precision, no_effect_message
@@ -345,12 +336,12 @@ class QSDPStrategy(ModelParallelStrategy):
         return None if self._hsdp is None else mesh_topology(self._hsdp[1])
 
     def qsdp_state_dict(self) -> dict[str, Any]:
-        """What continuing training needs besides weights and optimizer (``qsdp_checkpoint.run_state``)."""
-        return run_state(self)
+        """What continuing training needs besides weights and optimizer (``parallel.qsdp_state.run_state``)."""
+        return run_state(self.comm_state, self.world_size, self.topology)
 
     def load_qsdp_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the RNG step; on another layout warn once (``qsdp_checkpoint.load_run_state``)."""
-        load_run_state(self, state)
+        """Restore the RNG step; another layout or seed is warned (``parallel.qsdp_state.load_run_state``)."""
+        load_run_state(type(self).__name__, self.comm_state, state, self.world_size, self.topology, rank_zero_warn)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

@@ -23,17 +23,13 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
-
-from lightning_qcomm.parallel.hsdp import another_topology_message
 
 log = logging.getLogger(__name__)
 
@@ -151,31 +147,3 @@ class FullStateLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(self._handoff_dir or tempfile.mkdtemp(), "weights.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(full, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
-
-
-def run_state(strategy: Any) -> dict[str, Any]:
-    """What continuing a ``QSDPStrategy`` run needs besides weights and optimizer: the RNG step (identical on all
-    ranks), the seed, the layout it was written on (``world_size``, ``topology``) and the ``auto`` trial's state."""
-    trial = strategy.comm_state.trial
-    return {
-        "rng_step": strategy.comm_state.step,
-        "seed": strategy.comm_state.seed,
-        "world_size": strategy.world_size,
-        "topology": strategy.topology,
-        **({} if trial is None else {"auto": trial.state_dict()}),
-    }
-
-
-def load_run_state(strategy: Any, state: Mapping[str, Any]) -> None:
-    """Restore ``run_state``: the RNG step; on another layout warn once (``parallel.hsdp.another_topology_message``)
-    and measure an ``auto`` choice again."""
-    strategy.comm_state.step = int(state["rng_step"])
-    message = another_topology_message(type(strategy).__name__, state, strategy.world_size, strategy.topology)
-    if strategy.comm_state.trial is not None:  # a choice made on another layout is measured again
-        strategy.comm_state.trial.load_state_dict(None if message else state.get("auto"), strategy.comm_state.step)
-    if int(state.get("seed", strategy.config.seed)) != strategy.config.seed:
-        log.warning(
-            "QSDP: checkpoint seed %s differs from this strategy's seed %s", state["seed"], strategy.config.seed
-        )
-    if message is not None:
-        rank_zero_warn(message)

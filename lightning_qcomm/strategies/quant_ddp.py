@@ -1,32 +1,21 @@
-"""QuantDDPStrategy: Lightning's DDP with gradient buckets all-reduced through a codec (Lightning layer).
+"""QuantDDPStrategy: Lightning's DDP with gradient buckets all-reduced through a codec (Lightning layer;
+docs/design.md, "QuantDDP").
 
-This file owns the Lightning glue only: the settings are a ``adapters.ddp.config.QuantDDPConfig``; the hook
-comes from ``parallel.quant_ddp_hook`` and is registered on the wrapped model on CPU/gloo as well as CUDA
-(Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` only on CUDA); this file counts optimizer steps for
-the hook, checkpoints the hook state per rank, and registers the names of ``presets.QUANT_DDP_PRESETS``.
+The Lightning glue only: the settings are an ``adapters.ddp.config.QuantDDPConfig``; the hook comes from
+``parallel.quant_ddp_hook`` and is registered on CPU/gloo as well as CUDA (Lightning's ``DDPStrategy`` registers
+hooks on CUDA only); this file counts optimizer steps for the hook, checkpoints its state per rank and registers
+the names of ``presets.QUANT_DDP_PRESETS``. Each bucket becomes avg_r Q(g_r [+ e_r]) by the precision-preserving
+all-reduce (docs/design.md, "Collectives").
+
+Checkpoints: every rank writes its hook state (step, residuals per parameter name, DDP's bucket layout) to its side
+file ``<checkpoint>.qcomm-rank<r>of<N>-<token>.pt`` (``parallel.rank_files``); the checkpoint holds
+``{"world_size": N, "step": step}``. Another world size or topology restores the step and resets the residuals
+(logged). ``hierarchical=True``: exact inside a node, the codec across nodes; groups made once at setup; one node
+runs flat, warned once. Details: docs/design.md, "Module notes".
+
+Example::
 
     Trainer(strategy=QuantDDPStrategy(codec="nuqsgd", bits=4))       # or strategy="quant_ddp_nuqsgd4"
-
-Per optimizer step each DDP bucket g (local gradient) becomes avg_r Q(g_r [+ e_r]) by the
-precision-preserving all-reduce (docs/design.md, "Collectives"): quantize N chunks, all-to-all, fp32 sum,
-requantize, all-gather. Wire bytes per rank ~ 2(N-1)/N * d * (bits + 32 k / bucket_size) / 8 (k fp32 scales per
-codec bucket), i.e. (bits + 32 k / bucket_size) / 32 of an fp32 ring all-reduce.
-
-Checkpoint format (per-rank side files, ``parallel.rank_files``): at ``save_checkpoint`` every rank writes its
-own hook state (optimizer-step counter, error-feedback residuals per parameter name, DDP's bucket layout) to
-``<checkpoint>.qcomm-rank<r>of<N>-<token>.pt`` through the CheckpointIO, and the checkpoint holds
-``checkpoint["quant_ddp"] = {"world_size": N, "step": step}``: no rank holds another rank's residuals.
-On load each rank reads its own file; ``ModelCheckpoint``'s top-k deletion removes the side files with the
-checkpoint (copy a checkpoint together with them). If the world size changed, the step counter is restored and
-the residuals are reset to zero (logged): a residual belongs to one rank's data stream.
-
-Hierarchical (``hierarchical=True``, docs/design.md "Topology"): exact fp32 inside a node, the codec only across
-nodes; ranks per node are Lightning's devices per node (``Trainer(devices=..., num_nodes=...)``) unless
-``node_size`` overrides them. The intra-/inter-node groups are made once per strategy, at setup, with the
-strategy's ``timeout``; the resolved node size is part of the cross-rank config check. A ``node_size`` that does
-not divide the world is a ValueError at setup; one node (or one rank per node) runs flat, warned once. Resuming
-on another topology (2 x 2 -> 1 x 2 or 4 x 1) restores the step counter and resets the residuals (warned once).
-
     Trainer(num_nodes=2, devices=8, strategy=QuantDDPStrategy(codec="uniform", bits=8, hierarchical=True))
 """
 

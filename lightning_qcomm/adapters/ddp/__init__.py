@@ -1,2 +1,3 @@
-"""DDP's communication hook for the compressed all-reduces: the hook (``hooks``), its config (``config``), the
-bucket plan (``plan``) and the re-layout of buckets into per-rank shards (``relayout``)."""
+"""DDP's communication hook for the compressed all-reduces (layer 3; docs/design.md, "Layers and files"): the hook
+(``hooks``), its config (``config``), the bucket plan (``plan``) and the replay of a saved bucket layout on resume
+(``relayout``)."""

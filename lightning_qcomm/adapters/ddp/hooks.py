@@ -1,58 +1,25 @@
 """DDP communication hook that all-reduces gradient buckets with a codec (adapter layer; docs/design.md, "QuantDDP").
 
-This file owns the glue between ``torch.nn.parallel.DistributedDataParallel`` and
-``quantized_all_reduce``: a state object (``QuantDDPHookState``: codec, step counter, error-feedback
-buffers) and the hook function ``quant_ddp_comm_hook(state, bucket)``. It knows nothing of Lightning.
+The state (``QuantDDPHookState``: codec, step counter, error-feedback buffers) and the hook
+``quant_ddp_comm_hook(state, bucket)``; nothing of Lightning. Per bucket and optimizer step t the elements of
+tensors with ``numel < min_quant_numel`` (and every element before ``start_step``) take the plain fp32 average,
+the others ``quantized_all_reduce(op="avg", error_feedback=e_bucket, seed=derive_seed(seed, t, bucket, round))``
+(``collectives.quantized``), so every rank ends with the same averaged gradient. ``codec="auto"``: the width of
+step t is ``state.trial.width(t)`` (``comm.auto_trial``).
 
-Per bucket and optimizer step t, with the bucket's flat fp32 gradient g (this rank's local gradient)::
+Invariants: every path (inline, on a ``CommWorker``, on a CUDA side stream) gives bit-identical results; the
+quantized elements are laid out in a canonical parameter order, so the result does not depend on DDP's bucket
+order; error feedback is one fp32 buffer per bucket, kept in unscaled units under a loss scaler and saved per
+parameter name (``ef_state_dict``); a resumed run replays the saved bucket layout (``relayout.LayoutReplay``) and
+is bit-identical to an uninterrupted one; a non-finite gradient stays non-finite and leaves the residual as it
+was. Hierarchical (``node_groups``): ``collectives.hierarchical`` on ``ParamShards``-laid-out buckets. The long
+form: docs/design.md, "Module notes".
 
-    g_small = elements of tensors with numel < min_quant_numel   -> plain fp32 all-reduce, averaged
-    g_big   = the other elements                                  -> quantized_all_reduce(g_big, codec,
-                                                                     op="avg", error_feedback=e_bucket,
-                                                                     seed=derive_seed(seed, t, bucket, round))
+Example::
 
-Before ``start_step`` every element takes the plain path (warmup). The plain path is
-``quantized_all_reduce(..., codec=None)``, so it is recorded in the ``CommLedger`` like the rest.
-``codec="auto"``: the width of step t (32 = the plain path) is ``state.trial.width(t)``, timed trials then the
-choice (``comm.auto_trial``); ``next_step`` records the step's end.
-
-The reduction is precision preserving (reduce-scatter of codes, fp32 sum, requantize, all-gather), so
-every rank ends with the same averaged gradient.
-
-Overlap with backward: given a ``CommWorker`` (and a process group dedicated to it), the hook does the
-bookkeeping on the autograd thread (layout, seed, error buffer, round counter) and returns the future of the
-collective it hands to the worker thread, as torch's gloo all-reduce hook does. CUDA buckets (``overlap_comm``)
-run their job on a side stream and return a CUDA-aware future (``comm.side_stream``). Otherwise the hook runs
-inline and returns a completed future. Every path computes bit-identical results.
-
-Canonical order: the quantized elements of a bucket are laid out in a fixed parameter order (reverse
-definition order), not in DDP's bucket order, so the compressed result does not depend on DDP's first-iteration
-(or a resumed run's) in-bucket order; it costs a gather/scatter copy only for buckets whose order differs.
-
-Error feedback (``error_feedback=True``): one fp32 buffer e per bucket (whatever the gradients' dtype: a
-bf16 residual would round away what it exists to keep), on this rank only, holding the compression
-residual; ``quantized_all_reduce`` sends g + e and sets e <- (g + e) - decode(...). Under a loss scaler
-(fp16 ``GradScaler``) the bucket holds s*g with a scale s that changes between steps, so e is kept in
-unscaled units: the hook sends s*g + s*e and stores the new residual divided by s (``loss_scale``;
-tensor arithmetic only, no host sync).
-Buffers are keyed by bucket index together with the bucket's layout (the names of its quantized
-parameters, in canonical order). DDP rebuilds its buckets after the first iteration, and a resumed run
-starts again from the initial layout, so when a layout changes the buffers are split into
-per-parameter pieces and reassembled for the new layout: no residual is lost or misaligned.
-The canonical, checkpointed form is per parameter name (``ef_state_dict``), independent of bucketing.
-The members of each bucket are saved too: DDP starts a resumed run on its initial buckets, and until they
-are the saved ones again the hook reduces by the saved layout (``ddp_relayout.LayoutReplay``), so a
-resumed run is bit-identical to an uninterrupted one whatever DDP's rebuild does.
-Hierarchical (``node_groups`` given, docs/design.md "Topology"): every all-reduce above becomes
-``collectives.hierarchical.hierarchical_all_reduce`` -- fp32 reduce-scatter inside the node, the codec's all-reduce of
-1/L of the bucket across nodes, fp32 all-gather inside the node -- on the bucket's quantized elements laid out
-by ``ParamShards`` (each rank's shard holds the l-th ceil(n/L)-element piece of every parameter). The
-error-feedback residual is this rank's residual of its shard, kept per parameter name with ceil(n/L) elements,
-so DDP's re-bucketing and checkpoints work as in the flat case. Under ``codec="auto"`` the uncompressed width is
-the flat fp32 all-reduce (as DDP's); a 32-bit step after compressed ones adds each rank's shard residual at its
-shard's place in the bucket first.
-A non-finite gradient stays non-finite through the hook (so GradScaler skips the step), and the
-collective keeps the previous residual wherever the new one is non-finite, so it cannot poison later steps.
+    names = {p: n for n, p in ddp_model.module.named_parameters()}
+    state = QuantDDPHookState(QuantDDPConfig(codec="uniform", bits=8), names)
+    ddp_model.register_comm_hook(state, quant_ddp_comm_hook)
 """
 
 import functools
@@ -65,10 +32,10 @@ import torch.distributed as dist
 from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
 from lightning_qcomm.adapters.ddp.plan import BucketPlan, append_segment, gather_segments, scatter_segments
 from lightning_qcomm.adapters.ddp.relayout import LayoutReplay, VirtualBucket
-from lightning_qcomm.adapters.onebit.sync import max_over_ranks_each
 from lightning_qcomm.codecs import Codec, derive_seed
 from lightning_qcomm.collectives.hierarchical import ParamShards, hierarchical_all_reduce, local_index, shard_numel
 from lightning_qcomm.collectives.quantized import quantized_all_reduce
+from lightning_qcomm.comm.agree import max_over_ranks_each
 from lightning_qcomm.comm.auto_trial import UNCOMPRESSED, WidthTrial, candidate_widths
 from lightning_qcomm.comm.comm_worker import CommWorker
 from lightning_qcomm.comm.side_stream import SideStream

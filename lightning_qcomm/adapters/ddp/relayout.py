@@ -1,25 +1,18 @@
 """Replay of a saved DDP bucket layout over DDP's current buckets, so a resumed run compresses as the
-uninterrupted one did (adapter layer; used by ``ddp_hooks``).
+uninterrupted one did (adapter layer; used by ``adapters.ddp.hooks``; docs/design.md, "QuantDDP").
 
-Why. A bucket's compressed all-reduce depends on which parameters share the bucket: the chunk each rank
-owns, the codec's scale buckets and the seed are all per bucket. DDP starts every run, a resumed one too,
-on its initial buckets (reverse definition order) and rebuilds them after the first iteration in
-gradient-ready order. When the two differ (a model whose modules run in another order than they are
-defined, with several buckets) an uninterrupted run is on the rebuilt buckets when a resumed run takes
-its first step on the initial ones, and the runs part there.
+Why: a bucket's compressed all-reduce depends on which parameters share it (chunks, scale buckets, seed). DDP
+starts every run, a resumed one too, on its initial buckets and rebuilds them after the first iteration in
+gradient-ready order, so a resumed run would take its first step on other buckets than the uninterrupted one.
 
-What. The hook state records the members of every bucket it reduces (parameter names, in DDP's bucket
-order) and saves them with its checkpoint. After a load, until DDP's own buckets are those again, the
-hook gathers the gradients of DDP's current buckets into *virtual* buckets with the saved members and
-reduces each of those exactly as it reduced the real bucket of that index: same job, same seed, same
-error-feedback buffer, same element order; then writes the results back.
-
-Per round (one backward pass): every real bucket registers its parameters' slices as it arrives; a
-virtual bucket runs as soon as its last member has arrived; the future DDP holds for a real bucket
-completes once every virtual bucket holding one of its members has been written back. Arrival order is
-DDP's bucket order, identical on all ranks, so every rank issues the same collectives in the same order.
-The replay ends after the first round in which DDP's buckets equal the saved ones (normally the second:
-DDP rebuilds before it), or, if they never do (another ``bucket_cap_mb``), after that round with a warning.
+What: the hook state saves the members of every bucket it reduces. After a load, until DDP's buckets are those
+again, the hook gathers the gradients of DDP's current buckets into *virtual* buckets with the saved members and
+reduces each exactly as the real bucket of that index was (same seed, error-feedback buffer, element order), then
+writes the results back. A virtual bucket runs once its last member has arrived; the future of a real bucket
+completes once every virtual bucket holding one of its members is written back. Arrival order is DDP's bucket
+order, identical on all ranks, so every rank issues the same collectives in the same order. The replay ends after
+the first round in which DDP's buckets equal the saved ones, or, if they never do (another ``bucket_cap_mb``),
+after that round with a warning.
 
 Example::
 

@@ -1,51 +1,24 @@
-"""FSDP2 comm adapters for QSDP: quantized weight all-gather and gradient reduce-scatter (docs/design.md, "QSDP").
+"""FSDP2 comm adapters for QSDP: quantized weight all-gather and gradient reduce-scatter (adapter layer;
+docs/design.md, "QSDP").
 
-This file owns the bridge between FSDP2's flat communication buffers and the codecs. FSDP2 (torch 2.11 to 2.15)
-lets a module replace its collectives with ``FSDPModule.set_custom_all_gather`` /
-``set_custom_reduce_scatter``; the objects installed here implement those interfaces
-(FSDP2's ``AllGather`` / ``ReduceScatter``, reached through ``adapters.fsdp2.shim``: ``allocate`` plus
-``__call__``; ``adapters.fsdp2.install`` installs them). They run synchronously and return ``None``, except with a
-``CommWorker`` on CPU: the all-gather then runs on that thread and returns a ``FutureWork`` (FSDP2 waits on it
-before reading the gathered weights), so a prefetched group's all-gather overlaps compute; and a reduce-scatter
-whose output FSDP2 only takes views of runs there too, its sum written into the output when backward ends
-(``adapters.fsdp2.deferred``), so it overlaps the rest of backward.
+The objects installed by ``adapters.fsdp2.install`` implement FSDP2's custom ``AllGather`` / ``ReduceScatter``
+(reached through ``adapters.fsdp2.shim``). Each row of FSDP2's flat buffer (the padded dim-0 shards of a param
+group's parameters) travels in ``RowCodec``'s wire format, on the collectives' engine: the all-gather encodes this
+rank's row and every rank decodes all N rows (its own included), so every rank computes with identical weights;
+the reduce-scatter encodes N rows, all-to-all, and sums the received rows in fp32 in rank order, the own row
+exact. With a ``CommWorker`` on CPU the all-gather (and a reduce-scatter whose output is only viewed,
+``adapters.fsdp2.deferred``) run on that thread. Unquantized calls (width 32) are FSDP2's own collective.
 
-Buffer layout (FSDP2's ``_fsdp_collectives``, the same in torch 2.11 to 2.15): one FSDP param group = one flat buffer per collective.
-Per rank, the buffer is the concatenation, in ``fsdp_params`` order, of each parameter's *padded* dim-0
-shard (``padded_sharded_param_size``). The all-gather input is this rank's row (a view of the output at
-``rank * S``); the output is N such rows. The reduce-scatter input is N rows (row j goes to rank j) with
-the same per-row layout (only parameters that have a gradient this step); the output is one row.
+Invariants: seeds fold in (seed, kind, step, group, rank, segment), so the forward all-gather and the backward
+re-gather of a shard in one step give the same codes; reduce-scatters fold in a per-step call counter (fresh
+rounding per micro-batch); ``"auto"`` widths read ``QSDPCommState.trial`` when a call is made; every call records
+one ledger entry (tags ``weights`` / ``grads``, ``@intra`` under HSDP). Buffer layout and details:
+docs/design.md, "Module notes".
 
-Each row travels in the wire format of ``adapters/fsdp2/row_codec.py`` (``RowCodec``: large matrices quantized per
-parameter segment, vectors and small tensors raw in the buffer dtype).
+Example::
 
-Both run on the collectives' engine (``collectives.engine``), each one phase of its exchange:
-
-* All-gather (weights, ``run_all_gather``): this rank encodes its row, ``all_gather_single`` of the bytes
-  (concurrent pieces on gloo), then every rank decodes all N rows, its own included, so every rank computes
-  with identical weights.
-* Reduce-scatter (grads, ``run_reduce_scatter``): encode the N rows into the send buffer, ``all_to_all_pieces`` (both buffers in the
-  transport's ``PieceLayout``: its concurrent pieces copy nothing), decode the received rows one at a time to
-  fp32 and add them in rank order, the own row exact (it never left the rank); write the shard.
-  ``set_force_sum_reduction_for_comms(True)`` makes FSDP pass ``SUM`` and divide by N itself.
-
-Seeds: ``derive_seed(seed, kind, step, group_id, rank, segment, ...)`` with ``step`` read from the shared
-``QSDPCommState`` (the strategy advances it once per optimizer step). The codec RNG is counter-based, so
-the forward all-gather and the backward re-gather of the same shard in the same step produce the same
-codes: forward and backward see the same quantized weights. Reduce-scatters also fold in a per-step call
-counter, so gradient-accumulation micro-batches get fresh rounding.
-
-Unquantized calls (codec None: a width of 32) run FSDP2's own collective on FSDP2's group,
-``all_gather_into_tensor`` (async when FSDP2 asks) and, for fp32 gradients, ``reduce_scatter_tensor``: no encode or
-decode copies, so 32 bits costs what FSDP2 fp32 costs (low-precision gradients keep the row path's fp32 sum).
-
-Widths chosen by trial (``weight_bits`` / ``grad_bits="auto"``): a comm given one codec per width (``{32: None,
-8: ..., 4: ...}``) uses, at each call, the codec of ``QSDPCommState.trial.width(step)`` (``comm.auto_trial``), read
-when the call is made (a job queued on the worker thread keeps it).
-
-Every call records one entry into ``get_ledger()`` (tags ``"weights"`` / ``"grads"``, plus ``QSDPCommConfig.scope``'s
-suffix: ``"@intra"`` when the group is a node's, under HSDP): payload = bytes this rank handed to
-torch.distributed; baseline = 4 bytes per logical element (fp32).
+    state = QSDPCommState(seed=0, step=0)
+    install_qsdp_comms(model, QSDPCommConfig(weight_codec, grad_codec, 1024, ""), state)   # on every FSDPModule
 """
 
 from __future__ import annotations
@@ -58,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from lightning_qcomm._log import log_once
 from lightning_qcomm.adapters.fsdp2.deferred import DeferredReduceScatters
 from lightning_qcomm.adapters.fsdp2.row_codec import RowCodec, Segment, is_quantized_param
 from lightning_qcomm.adapters.fsdp2.shim import (
@@ -99,14 +73,6 @@ __all__ = [
     "is_quantized_param",
     "sync_unsharded_requires_grad",
 ]
-
-_logged: set[str] = set()
-
-
-def _log_once(key: str, msg: str) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.warning(msg)
 
 
 @dataclass
@@ -157,11 +123,12 @@ class _QSDPComm:
     ) -> RowCodec:
         wanted, codec = codec, codec if dtype in FLOAT_DTYPES else None
         if codec is None and wanted is not None:
-            _log_once(f"dtype{dtype}", f"QSDP: FSDP buffer of dtype {dtype} is not floating; sent unquantized")
+            log_once(log, f"dtype{dtype}", f"QSDP: FSDP buffer of dtype {dtype} is not floating; sent unquantized")
         if sum(p.padded_shard_numel for p in params) == row_numel:
             segs = [Segment(p.padded_shard_numel, is_quantized_param(p, self.min_quant_numel)) for p in params]
         else:
-            _log_once(
+            log_once(
+                log,
                 "layout",
                 f"QSDP: FSDP buffer row of {row_numel} elements does not match the param layout "
                 f"{[p.padded_shard_numel for p in params]}; quantizing the row as one segment",

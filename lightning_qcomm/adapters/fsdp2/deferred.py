@@ -1,29 +1,18 @@
 """QSDP gradient reduce-scatters finished at the end of backward instead of inline (adapter layer; docs/design.md,
-"QSDP", "Overlap").
+"QSDP", "Module notes").
 
-FSDP2 (torch 2.11 to 2.15, ``_fsdp_collectives.foreach_reduce``) calls the custom reduce-scatter synchronously and, right
-after it, (1) divides the output by N in place (``set_force_sum_reduction_for_comms``: SUM, then a post-divide),
-(2) casts the output to the parameters' dtype when the gradients were reduced in another one (a
-``MixedPrecisionPolicy``; 2.15 casts per parameter, to its ``sharded_grad_dtype``), (3) makes the sharded gradients *views* of the output, or adds the output into
-gradients that already exist (accumulation), (4) runs the sharded parameters' post-accumulate-grad hooks, (5) under
-HSDP all-reduces the output. Nothing else reads the gradient values before backward ends. So when (2)-(5) only
-take views (no cast, no gradient yet, no hook, no all-reduce, no custom divide factor, fp32/bf16 gradients) the
-reduce-scatter may return at once: its encode, all-to-all and fp32 sum run on the comm worker into a private buffer
-while the rest of backward computes, and ``DeferredReduceScatters.flush`` (an autograd callback queued by each
-deferred call, so after FSDP2's own final callback) waits for them in call order, copies each sum into its output
-and divides by N as FSDP2 did, after FSDP2's division of the not-yet-written output, which the copy overwrites.
-The values are those of the inline call (same seed, same rank-order fp32 sum, the same division), and backward
-returns only once every gradient is final. Memory: the gradient buffers of the calls in flight stay alive until
-their job has read them, plus one fp32 shard each.
+FSDP2's ``foreach_reduce`` calls the custom reduce-scatter synchronously, then post-divides, casts, makes the
+sharded gradients views of the output (or accumulates into them), runs post-accumulate-grad hooks and, under
+HSDP, the all-reduce hook. When all of that only takes views (no cast, no existing gradient, no hook, no custom
+divide factor) the call may return at once: encode, all-to-all and fp32 sum run on the comm worker into a private
+buffer while backward goes on, and ``DeferredReduceScatters.flush`` (an autograd callback after FSDP2's own) waits
+for them in call order, writes each sum into its output and replays the division. The HSDP all-reduce hook may be
+deferred the same way.
 
-The same holds for the all-reduce hook FSDP2 calls on that output (QSDP over HSDP, ``parallel.hsdp``): it may
-snapshot the output, average the copy on the worker and return; the flush then writes the average and replays
-the post-divide (2) that FSDP2 applied to the unwritten output after the hook.
-
-``deferrable(module)`` says, at each call, whether the conditions hold for that FSDP module's param group (they are
-read from FSDP2's internals by ``adapters.fsdp2.shim.output_only_viewed``); otherwise the call runs inline. Only on a
-torch whose ``foreach_reduce`` is one of the reviewed shapes (2.11 to 2.14, 2.15; ``fsdp_shim.reduce_contract``);
-on any other every call runs inline, logged once.
+Invariants: the values are those of the inline call (same seed, same rank-order sum, same division); backward
+returns only once every gradient is final; ``deferrable(module)`` decides per call from FSDP2's internals
+(``adapters.fsdp2.shim.output_only_viewed``), and on a torch whose ``foreach_reduce`` is not one of the reviewed
+shapes every call runs inline, logged once.
 
 Example::
 

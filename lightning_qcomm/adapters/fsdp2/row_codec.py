@@ -1,22 +1,17 @@
 """RowCodec: the wire format of one row of an FSDP2 flat communication buffer (adapter layer; docs/design.md, "QSDP").
 
-A row is the concatenation, in ``fsdp_params`` order, of each parameter's padded dim-0 shard. It is split
-into *segments*, one per parameter shard. A segment is quantized with the codec when the parameter is
-"large" (``ndim >= 2`` and ``numel >= min_quant_numel``, the CGX rule) and travels raw in the buffer dtype
-otherwise (norm gains, biases). Quantized segments are bucketed on their own, so a bucket never mixes two
-parameters' scales. The wire row is ``[seg_0 bytes | seg_1 bytes | ...]`` with ``codec.nbytes(n)`` bytes
-(codes, then fp32 scales) per quantized segment and ``n * element_size`` per raw one: a pure function of
-the layout and the buffer dtype, so no sizes are exchanged.
+A row is the concatenation, in ``fsdp_params`` order, of each parameter's padded dim-0 shard, split into one
+*segment* per parameter. A segment is quantized when the parameter is "large" (``ndim >= 2`` and ``numel >=
+min_quant_numel``, the CGX rule) and travels raw in the buffer dtype otherwise (norm gains, biases); quantized
+segments are bucketed on their own, so a bucket never mixes two parameters' scales. The wire row is ``[seg_0 |
+seg_1 | ...]`` with ``codec.nbytes(n)`` bytes per quantized segment and ``n * element_size`` per raw one: a pure
+function of the layout and the dtype, so no sizes are exchanged. A quantized segment of whole byte-aligned buckets
+is coded as one flat tensor of its R rows (one seed), any other with row r's own seed ``derive_seed(seg_seed, r)``.
 
-A quantized segment of whole byte-aligned buckets is coded as one flat tensor of its R rows (one seed, the
-random counter running on across rows); any other with row r's own seed ``derive_seed(seg_seed, r)``.
-
-``encode`` writes the rows into a buffer of the caller's ``PieceLayout`` (``comm.transport``; default plain
-(R, P) rows). On CPU no temporary grows with R: raw segments are copied in, and a quantized segment's rows go
-through the fused C pass one at a time, straight into the buffer, when a row is of the fused path's size or
-the rows hold more than ``BATCH_MAX_NUMEL`` elements. Other rows (fewer elements, or on CUDA) are coded all
-together, in a number of ops that does not depend on R, and copied in; on CUDA that keeps
-the flat encode's contiguous copy of the rows (R x the segment, in device memory).
+``encode`` writes into a buffer of the caller's ``PieceLayout`` (``comm.transport``). On CPU no temporary grows
+with R: raw segments are copied in, and large quantized rows go through the fused C pass one at a time, straight
+into the buffer; other rows (fewer elements, or on CUDA) are coded all together, in a number of ops that does not
+depend on R.
 
 Example::
 
@@ -34,21 +29,13 @@ import torch
 
 from lightning_qcomm.adapters.fsdp2.shim import ParamShard
 from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.codecs.rows import (
-    c_pass_available,
-    decode_rows_into,
-    encode_flat,
-    encode_flat_row_into,
-    encode_row_into,
-    encode_rows,
-    rows_one_by_one,
-)
+from lightning_qcomm.codecs.rows import decode_rows_into, encode_flat, encode_row, encode_rows, row_at_a_time
 from lightning_qcomm.codecs.rows_segments import (
     as_dtype,
     decode_segments_into,
     decode_segments_sum,
     encode_segments,
-    segments_kernel,
+    segments_fused,
 )
 from lightning_qcomm.comm.transport import PieceLayout
 
@@ -100,10 +87,9 @@ class RowCodec:
         """Whether R rows on ``t``'s device go through the segment ops (``codecs.rows_segments``: every segment of
         every row in two launches to encode, one to decode or sum, on CUDA): a codec whose segment kernels take
         this layout, rows stored plainly (no transport pieces), and no fused C pass (CPU keeps its row loop)."""
-        if self.codec is None or (layout is not None and layout.pieced) or c_pass_available(self.codec, t.device):
+        if self.codec is None or (layout is not None and layout.pieced):
             return False
-        numels, quantized = self._plan()
-        return segments_kernel(self.codec, t, numels, quantized, r_count, dtype)
+        return segments_fused(self.codec, t, *self._plan(), r_count, dtype)
 
     def _plan(self) -> tuple[list[int], list[bool]]:
         return [s.numel for _, s in self.runs], [s.quantize for _, s in self.runs]
@@ -168,9 +154,7 @@ class RowCodec:
     def _one_by_one(self, x: torch.Tensor) -> bool:
         """Whether the (R, n) rows of a quantized segment go through the C pass one at a time (CPU): rows of the
         fused path's size, or more than ``BATCH_MAX_NUMEL`` elements in all."""
-        return rows_one_by_one(self.codec, x) or (
-            x.numel() > BATCH_MAX_NUMEL and c_pass_available(self.codec, x.device)
-        )
+        return row_at_a_time(self.codec, x, BATCH_MAX_NUMEL)
 
     def _encode_one_by_one(
         self, x: torch.Tensor, seg_seed: int, out: torch.Tensor, layout: PieceLayout, b0: int, nb: int
@@ -185,10 +169,7 @@ class RowCodec:
             if dst is None and scratch is None:
                 scratch = torch.empty(nb, dtype=torch.uint8)
             target = scratch if dst is None else dst
-            if flat:
-                encode_flat_row_into(self.codec, x, r, seg_seed, target)
-            else:
-                encode_row_into(self.codec, x, r, derive_seed(seg_seed, r), target)
+            encode_row(self.codec, x, r, seg_seed if flat else derive_seed(seg_seed, r), target, flat)
             if dst is None:
                 layout.write_row(out, r, b0, scratch)
 

@@ -1,28 +1,17 @@
 """The one door to FSDP2's private state: every read of torch's ``_fully_shard`` internals QSDP needs, one small,
-feature-detected branch per torch release (docs/design.md, "The FSDP2 shim").
+feature-detected branch per torch release (adapter layer; docs/design.md, "The FSDP2 shim").
 
-QSDP installs itself through FSDP2's public hooks (``FSDPModule.set_custom_all_gather`` /
-``set_custom_reduce_scatter`` / ``set_all_reduce_hook`` / ``set_force_sum_reduction_for_comms``, the same in torch
-2.11 to 2.15). What no public API gives is read here and nowhere else (``tests/test_fsdp_shim.py`` reads the
-package's sources to hold that): the per-parameter layout of a param group's flat buffers (``FSDPParam``'s padded
-and real shard sizes, original size, placement, sharded parameter and padded shard data), the unsharded parameter
-FSDP2 creates at the first all-gather, the shard rank, the root states, the post-divide FSDP2 applies after the
-all-reduce hook, and whether a reduce-scatter's output is only viewed afterwards (``foreach_reduce``'s order,
-which ``adapters.fsdp2.deferred`` relies on).
+QSDP installs itself through FSDP2's public hooks (``set_custom_all_gather`` / ``set_custom_reduce_scatter`` /
+``set_all_reduce_hook`` / ``set_force_sum_reduction_for_comms``, the same in torch 2.11 to 2.15). What no public
+API gives is read here and nowhere else (tests/test_fsdp_shim.py holds that): the per-parameter layout of a param
+group's flat buffers, the unsharded parameter, the shard rank, the root states, the post-divide after the
+all-reduce hook, and whether a reduce-scatter's output is only viewed afterwards (``adapters.fsdp2.deferred``).
+What moves between releases (param groups one or a list; ``foreach_reduce``'s cast; ``reset_iter_state`` from
+2.13) is listed in docs/design.md, "The FSDP2 shim".
 
-What moves between releases (read from each release's ``torch/distributed/fsdp/_fully_shard/``):
-
-* param groups: ``FSDPState._fsdp_param_group`` (one or None) in 2.11, a list ``_fsdp_param_groups`` (per-param
-  meshes) from 2.12;
-* ``foreach_reduce``: 2.11 to 2.14 cast the whole output to the group's ``_orig_dtype`` after the post-divide;
-  2.15 casts per parameter to ``FSDPParam.sharded_grad_dtype`` (and reduces in the parameters' ``grad_dtype``
-  when ``reduce_dtype`` is None); the order reduce-scatter -> all-reduce hook -> post-divide -> cast -> views /
-  accumulate -> post-accumulate-grad hooks is the same in both;
-* ``FSDPModule.reset_iter_state`` (recovery after a failed backward) exists from 2.13.
-
-A torch whose ``foreach_reduce`` signature is none of the reviewed ones runs the deferred reduce-scatters inline
-(logged once); a torch without what a feature needs refuses that feature at setup, naming it, the running torch
-and the first release that has it (``require``).
+Invariants: a torch whose ``foreach_reduce`` is none of the reviewed shapes runs the deferred reduce-scatters
+inline (logged once); a torch without what a feature needs refuses that feature at setup, naming it, the running
+torch and the first release that has it (``require``).
 
 Example::
 

@@ -1,26 +1,17 @@
 """1-bit momentum buckets launched from backward, as their gradients become ready (adapter layer; docs/design.md,
-"1-bit Adam", "Overlap").
+"1-bit Adam").
 
-After the freeze 1-bit Adam has no gradient all-reduce; its one collective is the momentum average, and inline it
-starts only once backward has finished: the step takes T_compute + T_wire. ``BackwardLauncher`` starts each bucket
-of a ``OneBitMomentumSync`` while the rest of backward still runs, the way DDP starts its gradient buckets:
+After the freeze 1-bit Adam's one collective is the momentum average; inline it starts only after backward.
+``BackwardLauncher`` starts each bucket of a ``OneBitMomentumSync`` while backward still runs, as DDP does: a
+``post_accumulate_grad_hook`` marks each parameter ready once its gradient is final (tied ones after every use);
+buckets launch in a fixed order, the last first, bucket k only after those before it, so every rank issues the same
+collectives in the same order whatever order its hooks fire in; launching computes the members' new momenta out of
+place (``candidate``: m' = β1 m + (1-β1) g) and queues ``sync.reduce_bucket_`` on a ``CommWorker`` over a group of
+its own; ``finish()`` (the optimizer step) launches what no hook completed, waits, and returns the averages.
 
-* a ``post_accumulate_grad_hook`` on every parameter of the layout marks it ready once its gradient is final for
-  this backward (tied parameters: once, after every use has accumulated);
-* buckets are launched in a fixed order, the last bucket first (backward produces gradients roughly in reverse
-  layout order), and bucket k only after the buckets before it in that order, so every rank issues the same
-  collectives in the same order whatever order its hooks fire in;
-* launching bucket b computes its members' new momenta on the autograd thread (``candidate``: the optimizer's
-  m' = β1 m + (1-β1) g, out of place, so m itself is untouched until the step) and queues
-  ``sync.reduce_bucket_(b, flat, group)`` on a ``CommWorker`` thread over a group of its own;
-* ``finish()`` (the optimizer step) launches what no hook completed (a parameter without a gradient this step),
-  waits for every bucket and returns the averaged buckets.
-
-The values are those of the inline ``sync_``: the same layout, the same candidate arithmetic, the same error
-buffers; only the time at which each bucket starts differs. Which parameters must report is read when the first
-hook of a backward fires (``requires_grad`` at that time, as the inline step reads it). A second gradient for a
-parameter before ``finish()`` (gradient accumulation, two backward passes per step) raises: its bucket may already
-be on the wire with the first one.
+Invariants: the values are those of the inline ``sync_`` (same layout, candidate arithmetic, error buffers); only
+when each bucket starts differs. Which parameters must report is read at the first hook of a backward. A second
+gradient for a parameter before ``finish()`` raises: its bucket may already be on the wire.
 
 Example::
 

@@ -1,48 +1,27 @@
-"""1-bit Adam's process logic (adapter layer; docs/design.md, "1-bit Adam"): fused momentum sync, warm-up DDP hook.
+"""1-bit Adam's collectives (adapter layer; docs/design.md, "1-bit Adam"): the fused momentum sync and the warm-up
+DDP hook; nothing of Lightning or of the optimizer's math.
 
-This file owns the collectives 1-bit Adam issues and knows nothing of Lightning or of the optimizer's math:
+``OneBitMomentumSync`` averages a fixed list of tensors (the momenta) over ranks: laid out in order into flat fp32
+buckets of at most ``bucket_numel`` elements, each bucket one ``onebit_all_reduce`` with its own per-rank error
+buffers (two collectives per bucket; about 1/32 of an fp32 all-reduce's bytes). With a ``comm.topology.NodeGroups``
+each bucket goes through ``hierarchical_onebit_all_reduce`` (exact inside a node, 1-bit across nodes).
+``rank_state_dict`` / ``load_rank_state_dict`` hold the error buffers, which differ per rank; a saved state loads
+only into the same layout, world size and topology (else ValueError; the caller decides to reset).
+``sync_(tensors, read_only=...)`` lets a tensor take part without being overwritten.
 
-* ``OneBitMomentumSync``: the compressed average of a fixed list of tensors (the momenta) over ranks.
-  The tensors are laid out, in order, into a few flat fp32 buckets of at most ``bucket_numel``
-  elements (a tensor larger than that gets a bucket of its own); each bucket is one
-  ``onebit_all_reduce`` call with its own per-rank error buffers::
-
-      flat_b = concat(m_i for i in bucket b)                  (fp32)
-      flat_b <- onebit_all_reduce(flat_b, e_w[b], e_s[b])      (error-compensated 1-bit average)
-      m_i    <- flat_b[slice of i]                             (identical on every rank)
-
-  One bucket costs two collectives (``all_to_all_single`` + ``all_gather_single``; plus a one-off
-  64-byte consistency check the first time each bucket is synced), instead of DeepSpeed's four per
-  parameter tensor. Wire bytes per rank and step ~ 2(N-1)/N * d/8 + 8(N-1) per bucket: 1/32 of an
-  fp32 ring all-reduce of the d momentum elements. Memory: e_w (d fp32), e_s (ceil(d_b/N) fp32 per
-  bucket) and one temporary flat bucket.
-
-  Hierarchical (``process_group`` a ``comm.topology.NodeGroups``, docs/design.md "Topology"): each bucket goes
-  through ``collectives.hierarchical.hierarchical_onebit_all_reduce`` instead -- exact fp32 mean inside the node, the
-  1-bit average of this rank's 1/L shard across the M nodes, all-gather inside the node -- so e_w holds
-  ceil(d_b/L) and e_s ceil(ceil(d_b/L)/M) elements per bucket, and 1/L of the 1-bit bytes leave each rank's node.
-
-  ``rank_state_dict`` / ``load_rank_state_dict`` hold the error buffers, which differ per rank and
-  must be saved per rank; a saved state only loads into the same layout, world size and topology (else
-  ``ValueError``; the caller decides to reset). ``sync_(tensors, read_only=...)`` lets a tensor take
-  part without being overwritten (a parameter that is not trained: its slot keeps the bucket layout).
-
-* ``OneBitGradHookState`` + ``onebit_adam_grad_hook``: a DDP communication hook for the warm-up. While
-  ``state.compressing`` is False it averages the gradient bucket in fp32 through
-  ``quantized_all_reduce(codec=None)`` (so the bytes are in the ``CommLedger`` under tag "grads");
-  once True it returns the local gradient untouched and communicates nothing. (The Lightning callback
-  additionally turns DDP's gradient synchronisation off after the freeze, so the hook is then not even
-  called.)
-
-* ``max_over_ranks`` / ``max_over_ranks_each``: the auto-freeze decision's max of one float over ranks (one 8-byte fp64
-  all-reduce, ledger op ``all_reduce`` with tag ``"control"`` -- kept apart from ``"momentum"`` and
-  ``"grads"`` so the per-phase bytes stay clean; baseline 0 bytes, it has no fp32 counterpart).
+``OneBitGradHookState`` + ``onebit_adam_grad_hook``: the warm-up's DDP hook, an fp32 average through
+``quantized_all_reduce(codec=None)`` (ledger tag ``"grads"``) until ``state.compressing``, then nothing.
+Details: docs/design.md, "Module notes".
 
 No ``from __future__ import annotations`` here: DDP checks a hook's annotations against real classes.
+
+Example::
+
+    sync = OneBitMomentumSync([p.numel() for p in params], bucket_numel=1 << 23)
+    sync.sync_([optimizer.state[p]["exp_avg"] for p in params])     # identical on every rank
 """
 
 import logging
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +35,6 @@ from lightning_qcomm.collectives.sign_collective import (
     onebit_server_error_numel,
 )
 from lightning_qcomm.comm.buckets import bucket_layout
-from lightning_qcomm.comm.ledger import get_ledger
 from lightning_qcomm.comm.side_stream import SideStream
 from lightning_qcomm.comm.topology import NodeGroups
 
@@ -267,65 +245,6 @@ class OneBitMomentumSync:
         return self
 
 
-def max_over_ranks(
-    value: float,
-    group: dist.ProcessGroup | NodeGroups | None = None,
-    device: torch.device | None = None,
-    tag: str = "control",
-) -> float:
-    """max(value) over the ranks of ``group``: one 8-byte fp64 all-reduce on ``device`` (CPU if None).
-
-    Recorded in the ``CommLedger`` as (``all_reduce``, ``tag``) with a 0-byte baseline. A world of one
-    (or torch.distributed not initialised) returns ``value`` and communicates nothing.
-    """
-    return max_over_ranks_each([value], group, device, tag)[0]
-
-
-def max_over_ranks_each(
-    values: Sequence[float],
-    group: dist.ProcessGroup | NodeGroups | None = None,
-    device: torch.device | None = None,
-    tag: str = "control",
-) -> list[float]:
-    """``max_over_ranks`` of every element of ``values`` in one fp64 all-reduce (8 bytes per element)."""
-    if _world(group) == 1:
-        return [float(v) for v in values]
-    return max_over_ranks_tensor(
-        torch.tensor([float(v) for v in values], dtype=torch.float64), group, device, tag
-    ).tolist()
-
-
-def max_over_ranks_tensor(
-    t: torch.Tensor,
-    group: dist.ProcessGroup | NodeGroups | None = None,
-    device: torch.device | None = None,
-    tag: str = "control",
-) -> torch.Tensor:
-    """The element-wise max of the 1-D tensor ``t`` over the ranks of ``group``, as an fp64 tensor on ``device``
-    (``t``'s if None): one all-reduce of 8 bytes per element and no read on the host, so a decision on a device
-    value (a non-finite flag) costs the one device-to-host copy of its verdict. Ledger as ``max_over_ranks``; a
-    world of one returns ``t``.
-
-    Example::
-
-        verdict = max_over_ranks_tensor(flag.double().reshape(1), group)   # then one .cpu() for the decision
-    """
-    if _world(group) == 1:
-        return t
-    if isinstance(group, NodeGroups):  # a hierarchical momentum sync's groups: the decision is over the world
-        group = None
-    t = t.to(device=device or t.device, dtype=torch.float64, copy=True)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    get_ledger().record("all_reduce", t.numel() * t.element_size(), 0, _world(group), tag=tag)
-    return t
-
-
-def _world(group: dist.ProcessGroup | NodeGroups | None) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(None if isinstance(group, NodeGroups) else group)
-
-
 class OneBitGradHookState:
     """State of ``onebit_adam_grad_hook``: the process group and whether the warm-up is over."""
 
@@ -361,8 +280,5 @@ __all__ = [
     "OneBitGradHookState",
     "OneBitMomentumSync",
     "bucket_layout",
-    "max_over_ranks",
-    "max_over_ranks_each",
-    "max_over_ranks_tensor",
     "onebit_adam_grad_hook",
 ]
