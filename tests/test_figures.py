@@ -202,4 +202,5 @@ def test_the_checker_catches_a_wrong_figure():
     assert check_tagged(good.replace("5.55×", "8.1×"))
     assert check_tagged("3.74×<!-- fig: netbench_final_1204.md#100 qddp_nuqsgd4|speedup vs DDP fp32 -->") == []
     assert check_tagged("4.51×<!-- fig: netbench_final_1204.md#100 qddp_nuqsgd4|speedup vs DDP fp32 -->")
+    assert check_tagged("+0.7%<!-- fig: fidelity.md localsgd_qsr|gap -->")  # the full run says +3.30%
     assert untagged("QSR: val loss +0.7%, 5.6× faster") and not untagged("goal ≤ +1%, 4×64 tokens, `2.0x`")
