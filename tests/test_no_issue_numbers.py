@@ -65,3 +65,10 @@ def test_the_lab_note_check_can_fail():
     assert lab_notes("fixed in issue 17") and lab_notes("see #17") and lab_notes("run of 2026-12-04")
     assert lab_notes("1.057x DDP's, was 1.288x") and lab_notes("| case | before | now |")
     assert not lab_notes("averaged before validation; the `#` of a heading; the step before the freeze")
+
+
+def test_the_pages_stay_readable():
+    """A user reads the README and BENCHMARKS.md whole: history and investigations go elsewhere."""
+    limits = {"README.md": 450, "BENCHMARKS.md": 500}
+    long = {name: n for name, limit in limits.items() if (n := len((ROOT / name).read_text().splitlines())) > limit}
+    assert not long, f"pages over their line limit {limits}: {long}"
