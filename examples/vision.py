@@ -2,8 +2,9 @@
 
 Needs the example extra: ``pip install scikit-learn`` (torchvision's datasets download at run time).
 
-    python examples/vision.py                        # 2 CPU processes, plain DDP + byte accounting
-    python examples/vision.py --strategy quant_ddp   # quantized gradient all-reduce
+    python examples/vision.py                        # 2 processes (GPUs where present), DDP + byte accounting
+    python examples/vision.py --method quant_ddp     # quantized gradient all-reduce
+    python examples/vision.py --method onebit_adam   # 1-bit Adam (every method: examples/_methods.py)
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import argparse
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from _methods import add_arguments, describe, method_parts
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning_qcomm  # noqa: F401  (registers the strategy names)
-from lightning_qcomm.callbacks import CommVolumeLogger
 
 
 class Digits(pl.LightningDataModule):
@@ -77,23 +76,28 @@ class SmallCNN(pl.LightningModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="ddp")
-    parser.add_argument("--devices", type=int, default=2)
+    add_arguments(parser)
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--max-steps", type=int, default=-1, help="stop early (default: run every epoch)")
     args = parser.parse_args()
+    strategy, callbacks = method_parts(args)
 
     pl.seed_everything(0)
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
-        strategy=args.strategy,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
         max_epochs=args.epochs,
+        max_steps=args.max_steps,
         log_every_n_steps=5,
         enable_checkpointing=False,
         logger=False,
-        callbacks=[CommVolumeLogger()],
+        callbacks=callbacks,
     )
     trainer.fit(SmallCNN(), Digits())
+    if trainer.is_global_zero:
+        print(describe(trainer))
 
 
 if __name__ == "__main__":

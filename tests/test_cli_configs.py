@@ -63,7 +63,9 @@ STRATEGY_FORMS = [  # (registered name, class name, module)
     ("local_sgd_qsr", "LocalSGDStrategy", "lightning_qcomm.strategies.local_sgd"),
     ("ddp", "DDPStrategy", "lightning.pytorch.strategies.ddp"),
 ]
+CPU = "--trainer.accelerator=cpu"  # the configs say `auto` (GPUs where present); the tests run them on CPU ranks
 TINY = [  # a model small enough that every config trains MAX_STEPS steps in about a second
+    CPU,
     f"--trainer.max_steps={MAX_STEPS}",
     f"--trainer.val_check_interval={MAX_STEPS}",
     "--trainer.limit_val_batches=1",
@@ -123,7 +125,7 @@ def _comm_logger(trainer) -> CommVolumeLogger:
 def test_config_parses_and_instantiates(path, tmp_path, monkeypatch):
     _skip_if_missing(path)
     monkeypatch.setattr(sys, "argv", ["lightning-qcomm"])  # args come from the list, not pytest's argv
-    cli = make_cli(["--config", str(path), f"--trainer.logger.init_args.save_dir={tmp_path}"], run=False)
+    cli = make_cli(["--config", str(path), CPU, f"--trainer.logger.init_args.save_dir={tmp_path}"], run=False)
     assert cli.trainer.num_devices == 2 and cli.trainer.accelerator.__class__.__name__ == "CPUAccelerator"
     _comm_logger(cli.trainer)
     declared = yaml.safe_load(path.read_text())["trainer"]["strategy"]
@@ -131,6 +133,18 @@ def test_config_parses_and_instantiates(path, tmp_path, monkeypatch):
     module = REQUIRES.get(name)
     if module:  # the configured class (or the class the registered name stands for) was built
         assert type(cli.trainer.strategy).__module__ == module, f"{path.name}: got {type(cli.trainer.strategy)}"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_runs_on_gpus_unchanged(path):
+    """Every config but the quickstart says ``accelerator: auto`` (GPUs with NCCL where present); the quickstart is
+    the CPU demo. None pins a process-group backend (gloo would keep GPU tensors off NCCL)."""
+    trainer = yaml.safe_load(path.read_text())["trainer"]
+    expected = "cpu" if path.stem == "quickstart" else "auto"
+    assert trainer.get("accelerator") == expected, f"{path.name}: accelerator {trainer.get('accelerator')!r}"
+    strategy = trainer.get("strategy")
+    init_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
+    assert "process_group_backend" not in init_args, f"{path.name} pins a backend: {init_args}"
 
 
 @pytest.mark.parametrize("form", ["registered_name", "class_path", "short_name"])
