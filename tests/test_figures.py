@@ -36,8 +36,6 @@ TABLE_TAG = re.compile(r"<!-- fig-table: (?P<file>\S+) -->")
 UNTAGGED = re.compile(
     r"(?<![≤≥<>~]\s)(?<![≤≥<>~])(?:(?<![\w.])\d+(?:\.\d+)?[×x](?![\w])|(?<![\w]\s)(?<![\w.])[+−]\d+(?:\.\d+)?%)"
 )
-# pages whose owners have not yet tagged their figures; the tags they do carry are checked all the same
-PENDING = {"docs/design.md"}
 
 
 def pages() -> list[Path]:
@@ -188,8 +186,6 @@ def test_every_quoted_figure_equals_its_results_file(page: Path):
 
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_figure_without_a_source(page: Path):
-    if str(page.relative_to(ROOT)) in PENDING:
-        pytest.skip("its owner has not tagged its figures yet")
     hits = untagged(page.read_text())
     assert not hits, f"{page.relative_to(ROOT)}: figures without a results file:\n" + "\n".join(hits)
 
