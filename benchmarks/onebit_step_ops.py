@@ -17,7 +17,7 @@ Parameters: a GPT-2-small-shaped list (tied embeddings, 12 layers, 148 tensors, 
 pipelining piece by s², so the number of buckets and pieces per step stays that of the full model (475 pieces at
 N = 1). Gradients are random; the world is one process (N = 1, as one GPU), or ``--world N`` on torch's ``fake``
 process group (no data moves). Each form of the 1-bit all-reduce is counted: ``reference`` (the per-piece
-reference phases, what a GPU ran before ``collectives.sign_batched``) and ``batched``::
+spec phases, ``codecs.sign_phases.SPEC``, what a GPU ran before the batched form) and ``batched``::
 
     OMP_NUM_THREADS=1 python benchmarks/onebit_step_ops.py --scale 0.125
     OMP_NUM_THREADS=1 python benchmarks/onebit_step_ops.py --scale 0.125 --world 4
@@ -127,13 +127,13 @@ def count(
     triton_log: list | None = None,
     pieces: str = "model",
 ) -> dict:
-    """Per compressed step: launches, syncs and the pieces of every bucket, with ``sign_batched.PATH = path``;
+    """Per compressed step: launches, syncs and the pieces of every bucket, with ``sign_collective.PATH = path``;
     ``triton_log``: the launch log of ``launch_counts.cuda_path_on_cpu`` (the Triton kernels, interpreted);
     ``pieces``: ``"model"`` the full model's pieces, ``"cuda"`` one piece per bucket (module docstring)."""
-    from lightning_qcomm.collectives import onebit_pieces, sign_batched
+    from lightning_qcomm.collectives import onebit_pieces, sign_collective
     from lightning_qcomm.optim import OneBitAdam
 
-    sign_batched.PATH = path
+    sign_collective.PATH = path
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in gpt2_shapes(scale)]
     opt = OneBitAdam(params, lr=1e-4, freeze_step=2, bucket_mb=BUCKET_MB * scale**2, overlap=False, nonfinite=nonfinite)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=1, help="ranks (> 1: torch's fake process group)")
     parser.add_argument("--steps", type=int, default=2, help="compressed steps counted (averaged)")
     parser.add_argument("--nonfinite", default="skip", choices=("skip", "raise", "propagate"))
-    parser.add_argument("--paths", default="reference,batched", help="comma-separated sign_batched.PATH values")
+    parser.add_argument("--paths", default="reference,batched", help="comma-separated sign_collective.PATH values")
     parser.add_argument(
         "--triton",
         action="store_true",

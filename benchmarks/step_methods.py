@@ -145,11 +145,11 @@ def ddp_hooked(model, tokens, scale: float, world: int, hook=None, config=None, 
 def onebit_adam(model, tokens, scale: float, world: int) -> Run:
     """DDP with ``OneBitAdam`` after its freeze (``onebit_adam_ddp``: no gradient all-reduce, the momentum 1-bit):
     ``freeze_step=2``, ``overlap=False`` (a GPU runs the sync inline), the bucket 32 MB x s², one piece per bucket
-    and the batched 1-bit all-reduce (``sign_batched.PATH = "batched"``: the layout and the form the momentum sync
+    and the batched 1-bit all-reduce (``sign_collective.PATH = "batched"``: the layout and the form the momentum sync
     takes for CUDA tensors); counted after the first compressed step and one more."""
     from unittest import mock
 
-    from lightning_qcomm.collectives import sign_batched
+    from lightning_qcomm.collectives import sign_collective
     from lightning_qcomm.optim import OneBitAdam
     from lightning_qcomm.parallel import onebit_adam_ddp
 
@@ -159,7 +159,9 @@ def onebit_adam(model, tokens, scale: float, world: int) -> Run:
     plain = train_step(net, tokens, opt)
 
     def step() -> None:
-        with mock.patch.object(sign_batched, "PATH", "batched"):  # the form CUDA tensors take (CPU ones: reference)
+        with mock.patch.object(
+            sign_collective, "PATH", "batched"
+        ):  # the form CUDA tensors take (CPU ones: piece by piece)
             plain()
 
     def warm() -> None:  # two warm-up steps, the first compressed one; the CUDA tensors' layout; one more

@@ -372,15 +372,15 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_onebit_fused_matches_reference(rank, n):
-    """The fused CPU sign path (cpu_sign.sign_*) gives the sign1 codec path's bits: outputs and both error
+    """The fused CPU sign path (sign_ops.sign_*) gives the sign1 codec path's bits: outputs and both error
     buffers, over steps, with pieces whose last chunks are short or empty on some ranks, a NaN step, and
     fp16 input. The fused threshold is lowered so these small tensors take it; a spy proves which path ran."""
-    from lightning_qcomm.codecs import cpu_fused, cpu_sign
+    from lightning_qcomm.codecs import cpu_fused, sign_ops
 
     m = 96
     sizes = (D, 2 * n * m + 4)  # a 4-element last piece: rank 2 of 3 owns no real element of it
     calls = []
-    real_encode = cpu_sign.sign_encode_err
+    real_encode = sign_ops.sign_encode_err
 
     def spy(*args, **kwargs):
         calls.append(1)
@@ -388,7 +388,7 @@ def check_onebit_fused_matches_reference(rank, n):
 
     saved_min, saved_env = cpu_fused.FUSED_MIN_NUMEL, os.environ.get(cpu_fused.ENV_SWITCH)
     cpu_fused.FUSED_MIN_NUMEL = 1
-    cpu_sign.sign_encode_err = spy
+    sign_ops.sign_encode_err = spy
     failures = []
     try:
         for d in sizes:
@@ -422,7 +422,7 @@ def check_onebit_fused_matches_reference(rank, n):
                         failures.append(f"d={d} piece={piece}: the NaN step gave a finite output")
     finally:
         cpu_fused.FUSED_MIN_NUMEL = saved_min
-        cpu_sign.sign_encode_err = real_encode
+        sign_ops.sign_encode_err = real_encode
         if saved_env is None:
             os.environ.pop(cpu_fused.ENV_SWITCH, None)
         else:

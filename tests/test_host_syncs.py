@@ -116,11 +116,11 @@ def test_onebit_all_reduce_and_momentum_sync():
 
 @pytest.mark.parametrize("block", [None, 64])
 def test_onebit_all_reduce_batched_accelerator_form(monkeypatch, block):
-    """The form a GPU runs (``collectives.sign_batched``: every piece in one batch), forced on CPU tensors: full pieces,
+    """The form a GPU runs (``collectives.sign_collective``: every piece in one batch), forced on CPU tensors: full pieces,
     a short last piece with padding, fp16 input, a NaN, the momentum sync's buckets."""
-    from lightning_qcomm.collectives import sign_batched
+    from lightning_qcomm.collectives import sign_collective
 
-    monkeypatch.setattr(sign_batched, "PATH", "batched")
+    monkeypatch.setattr(sign_collective, "PATH", "batched")
     x = torch.randn(D)
     x[11] = float("nan")
     ew = torch.zeros(D)

@@ -147,12 +147,12 @@ def test_codec_calls_per_all_reduce_do_not_grow_with_world_size(fake_worlds, mon
 @pytest.mark.parametrize("tail", [0, 4], ids=["whole-pieces", "short-last-piece"])
 @pytest.mark.parametrize("block", [None, 64], ids=["scale-per-chunk", "scale-per-block"])
 def test_onebit_all_reduce_ops_do_not_grow_with_the_number_of_pieces(fake_worlds, monkeypatch, tail, block):
-    """The 1-bit all-reduce's accelerator form (``collectives.sign_batched``, forced on CPU tensors, the codec layer in its
+    """The 1-bit all-reduce's accelerator form (``collectives.sign_collective``, forced on CPU tensors, the codec layer in its
     accelerator form, the fused CPU kernels off) dispatches the same aten ops for a bucket cut into 2 pieces as
     into 8: one batch per group of equal pieces. The per-piece reference grows with the pieces (shown alongside,
     the reason for the batched form)."""
     from lightning_qcomm.codecs import cpu_fused, scaling
-    from lightning_qcomm.collectives import onebit_all_reduce, onebit_pieces, sign_batched
+    from lightning_qcomm.collectives import onebit_all_reduce, onebit_pieces, sign_collective
 
     monkeypatch.setattr(scaling, "_HOST_BRANCHES", False)
     monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
@@ -161,7 +161,7 @@ def test_onebit_all_reduce_ops_do_not_grow_with_the_number_of_pieces(fake_worlds
     _fake_world(world)
     counts = {}
     for path in ("batched", "reference"):
-        monkeypatch.setattr(sign_batched, "PATH", path)
+        monkeypatch.setattr(sign_collective, "PATH", path)
         for pieces in (2, 8):
             m = m8 * 8 // pieces
             assert len(onebit_pieces(d, world, m)) == pieces + (tail > 0)

@@ -1,7 +1,8 @@
 """The batched (accelerator) form of the 1-bit all-reduce gives the per-piece reference's bits.
 
-``collectives.sign_batched`` runs every piece of a bucket in one set of multi-row ops; it must leave the same outputs,
-worker errors and server errors as ``sign_collective._ReferencePhases`` piece by piece, and record the same
+``collectives.sign_collective`` (``PATH = "batched"``) runs every piece of a bucket in one set of multi-row ops; it
+must leave the same outputs, worker errors and server errors as the spec (``codecs.sign_phases.SPEC``, the codec's
+encode / decode) piece by piece, and record the same
 ledger bytes. Checked over several steps (the error buffers carry over), with full pieces, a short last piece
 whose last chunks are short or empty on some ranks, one scale per chunk and per block, a NaN step and fp16
 input: on real gloo worlds of 2 and 4 processes, and on torch's ``fake`` process group (4 ranks, one process)
@@ -24,8 +25,8 @@ from _launch import free_port, rank_results, spawn, write_rank_result
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_qcomm.codecs import cpu_fused, scaling
-from lightning_qcomm.collectives import onebit_all_reduce, onebit_pieces, sign_batched
-from lightning_qcomm.collectives.sign_batched import piece_groups
+from lightning_qcomm.collectives import onebit_all_reduce, onebit_pieces, sign_collective
+from lightning_qcomm.collectives.sign_collective import piece_groups
 from lightning_qcomm.comm import CommLedger, set_ledger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.launch_counts
@@ -51,7 +52,7 @@ def _input(seed: int, rank: int, d: int, scale: float) -> torch.Tensor:
 def compare_paths(rank: int, world: int) -> list[str]:
     """Failures of the batched form against the reference (empty: bit-identical everywhere)."""
     failures = []
-    saved = (sign_batched.PATH, scaling._HOST_BRANCHES, os.environ.get(cpu_fused.ENV_SWITCH))
+    saved = (sign_collective.PATH, scaling._HOST_BRANCHES, os.environ.get(cpu_fused.ENV_SWITCH))
     scaling._HOST_BRANCHES = False
     os.environ[cpu_fused.ENV_SWITCH] = "0"
     # full pieces only; a 4-element last piece (the last ranks own no real element of it); a last piece of
@@ -68,7 +69,7 @@ def compare_paths(rank: int, world: int) -> list[str]:
                         x[-(-min(d, world * M) // world) + 5] = float("nan")
                     outs, ledgers = {}, {}
                     for path, (ew, es) in errs.items():
-                        sign_batched.PATH = path
+                        sign_collective.PATH = path
                         ledger = CommLedger(keep_records=True)
                         prev = set_ledger(ledger)
                         try:
@@ -88,7 +89,7 @@ def compare_paths(rank: int, world: int) -> list[str]:
                     if t == 2 and not bool(torch.isnan(outs["batched"]).any()):
                         failures.append(f"{where}: the NaN step gave a finite output")
     finally:
-        sign_batched.PATH, scaling._HOST_BRANCHES = saved[0], saved[1]
+        sign_collective.PATH, scaling._HOST_BRANCHES = saved[0], saved[1]
         if saved[2] is None:
             os.environ.pop(cpu_fused.ENV_SWITCH, None)
         else:
@@ -145,14 +146,14 @@ def test_fake_group_batched_equals_reference(mirrored_fake_world):
 
 
 def test_the_batched_form_runs_off_the_cpu_by_default(monkeypatch):
-    """ "auto" picks the batched form for a non-CPU tensor and keeps the CPU's choice; an unknown PATH is refused."""
+    """ "auto" batches the pieces of a non-CPU tensor and runs a CPU tensor's piece by piece (pipelined on gloo);
+    an unknown PATH is refused."""
     meta = torch.empty(8, device="meta")
-    assert sign_batched.selected_path(meta, fused=False) == "batched"
-    assert sign_batched.selected_path(torch.zeros(8), fused=False) == "reference"
-    assert sign_batched.selected_path(torch.zeros(8), fused=True) == "fused"
-    monkeypatch.setattr(sign_batched, "PATH", "fast")
+    assert sign_collective.selected_path(meta) == "batched"
+    assert sign_collective.selected_path(torch.zeros(8)) == "pieces"
+    monkeypatch.setattr(sign_collective, "PATH", "fast")
     with pytest.raises(ValueError, match="allowed"):
-        sign_batched.selected_path(meta, fused=False)
+        sign_collective.selected_path(meta)
 
 
 def test_piece_groups_cover_the_pieces_in_order():

@@ -2,7 +2,7 @@
 TRITON_INTERPRET=1 (``benchmarks/launch_counts.py``, as tests/test_fused_launches.py counts).
 
 ``OneBitMomentumSync`` sends a bucket off the CPU as one piece (``resolve_piece_numel``), so the batched form
-(``collectives.sign_batched``) runs it as one group: 8 Triton launches (the worker's encode 2, its residual
+(``collectives.sign_collective``) runs it as one group: 8 Triton launches (the worker's encode 2, its residual
 decoded from the payloads and written where finite 1 (``qcomm::feedback_rows``), the server's rank-order
 decode-and-sum 1 (``qcomm::decode_rows_sum``, ``rank_order=True``, any N), its encode 2, its residual 1, the
 final decode 1), two torch ops (Y = X + E_w, Z += E_s) and the two collectives: 12. One more torch op zero-pads Y
@@ -42,9 +42,9 @@ def _worker() -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync
-    from lightning_qcomm.collectives import onebit_pieces, sign_batched
+    from lightning_qcomm.collectives import onebit_pieces, sign_collective
 
-    sign_batched.PATH = "batched"  # the accelerator form on CPU tensors
+    sign_collective.PATH = "batched"  # the accelerator form on CPU tensors
     out = {}
     with cuda_path_on_cpu() as log:
         for world in WORLDS:
@@ -79,7 +79,7 @@ def _values_on_the_cuda_path(world: int) -> list[str]:
     from test_onebit_batched import _same_values
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_qcomm.collectives import onebit_all_reduce, sign_batched
+    from lightning_qcomm.collectives import onebit_all_reduce, sign_collective
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -95,7 +95,7 @@ def _values_on_the_cuda_path(world: int) -> list[str]:
                     x[-(-min(d, world * m) // world) + 5] = float("nan")  # in rank 1's chunk
                 outs = {}
                 for path, (ew, es) in errs.items():
-                    sign_batched.PATH = path
+                    sign_collective.PATH = path
                     outs[path] = onebit_all_reduce(x.clone(), ew, es, check=False, piece_numel=m, block_numel=block)
                 for name, a, b in (
                     ("output", outs["batched"], outs["reference"]),

@@ -10,13 +10,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import onebit_step_ops  # noqa: E402
 from lightning_qcomm.codecs import cpu_fused, scaling  # noqa: E402
-from lightning_qcomm.collectives import sign_batched  # noqa: E402
+from lightning_qcomm.collectives import sign_collective  # noqa: E402
 
 
 def test_batched_momentum_sync_launches_fewer_ops_and_syncs_nothing(monkeypatch):
     monkeypatch.setattr(scaling, "_HOST_BRANCHES", False)
     monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
-    monkeypatch.setattr(sign_batched, "PATH", sign_batched.PATH)  # restored after the benchmark sets it
+    monkeypatch.setattr(sign_collective, "PATH", sign_collective.PATH)  # restored after the benchmark sets it
     rows = {p: onebit_step_ops.count(p, scale=1 / 32, world=1, steps=1, nonfinite="propagate") for p in PATHS}
     ref, new = rows["reference"], rows["batched"]  # pieces of 256 elements: whole bytes of codes
     assert ref["pieces"] == new["pieces"] > 4 * ref["buckets"]  # several pieces per bucket
@@ -37,7 +37,7 @@ def test_compressed_step_reads_the_host_once_at_four_ranks(monkeypatch):
 
     monkeypatch.setattr(scaling, "_HOST_BRANCHES", False)
     monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
-    monkeypatch.setattr(sign_batched, "PATH", sign_batched.PATH)
+    monkeypatch.setattr(sign_collective, "PATH", sign_collective.PATH)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         row = onebit_step_ops.count("batched", scale=1 / 32, world=4, steps=1, nonfinite="skip")

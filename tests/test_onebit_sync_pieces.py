@@ -3,7 +3,7 @@ recorded in the rank state, adopted by an unchosen sync on load, refused where a
 
 CPU tensors keep ``DEFAULT_ONEBIT_PIECE_NUMEL`` (pipelining on gloo: the same layout and values as before the piece
 could be chosen); any other device gets one piece per bucket, so the 1-bit all-reduce runs each bucket as one group
-of one piece (``collectives.sign_batched``) and launches no more per bucket than one piece does.
+of one piece (``collectives.sign_collective``) and launches no more per bucket than one piece does.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_codecs import flush_denormal
 
-from lightning_qcomm.codecs import cpu_fused, cpu_sign, get_codec, scaling
+from lightning_qcomm.codecs import cpu_fused, get_codec, scaling, sign_ops
 
 CODECS = [("qsgd", 2), ("qsgd", 4), ("qsgd", 8), ("nuqsgd", 2), ("nuqsgd", 4), ("nuqsgd", 8), ("sign1", 1)]
 N = cpu_fused.FUSED_MIN_NUMEL + 4099  # above the fused threshold, not a multiple of the buckets used
@@ -102,15 +102,15 @@ def test_plain_shortcut_bit_identical_to_reference(name, bits, dtype, monkeypatc
 
 
 def test_sign_scale_shortcut_matches_general_path(monkeypatch):
-    """``cpu_sign.sign_scale`` (1-bit Adam's per-chunk scale) with and without the shortcut."""
+    """``sign_ops.sign_scale`` (1-bit Adam's per-chunk scale) with and without the shortcut."""
     g = torch.Generator().manual_seed(5)
     for n in (cpu_fused.FUSED_MIN_NUMEL, 70001, 1000):
         for scale in (1.0, 1e-12, 1e30, 3e38):
             y = (torch.randn(n, generator=g) * scale).contiguous()
-            got = cpu_sign.sign_scale(y)
-            plain = cpu_fused._plain_scales_params(cpu_sign._sign1(), y, scaling.FLT_MAX)
+            got = sign_ops.sign_scale(y)
+            plain = cpu_fused._plain_scales_params(sign_ops._sign1(), y, scaling.FLT_MAX)
             assert (plain is not None) == (scale < 1e19), (n, scale)  # the first pass overflows above
             monkeypatch.setattr(cpu_fused, "_plain_scales_params", lambda *a: None)
-            want = cpu_sign.sign_scale(y)
+            want = sign_ops.sign_scale(y)
             monkeypatch.undo()
             assert struct.pack("<d", got) == struct.pack("<d", want), (n, scale, got, want)

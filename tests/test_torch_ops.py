@@ -112,7 +112,7 @@ def test_fake_kernels_give_the_real_shapes():
 def test_opcheck_schemas_fakes_and_aot():
     """torch.library.opcheck: the schemas' mutation annotations, the fake kernels (static and dynamic shapes)
     and AOT dispatch agree with what the kernels do, on the reference and the C paths."""
-    from lightning_qcomm.codecs import cpu_fused, cpu_sign, native
+    from lightning_qcomm.codecs import cpu_fused, native, sign_ops
 
     assert native.load() is not None, native.load_error()
     for name, bits, opts in (("uniform", 3, {}), ("nuqsgd", 4, {}), ("fp8_e4m3", 8, {}), ("sign1", 1, {})):
@@ -130,7 +130,7 @@ def test_opcheck_schemas_fakes_and_aot():
     y = torch.randn(100)
     payload = torch.zeros(17, dtype=torch.uint8)
     for op, op_args in (
-        (torch.ops.qcomm.sign_encode_err.default, (y, cpu_sign.sign_scale(y), payload, torch.zeros(100), 60, 100)),
+        (torch.ops.qcomm.sign_encode_err.default, (y, sign_ops.sign_scale(y), payload, torch.zeros(100), 60, 100)),
         (torch.ops.qcomm.sign_server_sum.default, (torch.cat([payload, payload]), 2, 100, y, 60, torch.zeros(100))),
         (torch.ops.qcomm.sign_decode.default, (payload, 100, torch.zeros(50))),
     ):
@@ -168,12 +168,12 @@ def _sign_cases():
 def test_sign_ops_default_kernels_equal_the_c_kernels():
     """The torch default kernels of the 1-bit ops give the C kernels' bits (payload, residual, server sum,
     decode), NaN scales and short valid ranges included."""
-    from lightning_qcomm.codecs import cpu_sign, native, sign_ops
+    from lightning_qcomm.codecs import native, sign_ops
 
     assert native.load() is not None, native.load_error()
     for y, c, valid in _sign_cases():
         p = (c + 7) // 8 + 4
-        for scale in (cpu_sign.sign_scale(y), float("nan"), 0.3):
+        for scale in (sign_ops.sign_scale(y), float("nan"), 0.3):
             outs = {}
             for path, fn in (("c", torch.ops.qcomm.sign_encode_err), ("torch", sign_ops.sign_encode_err_reference)):
                 payload = torch.full((p,), 0xAB, dtype=torch.uint8)

@@ -27,7 +27,7 @@ from lightning_qcomm.codecs.fp8 import FP8Codec
 
 # isort: split
 from lightning_qcomm.codecs import ops as _ops  # noqa: F401  (defines torch.ops.qcomm.*)
-from lightning_qcomm.codecs import sign_fused  # noqa: F401  (the fused 1-bit phases)
+from lightning_qcomm.codecs import sign_phases  # noqa: F401  (the 1-bit all-reduce's phases)
 from lightning_qcomm.codecs.base import Codec, Packed
 from lightning_qcomm.codecs.registry import (
     NO_COMPRESSION,

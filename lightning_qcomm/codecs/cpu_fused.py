@@ -1,5 +1,5 @@
 """CPU kernels of the codec ops (``qcomm::encode`` / ``decode`` / ``decode_into``): a few compiled passes instead of
-~40 eager ops (docs/design.md, "Registry, ops and kernels"; the 1-bit sign passes: ``codecs.cpu_sign``).
+~40 eager ops (docs/design.md, "Registry, ops and kernels"; the 1-bit sign passes: ``codecs.sign_ops``).
 
 The torch reference (``Codec._scales`` + ``encode_reference`` / ``decode_reference``) stays the spec. On CPU tensors
 of at least ``FUSED_MIN_NUMEL`` elements of a codec with native kernels the same arithmetic runs in the C kernels

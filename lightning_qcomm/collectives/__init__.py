@@ -1,8 +1,8 @@
 """The compressed collectives and their engine (layer 2; docs/design.md: "Layers and files", "Collectives").
 
 By responsibility: ``engine`` (one pipelined two-phase exchange, parameterised by a reducer), ``quantized``
-(all-gather, reduce-scatter, all-reduce of a codec), ``sign_collective`` and ``sign_batched`` (the 1-bit
-all-reduce with worker and server error, per piece or as one batch), ``hierarchical`` (exact inside a node,
+(all-gather, reduce-scatter, all-reduce of a codec), ``sign_collective`` (the 1-bit
+all-reduce with worker and server error, one algorithm on every device), ``hierarchical`` (exact inside a node,
 compressed across nodes), ``averaging`` (Local SGD's model averaging), ``chunked`` (the chunk layout and
 payload coding they share), ``call_check`` (the per-call cross-rank consistency check) and ``wire_bytes``
 (the wire-byte formulas). They stand on ``lightning_qcomm.comm`` (transport, ledger, topology).

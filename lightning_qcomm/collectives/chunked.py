@@ -58,11 +58,6 @@ def _encode_bytes(codec: Codec, x: torch.Tensor, seed: int) -> torch.Tensor:
     return codec.encode(x, seed=seed).to_bytes()
 
 
-def _decode_bytes(codec: Codec, buf: torch.Tensor, numel: int) -> torch.Tensor:
-    """fp32 flat values of one payload."""
-    return codec.decode(codec.from_bytes(buf, (numel,), torch.float32))
-
-
 def _decode_rows(codec: Codec, buf: torch.Tensor, rows: int, numel: int) -> torch.Tensor:
     """Decode ``rows`` consecutive payloads of ``numel`` elements each into a (rows, numel) fp32 tensor, in one
     codec call (``codecs.decode_rows``)."""
@@ -92,19 +87,3 @@ def _copy_back(x: torch.Tensor, out_flat: torch.Tensor) -> None:
     """x <- out_flat unless out_flat already is x's storage (see ``_fp32_output``)."""
     if out_flat.data_ptr() != x.data_ptr():
         x.copy_(out_flat.view(x.shape))
-
-
-def _update_error(err: torch.Tensor, new: torch.Tensor) -> None:
-    """err <- new where new is finite (keeps the previous residual where a step was non-finite).
-
-    Branch-free: deciding on the host whether any element is non-finite would wait for the device every step.
-    """
-    new = new.reshape(err.shape)
-    finite = new - new == 0  # x - x == 0 iff x is finite: two launches where torch.isfinite takes four
-    if err.dtype == new.dtype:
-        torch.where(finite, new, err, out=err)
-    else:
-        err.copy_(torch.where(finite, new, err.to(new.dtype)))
-
-
-__all__ = ["FP32_BYTES", "REDUCE_OPS"]

@@ -8,7 +8,7 @@ unit is decoded. The engine alone orders the collectives and the reducers' calls
 collectives in the same order: every all-to-all is issued as soon as its unit is encoded, unit k is reduced while
 later units are on the wire, units decode in order, and the input is read whole before any result is written (a
 reducer may decode into the input's storage). Reducers: ``collectives.quantized`` (fp32 sum with error feedback),
-``collectives.sign_collective`` and ``collectives.sign_batched`` (the 1-bit average). ``run_reduce_scatter`` and
+``collectives.sign_collective`` (the 1-bit average). ``run_reduce_scatter`` and
 ``run_all_gather`` run one half each (QSDP's collectives), their transfers cut into concurrent pieces on gloo
 (``comm.transport``). Why two blocking phases lose the link: BENCHMARKS.md §3.
 

@@ -1,11 +1,11 @@
-"""The error-compensated 1-bit all-reduce (docs/design.md, "1-bit all-reduce"; comm layer).
+"""The error-compensated 1-bit all-reduce (docs/design.md, "1-bit all-reduce"; collectives layer).
 
-The compressed collectives' engine (``collectives.engine.run_pipelined``: async all-to-all, server step, async
-all-gather, decode) runs one of three reducers: ``_ReferencePhases`` per piece through the ``sign1`` codec's
-encode/decode (the spec), ``_FusedPhases`` per piece through the codec layer's fused CPU sign phases
-(``codecs.sign_fused``), bit-identical to it, or, off the CPU, ``collectives.sign_batched``'s groups of equal pieces as
-one batch (the same values, one collective per group, no host sync). The engine alone decides the order of
-reads, writes and collectives, so the per-piece paths issue the same collectives with the same bytes.
+One algorithm on every device: the compressed collectives' engine (``collectives.engine.run_pipelined``: async
+all-to-all, server step, async all-gather, decode) runs ``OneBitReducer`` over groups of equal pieces, whose three
+phases are the codec layer's (``codecs.sign_phases.KERNELS``): the device of the tensors picks their kernels (the
+C sign kernels on the CPU, the Triton rows kernels on CUDA), nothing here does. The schedule (``selected_path``)
+runs every piece as a unit of its own on the CPU (gloo overlaps them) and the equal pieces as one unit off it (a
+step bound by launches): the same values and wire bytes, only the number of collective calls differs.
 
 Example::
 
@@ -16,10 +16,13 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs import Codec, get_codec, sign_fused
+from lightning_qcomm.codecs import Codec, get_codec
+from lightning_qcomm.codecs.sign_phases import KERNELS, SPEC, Phases
 from lightning_qcomm.collectives.call_check import _check_consistent
 from lightning_qcomm.collectives.chunked import (
     FP32_BYTES,
@@ -27,16 +30,10 @@ from lightning_qcomm.collectives.chunked import (
     _check_tensor,
     _chunk_len,
     _copy_back,
-    _decode_bytes,
-    _decode_rows,
-    _encode_bytes,
-    _encode_rows,
     _fp32_output,
     _payload,
-    _update_error,
 )
 from lightning_qcomm.collectives.engine import run_pipelined
-from lightning_qcomm.collectives.sign_batched import BatchedPhases, piece_groups, selected_path
 from lightning_qcomm.comm.ledger import get_ledger
 from lightning_qcomm.comm.transport import _rank_world
 
@@ -88,132 +85,112 @@ def onebit_server_error_numel(numel: int, group: dist.ProcessGroup | None = None
     return _chunk_len(numel, _rank_world(group)[1])
 
 
-# ------------------------------------------------------------------ the phase kernels
-class _PieceReducer:
-    """``collectives.engine``'s reducer over the pieces, units (offset, length n, chunk c, server-error offset):
-    encode builds y = x + e_w zero-padded to N*c and hands it to ``worker``; reduce hands the received chunks
-    and the real length of this rank's chunk to ``server``; decode writes the piece's result through
-    ``decode_into``. Subclasses are the phase kernels."""
-
-    sign: Codec
-
-    def __init__(self, x: torch.Tensor, out_flat: torch.Tensor, worker_error: torch.Tensor, rank: int, world: int):
-        self.rank, self.world = rank, world
-        self.flat_x, self.out_flat = x.detach().reshape(-1), out_flat
-        self.flat_y_err = worker_error.detach().reshape(-1)
-
-    def chunk_nbytes(self, unit) -> int:
-        return self.sign.nbytes(unit[2])
-
-    def encode(self, unit) -> torch.Tensor:
-        o, n, c, _e = unit
-        y = torch.empty(self.world * c, dtype=torch.float32, device=self.flat_x.device)
-        torch.add(self.flat_x[o : o + n], self.flat_y_err[o : o + n], out=y[:n])
-        y[n:].zero_()
-        return self.worker(y, o, n, c)
-
-    def reduce(self, unit, recv: torch.Tensor) -> torch.Tensor:
-        _o, n, c, e_off = unit
-        valid = max(min(c, n - self.rank * c), 0)  # real (unpadded) elements of this rank's chunk
-        return self.server(recv, c, e_off, valid)
-
-    def decode(self, unit, gathered: torch.Tensor) -> None:
-        o, n, c, _e = unit
-        self.decode_into(gathered, c, self.out_flat[o : o + n])
+# ------------------------------------------------------------------ the schedule and the reducer
+PATHS = ("auto", "batched", "reference")
+PATH = "auto"  # module switch: see ``selected_path``
 
 
-class _ReferencePhases(_PieceReducer):
-    """The three per-piece steps through the sign1 codec's encode/decode (the spec). New residuals go to
-    temporary buffers and enter the error buffers at the end where finite (``_update_error``)."""
+def selected_path(x: torch.Tensor) -> str:
+    """The schedule ``onebit_all_reduce`` runs for ``x``: ``"batched"`` (the equal pieces as one unit: off the
+    CPU, where a step is bound by launches), ``"pieces"`` (one unit per piece: on the CPU, where gloo overlaps a
+    piece's transfer with the next piece's phases) or ``"reference"`` (per piece, the phases of ``SPEC``). Both
+    others run ``sign_phases.KERNELS``; the device picks their kernels. ``PATH`` forces ``"batched"`` or
+    ``"reference"``; ValueError if it is not in ``PATHS``.
 
-    def __init__(self, x, out_flat, worker_error: torch.Tensor, server_error: torch.Tensor, rank, world, sign: Codec):
-        super().__init__(x, out_flat, worker_error, rank, world)
-        self.sign = sign
-        self.worker_error, self.server_error = worker_error, server_error
-        self.flat_es = server_error.detach().reshape(-1)
-        self.new_ew = torch.empty(worker_error.numel(), dtype=torch.float32, device=x.device)
-        self.new_es = torch.empty(self.flat_es.numel(), dtype=torch.float32, device=x.device)
+    Example::
 
-    def worker(self, y: torch.Tensor, o: int, n: int, c: int) -> torch.Tensor:
-        """Payloads C(y[chunk j]) for every rank j; e_w[o:o+n] <- y - C(y)."""
-        send = _encode_rows(self.sign, y.view(self.world, c), [0] * self.world)
-        decoded = _decode_rows(self.sign, send, self.world, c).view(-1)[:n]
-        torch.sub(y[:n], decoded, out=self.new_ew[o : o + n])
-        return send
-
-    def server(self, recv: torch.Tensor, c: int, e_off: int, valid: int) -> torch.Tensor:
-        """z = mean of the received chunks (rank order) + e_s, padding zeroed; payload C(z); e_s <- z - C(z)."""
-        received = _decode_rows(self.sign, recv, self.world, c)
-        z = received[0].clone()
-        for r in range(1, self.world):  # in rank order, as the fused path sums (a decode-sum codec op would fuse this)
-            z += received[r]
-        z.div_(self.world)
-        z += self.flat_es[e_off : e_off + c].to(torch.float32)
-        if valid < c:
-            z[valid:] = 0.0
-        mine = _encode_bytes(self.sign, z, 0)
-        es = torch.sub(z, _decode_bytes(self.sign, mine, c), out=self.new_es[e_off : e_off + c])
-        if valid < c:
-            es[valid:] = 0.0
-        return mine
-
-    def decode_into(self, gathered: torch.Tensor, c: int, out: torch.Tensor) -> None:
-        """out <- concat_j C(z_j)[:len(out)]."""
-        out.copy_(_decode_rows(self.sign, gathered, self.world, c).view(-1)[: out.numel()])
-
-    def finish(self) -> None:
-        _update_error(self.worker_error, self.new_ew)
-        _update_error(self.server_error, self.new_es)
+        selected_path(torch.zeros(8, device="cuda"))   # "batched"
+    """
+    if PATH not in PATHS:
+        raise ValueError(f"sign_collective.PATH={PATH!r}: allowed {PATHS}")
+    if PATH != "auto":
+        return PATH
+    return "batched" if x.device.type != "cpu" else "pieces"
 
 
-class _FusedPhases(_PieceReducer):
-    """The same steps in fused CPU passes, bit for bit: per chunk one norm (torch) and one pass for the codes
-    and the residual, written straight into the error buffers (finite residuals only) and the payloads; the
-    server sum and the final decode are one pass each. Error buffers must be contiguous fp32 on the CPU."""
+@dataclass(frozen=True)
+class PieceGroup:
+    """``count`` consecutive pieces of ``numel`` elements each from element ``offset``, chunks of ``chunk``
+    elements; their server-error elements start at ``es_offset`` (``count * chunk`` of them)."""
 
-    def __init__(self, x, out_flat, worker_error: torch.Tensor, server_error: torch.Tensor, rank, world) -> None:
-        super().__init__(x, out_flat, worker_error, rank, world)
-        self.sign = _sign_codec()
-        self.flat_ew = worker_error.detach().view(-1)
-        self.flat_es = server_error.detach().view(-1)
-
-    def worker(self, y: torch.Tensor, o: int, n: int, c: int) -> torch.Tensor:
-        p = self.sign.nbytes(c)
-        send = torch.empty(self.world * p, dtype=torch.uint8)
-        for j in range(self.world):
-            yj = y[j * c : (j + 1) * c]
-            length = max(min(c, n - j * c), 0)
-            ew_j = self.flat_ew[o + j * c : o + j * c + length] if length else self.flat_ew[:0]
-            sign_fused.encode_with_error(yj, send[j * p : (j + 1) * p], ew_j, length, length)
-        return send
-
-    def server(self, recv: torch.Tensor, c: int, e_off: int, valid: int) -> torch.Tensor:
-        es = self.flat_es[e_off : e_off + c]
-        z = torch.empty(c, dtype=torch.float32)
-        sign_fused.server_sum(recv, self.world, c, es, valid, z)
-        mine = torch.empty(self.sign.nbytes(c), dtype=torch.uint8)
-        sign_fused.encode_with_error(z, mine, es, valid, c)
-        return mine
-
-    def decode_into(self, gathered: torch.Tensor, c: int, out: torch.Tensor) -> None:
-        p, n = self.sign.nbytes(c), out.numel()
-        for j in range(self.world):
-            length = max(min(c, n - j * c), 0)
-            if length:
-                sign_fused.decode(gathered[j * p : (j + 1) * p], c, out[j * c : j * c + length])
-
-    def finish(self) -> None:
-        pass  # the residuals are already in the error buffers
+    offset: int
+    count: int
+    numel: int
+    chunk: int
+    es_offset: int
 
 
-def _piece_units(pieces: list[tuple[int, int]], world: int) -> list[tuple[int, int, int, int]]:
-    """(offset, n, c, server-error offset) of every piece: this rank's chunks of the pieces, in piece order."""
-    units, es_off = [], 0
+def piece_groups(pieces: list[tuple[int, int]], world: int, batched: bool = True) -> list[PieceGroup]:
+    """``pieces`` (``onebit_pieces``) merged into groups of consecutive pieces of equal length: at most two, the
+    full pieces and the shorter last one (``batched`` False: one group per piece).
+
+    Example::
+
+        piece_groups([(0, 6), (6, 6), (12, 4)], 2)   # [PieceGroup(0, 2, 6, 3, 0), PieceGroup(12, 1, 4, 2, 6)]
+    """
+    groups: list[PieceGroup] = []
+    es = 0
     for o, n in pieces:
         c = _chunk_len(n, world)
-        units.append((o, n, c, es_off))
-        es_off += c
-    return units
+        last = groups[-1] if groups else None
+        if batched and last is not None and last.numel == n and last.offset + last.count * n == o:
+            groups[-1] = PieceGroup(last.offset, last.count + 1, n, c, last.es_offset)
+        else:
+            groups.append(PieceGroup(o, 1, n, c, es))
+        es += c
+    return groups
+
+
+class OneBitReducer:
+    """``collectives.engine``'s reducer of the 1-bit all-reduce, the units being ``piece_groups``; one instance per
+    call. ``phases``: ``sign_phases.KERNELS`` (or ``SPEC``).
+
+    ``x``: the input, read whole by ``encode`` before ``decode`` writes ``out_flat`` (which may be its storage).
+    The residuals go straight into the error buffers, each group's own elements once that group no longer reads
+    them; a buffer that is not contiguous is worked on in a flat copy, copied back by ``finish``.
+    """
+
+    def __init__(self, phases: Phases, sign: Codec, x, out_flat, worker_error, server_error, rank: int, world: int):
+        self.phases, self.sign, self.rank, self.world = phases, sign, rank, world
+        self.x_flat, self.out_flat = x.detach().reshape(-1), out_flat
+        self.worker_error, self.server_error = worker_error, server_error
+        self.flat_ew = worker_error.detach().reshape(-1)  # a view where the buffer is contiguous, else a copy
+        self.flat_es = server_error.detach().reshape(-1)
+
+    def chunk_nbytes(self, g: PieceGroup) -> int:
+        return g.count * self.sign.nbytes(g.chunk)
+
+    def encode(self, g: PieceGroup) -> torch.Tensor:
+        """Payloads of every piece's chunks, (N, K, P) uint8 (row j for rank j); E_w of the group's elements."""
+        k, n, c, w = g.count, g.numel, g.chunk, self.world
+        span = slice(g.offset, g.offset + k * n)
+        x, ew = self.x_flat[span].view(k, n), self.flat_ew[span].view(k, n)
+        if n == w * c:
+            y = torch.add(x, ew, out=torch.empty(k, n, dtype=torch.float32, device=x.device))
+        else:  # the pieces' zero padding to N*c (a short piece is a group of its own: K = 1)
+            y = torch.zeros(k, w * c, dtype=torch.float32, device=x.device)
+            torch.add(x, ew, out=y[:, :n])
+        send = self.phases.worker(self.sign, y, n, c, self.flat_ew[span])  # (K*N, P)
+        return send.view(k, w, -1).transpose(0, 1).contiguous() if k > 1 else send
+
+    def reduce(self, g: PieceGroup, recv: torch.Tensor) -> torch.Tensor:
+        """This rank's (K, P) payloads from the received (N, K, P) ones; E_s of the group's elements."""
+        k, c = g.count, g.chunk
+        valid = max(min(c, g.numel - self.rank * c), 0)  # real (unpadded) elements of this rank's chunks
+        es = self.flat_es[g.es_offset : g.es_offset + k * c].view(k, c)
+        return self.phases.server(self.sign, recv, k, c, valid, es)
+
+    def decode(self, g: PieceGroup, gathered: torch.Tensor) -> None:
+        """out[group] <- concat_j C(Z_j[k])[:n] for every piece k, from the gathered (N, K, P) payloads."""
+        k, n, w = g.count, g.numel, self.world
+        p = gathered.numel() // (w * k)
+        rows = gathered.view(w, k, p).transpose(0, 1).contiguous() if k > 1 else gathered  # (K, N, P): piece order
+        self.phases.decode_into(self.sign, rows, n, g.chunk, self.out_flat[g.offset : g.offset + k * n])
+
+    def finish(self) -> None:
+        for buf, flat in ((self.worker_error, self.flat_ew), (self.server_error, self.flat_es)):
+            if not buf.is_contiguous():  # worked on in a copy
+                buf.copy_(flat.view(buf.shape))
 
 
 def onebit_all_reduce(
@@ -242,9 +219,10 @@ def onebit_all_reduce(
         all:       x <- concat_j C(z_j)[:n], identical on every rank.
 
     Pieces are pipelined as in ``quantized_all_reduce`` (async all-to-all per piece; each piece's
-    all-gather issued once its all-to-all is done). Off the CPU (``collectives.sign_batched``; ``sign_batched.PATH``
-    selects) all pieces of equal length run as one batch: one all-to-all and one all-gather per group of them,
-    the same values and bytes, a number of torch ops that does not grow with the number of pieces. Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1)
+    all-gather issued once its all-to-all is done). Off the CPU (``selected_path``; ``PATH`` forces a schedule)
+    all pieces of equal length run as one batch: one all-to-all and one all-gather per group of them, the same
+    values and bytes, a number of torch ops that does not grow with the number of pieces.
+    Wire per rank ~ 2(N-1)/N * d/8 bytes plus 8(N-1)
     bytes of scales per piece (1/32 of an fp32 ring all-reduce); with blocks, 4 bytes per B elements more
     (1/32 · (1 + 32/B)). The error buffers move on only where the new residual is finite.
     Ledger: all_reduce, collective = sum_k N*P_k with P_k = ceil(c_k/8) + 4 (+ 4 ceil(c_k/B) instead of 4
@@ -284,27 +262,11 @@ def onebit_all_reduce(
             device=x.device,
         )
     pieces = onebit_pieces(d, world, piece_numel)
-    fused = (  # the fused CPU kernels code one scale per chunk
-        block_numel is None
-        and worker_error.dtype == torch.float32
-        and server_error.dtype == torch.float32
-        and worker_error.is_contiguous()
-        and server_error.is_contiguous()
-        and worker_error.device.type == "cpu"
-        and server_error.device.type == "cpu"
-        and sign_fused.available(x, _chunk_len(pieces[0][1], world))
-    )
-    path = selected_path(x, fused)
+    path = selected_path(x)
     out_flat = _fp32_output(x)
-    if path == "batched":  # every piece in one set of multi-row ops (collectives.sign_batched)
-        reducer = BatchedPhases(sign, x, out_flat, worker_error, server_error, rank, world)
-        units = piece_groups(pieces, world)
-    else:
-        if path == "fused":
-            reducer = _FusedPhases(x, out_flat, worker_error, server_error, rank, world)
-        else:
-            reducer = _ReferencePhases(x, out_flat, worker_error, server_error, rank, world, sign)
-        units = _piece_units(pieces, world)
+    phases = SPEC if path == "reference" else KERNELS
+    reducer = OneBitReducer(phases, sign, x, out_flat, worker_error, server_error, rank, world)
+    units = piece_groups(pieces, world, batched=path == "batched")
     total_p = run_pipelined(reducer, units, group, world)  # x is read whole before out_flat is written
     _copy_back(x, out_flat)
     get_ledger().record(
@@ -315,8 +277,14 @@ def onebit_all_reduce(
 
 __all__ = [
     "DEFAULT_ONEBIT_PIECE_NUMEL",
+    "PATH",
+    "PATHS",
+    "OneBitReducer",
+    "PieceGroup",
     "check_block_numel",
     "onebit_all_reduce",
     "onebit_pieces",
     "onebit_server_error_numel",
+    "piece_groups",
+    "selected_path",
 ]
