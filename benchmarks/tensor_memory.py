@@ -45,6 +45,9 @@ from torch.utils._pytree import tree_leaves
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    local = getattr(t, "_local_tensor", None)  # a DTensor (FSDP2's parameters): this rank's shard
+    if isinstance(local, torch.Tensor):
+        t = local
     if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
         return None
     try:
@@ -105,8 +108,8 @@ class TensorMemory(TorchDispatchMode):
 
     @contextlib.contextmanager
     def in_thread(self) -> Iterator[None]:
-        """Enter this mode on the calling thread (a worker's): its allocations are counted too."""
-        with self:
+        """Count the calling thread's allocations (a comm worker's) into this mode's totals while inside."""
+        with _Follower(self):
             yield
 
     # ------------------------------------------------------------------ reading
@@ -139,6 +142,21 @@ class TensorMemory(TorchDispatchMode):
                     total += sizes.pop(s._cdata)
             out[name] = out.get(name, 0) + total
         out["other"] = out.get("other", 0) + sum(sizes.values())
+        return out
+
+
+class _Follower(TorchDispatchMode):
+    """A mode of its own on another thread (dispatch modes are per thread) that records into ``leader``."""
+
+    def __init__(self, leader: TensorMemory) -> None:
+        super().__init__()
+        self.leader = leader
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.leader._record(t)
         return out
 
 
