@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import traceback
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -60,15 +61,20 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 class TensorMemory(TorchDispatchMode):
     """Live and peak bytes of the storages created while active (module docstring).
 
+    Args:
+        where: keep the Python stack of the allocation that last raised the peak in ``peak_stack`` (slow).
+
     Attributes:
         live: bytes of the recorded storages alive now.
-        peak: the largest ``live`` seen since the mode was made (or since ``reset_peak``).
+        peak: the largest ``live`` seen since the mode was made (or since ``mark``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, where: bool = False) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.where = where  # keep the Python stack of the allocation that set the peak (``peak_stack``)
+        self.peak_stack: list[str] = []
         self._sizes: dict[int, int] = {}  # storage's _cdata -> bytes recorded
         self._lock = threading.RLock()
 
@@ -95,7 +101,10 @@ class TensorMemory(TorchDispatchMode):
             else:
                 return
             self.live += nbytes - (old or 0)
-            self.peak = max(self.peak, self.live)
+            if self.live > self.peak:
+                self.peak = self.live
+                if self.where:
+                    self.peak_stack = traceback.format_stack(limit=12)
 
     def _free(self, key: int) -> None:
         with self._lock:

@@ -62,8 +62,11 @@ during warm-up.
 
 **Precision**: for fp16/bf16 parameters m and v are held in fp32 (a variance frozen from fp16 statistics would be
 coarse or zero). For fp32 parameters the warm-up is torch's AdamW bit for bit. **Memory**: m and v as AdamW; after
-the freeze also this rank's error buffers (d fp32 worker + ceil(d_b/N) fp32 server elements per bucket of d_b) and
-the flat fp32 buckets while they are synced (d fp32 in all); one copy of v for the last ``auto_freeze_interval``
+the freeze also this rank's error buffers (d fp32 worker + ceil(d_b/N) fp32 server elements per bucket of d_b) and,
+with ``variance_refresh``, the window of g² sums (d in the moment dtype): AdamW's bytes + 4 + 4/N + 4 per fp32
+parameter kept between steps, nothing else (``benchmarks/memory_per_method.py``). Within a step the flat fp32
+buckets while they are synced: one at a time inline; with overlap each from its launch in backward to the step (d
+fp32 in all: the step's non-finite verdict reads them all). One copy of v for the last ``auto_freeze_interval``
 warm-up steps (the stability check at the freeze, see "Freeze").
 
 **Non-finite gradients** stay non-finite: NaN/Inf reach m and, through the 1-bit all-reduce, every rank's
