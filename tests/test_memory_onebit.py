@@ -42,7 +42,11 @@ def _train(rank: int, refresh: int | None) -> dict:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         else:
             opt = OneBitAdam(
-                model.parameters(), lr=1e-3, freeze_step=FREEZE, bucket_mb=BUCKET_MB, variance_refresh=refresh
+                model.parameters(),
+                lr=1e-3,
+                freeze_step=FREEZE,
+                bucket_mb=BUCKET_MB,
+                variance_refresh=refresh,
             )
             onebit_adam_ddp(ddp, opt)
         for step in range(STEPS):
@@ -54,7 +58,11 @@ def _train(rank: int, refresh: int | None) -> dict:
         del x, y, g
         gc.collect()
     numel = sum(p.numel() for p in model.parameters())
-    return {"live": mem.live / numel, "owners": {k: v / numel for k, v in mem.by_owner(owners(model, opt)).items()}}
+    return {
+        "live": mem.live / numel,
+        "peak": mem.peak / numel,
+        "owners": {k: v / numel for k, v in mem.by_owner(owners(model, opt)).items()},
+    }
 
 
 def _worker(rank: int, world: int, port: int, outdir: str) -> None:
@@ -62,7 +70,11 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    out = {"adamw": _train(rank, None), "onebit": _train(rank, 0), "onebit_refresh": _train(rank, 3)}
+    out = {
+        "adamw": _train(rank, None),
+        "onebit": _train(rank, 0),
+        "onebit_refresh": _train(rank, 3),
+    }
     write_rank_result(outdir, rank, out)
 
 
@@ -76,3 +88,33 @@ def test_onebit_adam_live_bytes_after_freeze_are_its_algorithms_state() -> None:
         assert adamw["live"] >= 16.0, adamw  # p, gradient, m and v at least: the counter sees the baseline
         assert r["onebit"]["live"] - adamw["live"] <= 4 + 4 / world, r
         assert r["onebit_refresh"]["live"] - adamw["live"] <= 4 + 4 / world + 4, r
+
+
+def test_the_compressed_steps_optimizer_math_holds_at_most_two_copies_of_a_bucket():
+    """``bucket_candidates`` forms m', w and the clip of a bucket of R fp32 bytes within its output and one more
+    buffer (w, formed in √v̂'s copy) and a mask of bools: at most 2.25 R at its peak (it held m', its fp32 copy,
+    √v̂, √v̂ + ε and w at once: 5 R); ``bucket_update_`` m = u (√v̂ + ε) in √v̂'s copy, beside u: 1.5 R with its masks."""
+    from tensor_memory import TensorMemory
+
+    from lightning_qcomm.optim.adam_foreach import bucket_candidates, bucket_update_
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(256, 64)), torch.nn.Parameter(torch.randn(64))]
+    group = {"params": params, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    group["decoupled_weight_decay"] = True
+    state = {}
+    for p in params:
+        p.grad = torch.randn_like(p)
+        state[p] = {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+    group_of = {p: group for p in params}
+    nbytes = 4 * sum(p.numel() for p in params)
+    with TensorMemory() as mem:
+        mem.adopt([*params, *(p.grad for p in params), *(t for p in params for t in state[p].values())])
+        start = mem.mark()
+        flat = bucket_candidates(params, state, group_of)
+        candidates_peak = mem.peak_since(start)
+        start = mem.mark()
+        bucket_update_(params, state, group_of, flat)
+        update_peak = mem.peak_since(start)
+    assert candidates_peak <= 2.25 * nbytes + 1024, candidates_peak / nbytes
+    assert update_peak <= 1.5 * nbytes + 1024, update_peak / nbytes
