@@ -52,13 +52,17 @@ class CommWorker:
             item = self._queue.get()
             if item is _STOP:
                 return
-            fn, fut = item
-            try:
-                result = fn()
-            except BaseException as exc:  # noqa: BLE001 -- handed to the waiter, which re-raises it
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
+            self._run_one(*item)
+            del item  # the job and its result are the waiter's now: this thread keeps no buffer alive between jobs
+
+    @staticmethod
+    def _run_one(fn: Callable[[], Any], fut: torch.futures.Future) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the waiter, which re-raises it
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
 
     def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
         """Queue ``fn``; the returned future holds its result (or raises its exception on ``wait``)."""

@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-from lightning_qcomm.optim.adam_math import adam_step_bound, frozen_update_, momentum_candidates, weight_from_root
+from lightning_qcomm.optim.adam_math import (
+    adam_step_bound,
+    frozen_update_,
+    momentum_candidates,
+    usable_root,
+    weight_from_root_,
+)
 
 State = dict[torch.Tensor, dict[str, Any]]
 
@@ -141,15 +147,23 @@ def bucket_candidates(params: list[torch.Tensor], state: State, group_of: dict) 
             out.copy_(momentum_candidates(members, state, group_of))
             continue
         ms = [state[p]["exp_avg"] for p in members]
-        new = list(ms)
         train = [i for i, p in enumerate(members) if p.requires_grad]
-        if train:
-            tms = [ms[i] for i in train]
-            lerped = torch._foreach_lerp(tms, _grads([members[i] for i in train], tms, group), 1 - group["betas"][0])
-            for i, t in zip(train, lerped):
-                new[i] = t
-        _flat(new, out=out)
-        out.mul_(weight_from_root(_flat([state[p]["exp_avg_sq"] for p in members]).sqrt_(), group["eps"]))
+        if all(m.dtype == torch.float32 for m in ms):  # m' formed in the output itself: no second copy of the run
+            _flat(ms, out=out)
+            if train:
+                views = _split_as(out, members)
+                tms = [views[i] for i in train]
+                torch._foreach_lerp_(tms, _grads([members[i] for i in train], tms, group), 1 - group["betas"][0])
+        else:  # m' in the moments' dtype, then rounded to fp32
+            new = list(ms)
+            if train:
+                tms = [ms[i] for i in train]
+                betas = group["betas"]
+                lerped = torch._foreach_lerp(tms, _grads([members[i] for i in train], tms, group), 1 - betas[0])
+                for i, t in zip(train, lerped):
+                    new[i] = t
+            _flat(new, out=out)
+        out.mul_(weight_from_root_(_flat([state[p]["exp_avg_sq"] for p in members]).sqrt_(), group["eps"]))
         bound = adam_step_bound(group)
         torch.where(out - out == 0, out.clamp(-bound, bound), out, out=out)  # non-finite (x - x != 0) stays
     return flat
@@ -175,8 +189,8 @@ def _run_update_(members: list[torch.Tensor], state: State, group: dict[str, Any
         return
     beta1, lr, wd, eps = group["betas"][0], group["lr"], group["weight_decay"], group["eps"]
     root = _flat([state[p]["exp_avg_sq"] for p in members]).sqrt_()
-    u.mul_(weight_from_root(root, eps) != 0)  # 0 where w = 0 (a non-finite u stays non-finite)
-    new_m = u * root.add_(eps)
+    u.mul_(usable_root(root, eps))  # 0 where w = 0 (a non-finite u stays non-finite)
+    new_m = root.add_(eps).mul_(u)  # u (√v̂ + ε), in the root's buffer
     ps = [members[i] for i in train]
     new_views = _split_as(new_m, members)
     torch._foreach_copy_([state[p]["exp_avg"] for p in ps], [new_views[i] for i in train])

@@ -80,6 +80,19 @@ def weight_from_root(root: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.where(root > eps, (root + eps).reciprocal_(), 0.0)
 
 
+def weight_from_root_(root: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight_from_root`` in ``root``'s own buffer (returned; bit for bit the same values): one mask of bools besides
+    it, where the out-of-place form holds two more copies of the root at once."""
+    unusable = (root > eps).logical_not_()  # NaN included, as where(root > eps, ..., 0) has it
+    return root.add_(eps).reciprocal_().masked_fill_(unusable, 0.0)
+
+
+def usable_root(root: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight_from_root(root, eps) != 0`` as bools, without forming w: √v̂ > ε and 1/(√v̂ + ε) != 0, that is
+    √v̂ > ε and finite (√v̂ <= √max of the dtype keeps 1/(√v̂ + ε) above its smallest normal)."""
+    return (root > eps).logical_and_(root != torch.inf)
+
+
 def adam_step_bound(group: dict[str, Any]) -> float:
     """The largest abs(m̂/√v̂) Adam's own update reaches (Kingma & Ba 2015, §2.1): (1-β1)/√(1-β2) when that exceeds 1
     (a gradient after a long silence), else 1. After the freeze u = m/(√v̂ + ε) is clipped to it: a coordinate
@@ -136,5 +149,7 @@ __all__ = [
     "frozen_weight",
     "momentum_candidates",
     "momentum_grad",
+    "usable_root",
     "weight_from_root",
+    "weight_from_root_",
 ]

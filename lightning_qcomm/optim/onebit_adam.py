@@ -10,7 +10,9 @@ the preconditioned momentum u = m / (√v̂ + ε), clipped, with the error-compe
 all-reduce. Invariants: m, v̂ and p are the same on every rank; non-finite gradients stay non-finite; the state
 uses torch's Adam keys (an AdamW checkpoint loads); the 1-bit error buffers differ per rank and travel through
 ``rank_state_dict`` / ``load_rank_state_dict``, not ``state_dict``. Unsupported (ValueError): amsgrad, maximize,
-sparse gradients, complex parameters. The full statement: docs/design.md, "Module notes".
+sparse gradients, complex parameters. Memory kept between steps after the freeze, per fp32 parameter: AdamW's
+bytes + 4 + 4/N (the error buffers) + 4 with ``variance_refresh`` (the window of g² sums); within a step at most
+a few buckets more. The full statement: docs/design.md, "Module notes".
 
 Example::
 
