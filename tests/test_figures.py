@@ -6,7 +6,7 @@ The convention (BENCHMARKS.md, "Methodology", describes it for writers), two for
   ``5.55×<!-- fig: netbench_final_1204.json table/100.0/rows/onebit_adam/speedup_vs_fp32 -->``. The file is
   under ``benchmarks/results/``; in a ``.json`` file the key is a ``/``-separated path (list items by index),
   in a ``.md`` file it is ``row|column`` of the first table with that row (first cell, or ``a & b``: the row
-  holding both cells) and that column header;
+  holding both cells) and that column header (inside a Markdown table write that pipe as ``\\|``, or it splits the cell);
   ``FILE.md#text`` reads only the tables under the first heading that contains ``text`` (``_`` for a space). The printed number
   must equal the source rounded to the printed decimals (half a unit of the last printed digit).
 * a whole table: ``<!-- fig-table: FILE.md#text -->`` on the line before a Markdown table. Every column header
@@ -82,6 +82,7 @@ def cells(line: str) -> list[str]:
 
 
 def source_value(file: str, key: str):
+    key = key.replace("\\|", "|")  # in a table cell the key's pipe is escaped, or it would split the cell
     name, _, section = file.partition("#")
     path = RESULTS / name
     if not path.is_file():
@@ -190,6 +191,22 @@ def test_no_figure_without_a_source(page: Path):
     assert not hits, f"{page.relative_to(ROOT)}: figures without a results file:\n" + "\n".join(hits)
 
 
+def unescaped_pipes_in_table_tags(text: str) -> list[str]:
+    """Table rows whose figure tag holds a bare ``|``: Markdown splits the cell there and the comment shows."""
+    return [
+        f"{n}: {line.strip()[:100]}"
+        for n, line in enumerate(strip_code(text).splitlines(), 1)
+        if line.lstrip().startswith("|")
+        and any(re.search(r"(?<!\\)\|", tag) for tag in re.findall(r"<!-- fig: .*? -->", line))
+    ]
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_tags_in_table_cells_escape_their_pipe(page: Path):
+    hits = unescaped_pipes_in_table_tags(page.read_text())
+    assert not hits, f"{page.relative_to(ROOT)}: write the key's pipe as \\| inside a table:\n" + "\n".join(hits)
+
+
 def test_the_checker_catches_a_wrong_figure():
     row = "onebit_adam"
     path = "table/100.0/rows/" + row + "/speedup_vs_fp32"
@@ -199,4 +216,8 @@ def test_the_checker_catches_a_wrong_figure():
     assert check_tagged("3.74×<!-- fig: netbench_final_1204.md#100 qddp_nuqsgd4|speedup vs DDP fp32 -->") == []
     assert check_tagged("4.51×<!-- fig: netbench_final_1204.md#100 qddp_nuqsgd4|speedup vs DDP fp32 -->")
     assert check_tagged("+0.7%<!-- fig: fidelity.md localsgd_qsr|gap -->")  # the full run says +3.30%
+    assert check_tagged("+3.30%<!-- fig: fidelity.md localsgd_qsr\\|gap -->") == []  # escaped in a table cell
+    assert unescaped_pipes_in_table_tags("| a | 1.0<!-- fig: f.md r|c --> |") and not unescaped_pipes_in_table_tags(
+        "| a | 1.0<!-- fig: f.md r\\|c --> |\nprose 1.0<!-- fig: f.md r|c -->"
+    )
     assert untagged("QSR: val loss +0.7%, 5.6× faster") and not untagged("goal ≤ +1%, 4×64 tokens, `2.0x`")
