@@ -41,6 +41,9 @@ from lightning_qcomm.cli import make_cli
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from gpu_smoke import TINY as TINY_MODEL  # noqa: E402  (the demo model at one layer, as the GPU smoke run uses it)
+
 MAX_STEPS = 4
 
 # names a config may use -> the module that must exist for it (strategies/callbacks written under other issues)
@@ -64,23 +67,11 @@ STRATEGY_FORMS = [  # (registered name, class name, module)
     ("ddp", "DDPStrategy", "lightning.pytorch.strategies.ddp"),
 ]
 CPU = "--trainer.accelerator=cpu"  # the configs say `auto` (GPUs where present); the tests run them on CPU ranks
-TINY = [  # a model small enough that every config trains MAX_STEPS steps in about a second
+TINY = [  # every config trains MAX_STEPS steps of the one-layer demo model in about a second
     CPU,
     f"--trainer.max_steps={MAX_STEPS}",
     f"--trainer.val_check_interval={MAX_STEPS}",
-    "--trainer.limit_val_batches=1",
-    "--trainer.num_sanity_val_steps=0",
-    "--trainer.log_every_n_steps=1",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-    "--model.n_layer=1",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--model.warmup_steps=2",
-    "--data.block_size=32",
-    "--data.batch_size=4",
-    "--data.max_bytes=40000",
+    *TINY_MODEL,
 ]
 
 
