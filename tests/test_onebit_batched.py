@@ -50,7 +50,8 @@ def _input(seed: int, rank: int, d: int, scale: float) -> torch.Tensor:
 
 
 def compare_paths(rank: int, world: int) -> list[str]:
-    """Failures of the batched form against the reference (empty: bit-identical everywhere)."""
+    """Failures of the batched form, and of the CPU default's schedule (``"auto"``: one unit per piece), against the
+    reference (empty: bit-identical everywhere)."""
     failures = []
     saved = (sign_collective.PATH, scaling._HOST_BRANCHES, os.environ.get(cpu_fused.ENV_SWITCH))
     scaling._HOST_BRANCHES = False
@@ -62,7 +63,7 @@ def compare_paths(rank: int, world: int) -> list[str]:
         for d in sizes:
             for block in (None, 40):
                 c = -(-d // world)
-                errs = {p: (torch.zeros(d), torch.zeros(c)) for p in ("batched", "reference")}
+                errs = {p: (torch.zeros(d), torch.zeros(c)) for p in ("batched", "auto", "reference")}
                 for t in range(4):
                     x = _input(t, rank, d, 0.5 + t)
                     if t == 2 and rank == 1:  # in rank 1's own chunk: the fake group's ranks hold rank 1's inputs
@@ -79,13 +80,16 @@ def compare_paths(rank: int, world: int) -> list[str]:
                             set_ledger(prev)
                         ledgers[path] = [(r.op, r.wire_bytes, r.payload_bytes, r.tag) for r in ledger.records]
                     where = f"d={d} block={block} step {t}"
-                    for name, i in (("worker error", 0), ("server error", 1)):
-                        if not _same_values(errs["batched"][i], errs["reference"][i]):
-                            failures.append(f"{where}: {name} differs")
-                    if not _same_values(outs["batched"], outs["reference"]):
-                        failures.append(f"{where}: output differs")
+                    for path in ("batched", "auto"):
+                        for name, i in (("worker error", 0), ("server error", 1)):
+                            if not _same_values(errs[path][i], errs["reference"][i]):
+                                failures.append(f"{where} ({path}): {name} differs")
+                        if not _same_values(outs[path], outs["reference"]):
+                            failures.append(f"{where} ({path}): output differs")
                     if ledgers["batched"] != ledgers["reference"]:
                         failures.append(f"{where}: ledger {ledgers['batched']} != {ledgers['reference']}")
+                    if sum(r[1] for r in ledgers["auto"]) != sum(r[1] for r in ledgers["reference"]):
+                        failures.append(f"{where} (auto): wire bytes {ledgers['auto']} != {ledgers['reference']}")
                     if t == 2 and not bool(torch.isnan(outs["batched"]).any()):
                         failures.append(f"{where}: the NaN step gave a finite output")
     finally:

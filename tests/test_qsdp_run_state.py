@@ -63,3 +63,14 @@ def test_the_same_seed_is_not_warned(kind, caplog):
         _load(strategy, entry)
     assert strategy.comm_state.step == 4
     assert not [r for r in caplog.records if "seed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_entry_of_the_older_format_still_loads(kind, caplog, recwarn):
+    """Checkpoints written before the layout and the seed were recorded hold only the RNG step."""
+    strategy = _strategy(kind, seed=1)
+    with caplog.at_level(logging.WARNING):
+        _load(strategy, {"rng_step": 5})
+    assert strategy.comm_state.step == 5
+    assert not [r for r in caplog.records if "seed" in r.getMessage() or "layout" in r.getMessage()]
+    assert not [w for w in recwarn if "checkpoint" in str(w.message)]

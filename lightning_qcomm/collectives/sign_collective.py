@@ -154,7 +154,7 @@ class OneBitReducer:
         self.phases, self.sign, self.rank, self.world = phases, sign, rank, world
         self.x_flat, self.out_flat = x.detach().reshape(-1), out_flat
         self.worker_error, self.server_error = worker_error, server_error
-        self.flat_ew = worker_error.detach().reshape(-1)  # a view where the buffer is contiguous, else a copy
+        self.flat_ew = worker_error.detach().reshape(-1)  # a view where reshape can make one, else a copy
         self.flat_es = server_error.detach().reshape(-1)
 
     def chunk_nbytes(self, g: PieceGroup) -> int:

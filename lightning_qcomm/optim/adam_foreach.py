@@ -148,21 +148,11 @@ def bucket_candidates(params: list[torch.Tensor], state: State, group_of: dict) 
             continue
         ms = [state[p]["exp_avg"] for p in members]
         train = [i for i, p in enumerate(members) if p.requires_grad]
-        if all(m.dtype == torch.float32 for m in ms):  # m' formed in the output itself: no second copy of the run
-            _flat(ms, out=out)
-            if train:
-                views = _split_as(out, members)
-                tms = [views[i] for i in train]
-                torch._foreach_lerp_(tms, _grads([members[i] for i in train], tms, group), 1 - group["betas"][0])
-        else:  # m' in the moments' dtype, then rounded to fp32
-            new = list(ms)
-            if train:
-                tms = [ms[i] for i in train]
-                betas = group["betas"]
-                lerped = torch._foreach_lerp(tms, _grads([members[i] for i in train], tms, group), 1 - betas[0])
-                for i, t in zip(train, lerped):
-                    new[i] = t
-            _flat(new, out=out)
+        _flat(ms, out=out)  # a run's moments are fp32 (``_runs``): m' is formed in the output, no second copy
+        if train:
+            views = _split_as(out, members)
+            tms = [views[i] for i in train]
+            torch._foreach_lerp_(tms, _grads([members[i] for i in train], tms, group), 1 - group["betas"][0])
         out.mul_(weight_from_root_(_flat([state[p]["exp_avg_sq"] for p in members]).sqrt_(), group["eps"]))
         bound = adam_step_bound(group)
         torch.where(out - out == 0, out.clamp(-bound, bound), out, out=out)  # non-finite (x - x != 0) stays
