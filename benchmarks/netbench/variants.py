@@ -63,7 +63,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("floor_ddp", "floor", "DDP with torch's no-op comm hook: the floor plus DDP's own bucket/hook overhead"),
     Variant("ddp_fp32", "torch", "DDP fp32 all-reduce (torch allreduce_hook = DDP's built-in reduction)"),
     Variant("ddp_fp16", "torch", "DDP + torch fp16_compress_hook"),
-    Variant("ddp_bf16", "torch", "DDP + torch bf16_compress_hook"),
+    Variant("ddp_bf16", "torch", "DDP + bf16 compress hook (torch's bf16_compress_hook math; torch's refuses gloo)"),
     Variant("powersgd_r4", "torch", "DDP + torch PowerSGD rank 4, error feedback, warm start, start iter 2"),
     Variant(
         "powersgd_r16", "torch", "the same with rank 16 (ablation: PowerSGD at a rank closer to DDP's loss)", (), False
@@ -284,6 +284,7 @@ def build_variant(
     from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pls
 
     from benchmarks.bench_model import BenchLM, BenchLMFSDP2
+    from benchmarks.netbench.baseline_hooks import bf16_hook
 
     timeout = timedelta(seconds=timeout_s)
     world = nodes * ranks_per_node
@@ -320,7 +321,7 @@ def build_variant(
     if name == "ddp_fp16":
         return ddp(ddp_comm_hook=default_hooks.fp16_compress_hook), BenchLM, {}, []
     if name == "ddp_bf16":
-        return ddp(ddp_comm_hook=default_hooks.bf16_compress_hook), BenchLM, {}, []
+        return ddp(ddp_comm_hook=bf16_hook), BenchLM, {}, []
     if name in ("powersgd_r4", "powersgd_r16", "powersgd_r64"):
         rank = int(name.rsplit("_r", 1)[1])
         state = powerSGD_hook.PowerSGDState(
