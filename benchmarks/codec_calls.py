@@ -34,6 +34,10 @@ except ImportError:  # before the rows ops: the comm layer's module
         from lightning_qcomm.comm import row_batch
     except ImportError:  # an older checkout without the row paths: only the public calls
         row_batch = None
+try:  # the CPU backend's row form (in codecs.rows before it)
+    from lightning_qcomm.codecs import cpu as cpu_rows
+except ImportError:
+    cpu_rows = None
 
 
 def calls(bits: int, n: int) -> dict:
@@ -45,12 +49,13 @@ def calls(bits: int, n: int) -> dict:
         "encode": lambda: codec.encode(x[0], seed=1),
         "decode_into": lambda: codec.decode_into(payload, out),
     }
-    if row_batch is not None and hasattr(row_batch, "encode_flat_row_into"):
+    flat_row_into = getattr(row_batch, "encode_flat_row_into", None) or getattr(cpu_rows, "encode_flat_row_into", None)
+    if row_batch is not None and flat_row_into is not None:
         wire = torch.stack([payload.to_bytes(), payload.to_bytes()])
         rows = torch.empty(2, n + 8)[:, :n]  # strided rows, as a column slice of the gathered buffer
         buf = torch.empty(codec.nbytes(n), dtype=torch.uint8)
         fns["decode_rows_into(2 rows)"] = lambda: row_batch.decode_rows_into(codec, wire, n, rows)
-        fns["encode_flat_row_into"] = lambda: row_batch.encode_flat_row_into(codec, x, 0, 5, buf)
+        fns["encode_flat_row_into"] = lambda: flat_row_into(codec, x, 0, 5, buf)
     return {f"uniform-{bits} n={n} {k}": f for k, f in fns.items()}
 
 

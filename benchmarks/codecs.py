@@ -173,7 +173,7 @@ def _check_against_reference(codec, xs: torch.Tensor, xs_cpu: torch.Tensor) -> b
 
 def run_cuda(numel: int, repeats: int, only: list[str] | None, clock: str = "wall") -> list[str]:
     from lightning_qcomm import kernels
-    from lightning_qcomm.codecs import ops
+    from lightning_qcomm.codecs import cuda
 
     if not torch.cuda.is_available():
         raise SystemExit("--cuda needs a CUDA device")
@@ -195,7 +195,7 @@ def run_cuda(numel: int, repeats: int, only: list[str] | None, clock: str = "wal
         if only and label not in only:
             continue
         codec = get_codec(name, bits, **opts)
-        assert ops._triton_for(codec), "CUDA tensors should dispatch to the Triton kernels"
+        assert cuda.triton_for(codec, x.device), "CUDA tensors should dispatch to the Triton kernels"
         same = _check_against_reference(codec, x[:CHECK_NUMEL], x_check)
         enc_p, dec_p = _params(codec, x)
         codes = kernels.encode(codec, x, enc_p, 7)

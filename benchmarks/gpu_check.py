@@ -106,7 +106,7 @@ def time_codecs() -> tuple[float, list[tuple[str, float, float, float, float, st
     "Triton", or "torch reference (<why>)" where the codec's first-use check failed."""
     import torch
 
-    from lightning_qcomm.codecs import get_codec, ops, triton_probe
+    from lightning_qcomm.codecs import cuda, get_codec, triton_probe
 
     x = torch.randn(NUMEL, device="cuda")
     y = torch.empty_like(x)
@@ -133,7 +133,7 @@ def time_codecs() -> tuple[float, list[tuple[str, float, float, float, float, st
         enc_ms = median_ms(lambda codec=codec: codec.encode(x, seed=1))
         dec_ms = median_ms(lambda codec=codec, packed=packed: codec.decode(packed))
         moved = 4 * NUMEL + packed.nbytes  # fp32 in, payload out (encode); payload in, fp32 out (decode)
-        used = ops._triton_for(codec, x.device)  # installed, not disabled, and its first-use check passed
+        used = cuda.triton_for(codec, x.device)  # installed, not disabled, and its first-use check passed
         why = triton_probe.failure(codec, x.device) or "Triton not installed or disabled"
         kernels = "Triton" if used else f"torch reference ({why})"
         enc_f, dec_f = moved / (enc_ms * 1e-3) / copy_bw, moved / (dec_ms * 1e-3) / copy_bw

@@ -2,7 +2,7 @@
 and a training step with activation quantization.
 
 On a GPU every eager torch op and every Triton kernel is a launch; a step that launches thousands is bound by
-the host. Here the codec ops' CUDA kernels (``codecs.ops.encode_cuda`` / ``decode_cuda``, the rows ops' as well)
+the host. Here the codec ops' CUDA kernels (``codecs.ops.kernel(op, "cuda")``, every op)
 are registered for CPU tensors and the Triton kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by this script for
 its own process before anything imports Triton), in their accelerator form (``scaling._HOST_BRANCHES = False``,
 the fused C path off), so the counts are those of a CUDA tensor:
@@ -132,7 +132,7 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
     Triton launches are appended to (kernel names: "encode", "decode", "wire", "sum", "feedback")."""
     from unittest import mock
 
-    from lightning_qcomm.codecs import ops, rows, rows_encode, rows_feedback, rows_reduce, rows_segments, scaling
+    from lightning_qcomm.codecs import ops, scaling
     from lightning_qcomm.kernels.cuda import codec_kernels, reduce_kernels, segment_kernels, wire_params
 
     if not codec_kernels._is_interpreted():
@@ -141,21 +141,9 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
     fused_switch = os.environ.get("LIGHTNING_QCOMM_CPU_FUSED")
     os.environ["LIGHTNING_QCOMM_CPU_FUSED"] = "0"  # CPU tensors stand for CUDA ones: no fused C path
     lib = torch.library.Library("qcomm", "IMPL")
-    lib.impl("encode", _opened(ops.encode_cuda), "CPU", allow_override=True)
-    lib.impl("decode", _opened(ops.decode_cuda), "CPU", allow_override=True)
-    lib.impl("decode_into", _opened(ops.decode_into_reference), "CPU", allow_override=True)
-    lib.impl("encode_rows", _opened(rows_encode.encode_rows_cuda, as_python=True), "CPU", allow_override=True)
-    lib.impl("decode_rows", _opened(rows.decode_rows_cuda, as_python=True), "CPU", allow_override=True)
-    lib.impl("decode_rows_into", _opened(rows.decode_rows_into_cuda, as_python=True), "CPU", allow_override=True)
-    lib.impl("decode_rows_sum", _opened(rows_reduce.decode_rows_sum_cuda, as_python=True), "CPU", allow_override=True)
-    lib.impl("feedback_update", _opened(rows_reduce.feedback_update_cuda, as_python=True), "CPU", allow_override=True)
-    lib.impl("feedback_rows", _opened(rows_feedback.feedback_rows_cuda, as_python=True), "CPU", allow_override=True)
-    for op, cuda in (
-        ("encode_segments", rows_segments.encode_segments_cuda),
-        ("decode_segments_into", rows_segments.decode_segments_cuda),
-        ("decode_segments_sum", rows_segments.sum_segments_cuda),
-    ):
-        lib.impl(op, _opened(cuda, as_python=True), "CPU", allow_override=True)
+    for op in ops.KERNELS:  # every op's CUDA kernel for CPU tensors; the element-wise ones as C++ calls them
+        as_python = op not in ("encode", "decode", "decode_into")
+        lib.impl(op, _opened(ops.kernel(op, "cuda"), as_python=as_python), "CPU", allow_override=True)
     patches = [
         mock.patch.object(codec_kernels, "_encode_kernel", _Counted(codec_kernels._encode_kernel, "encode", log)),
         mock.patch.object(codec_kernels, "_decode_kernel", _Counted(codec_kernels._decode_kernel, "decode", log)),
@@ -260,12 +248,13 @@ def codec_rows(log: list[str], codecs=CODECS) -> list[dict]:
 
     x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(0))
     rows = []
+    encode, decode = ops.kernel("encode", "cuda"), ops.kernel("decode", "cuda")
     for name, bits, opts in codecs:
         codec = get_codec(name, bits, **opts)
         args = codec.op_args()
-        codes, scales = ops.encode_cuda(x, *args, rng.signed_seed(3))
-        enc = count(lambda a=args: ops.encode_cuda(x, *a, rng.signed_seed(3)), log)
-        dec = count(lambda a=args, c=codes, s=scales: ops.decode_cuda(c, s, x.numel(), *a), log)
+        codes, scales = encode(x, *args, rng.signed_seed(3))
+        enc = count(lambda a=args: encode(x, *a, rng.signed_seed(3)), log)
+        dec = count(lambda a=args, c=codes, s=scales: decode(c, s, x.numel(), *a), log)
         rows.append({"codec": f"{name}-{bits}", "options": opts, "encode": enc, "decode": dec})
     return rows
 

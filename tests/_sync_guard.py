@@ -8,7 +8,7 @@ the stream. Their aten ops are visible on CPU tensors too, so a CPU test can sho
 the codec layer and the kernels included (run them in their accelerator form: ``scaling._HOST_BRANCHES = False``).
 
 One upload is deliberate and queued, not waited for: the per-row random keys of a batched encode
-(``codecs.rows_encode._row_keys``) go through pinned memory with ``non_blocking=True`` on CUDA. ``PINNED_UPLOADS``
+(``codecs.rows.row_keys``) go through pinned memory with ``non_blocking=True`` on CUDA. ``PINNED_UPLOADS``
 names it; nothing else is exempt.
 
 The rows ops (``OPENED_OPS``: ``qcomm::encode_rows`` and friends, what the collectives code their rows with, and
@@ -38,7 +38,7 @@ SYNC_OPS = {
     "allclose",
     "lift_fresh",
 }
-PINNED_UPLOADS = {("rows_encode.py", "_row_keys")}  # (file, function): uploads through pinned memory, queued
+PINNED_UPLOADS = {("rows.py", "row_keys")}  # (file, function): uploads through pinned memory, queued
 # qcomm ops whose kernel is checked (and, in benchmarks/onebit_step_ops.py, whose launches are counted, not the op)
 OPENED_OPS = frozenset(
     {"encode_rows", "decode_rows", "decode_rows_into", "decode_rows_sum", "feedback_update", "feedback_rows"}

@@ -16,10 +16,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "lightning_qcomm"
 PRIVATE_MODULES = (
+    "lightning_qcomm.codecs.cpu",
     "lightning_qcomm.codecs.cpu_fused",
+    "lightning_qcomm.codecs.cuda",
+    "lightning_qcomm.codecs.cuda_segments",
     "lightning_qcomm.codecs.native",
     "lightning_qcomm.codecs.ops",
-    "lightning_qcomm.codecs.rows_encode",
     "lightning_qcomm.codecs.sign_ops",
     "lightning_qcomm.codecs.triton_probe",
     "lightning_qcomm.kernels",

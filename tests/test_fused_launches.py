@@ -45,7 +45,7 @@ def _rows_cases() -> dict:
     from launch_counts import cuda_path_on_cpu
     from test_codecs import extreme_values
 
-    from lightning_qcomm.codecs import derive_seed, get_codec, ops
+    from lightning_qcomm.codecs import cuda, derive_seed, get_codec
     from lightning_qcomm.codecs import rows as row_batch
 
     gen = torch.Generator().manual_seed(1)
@@ -64,9 +64,9 @@ def _rows_cases() -> dict:
             want_dec = torch.stack([codec.decode(codec.from_bytes(w, (n,), torch.float32)) for w in want])
             with cuda_path_on_cpu():
                 key = f"{_key(name, bits, opts)}_b{bucket}"
-                assert ops.rows_kernel(codec, rows), "the rows kernels must take these rows"
+                assert cuda.rows_kernel(codec, rows), "the rows kernels must take these rows"
                 out[f"encode_{key}"] = torch.equal(row_batch.encode_rows(codec, rows, seeds), want)
-                assert ops.rows_kernel(codec, want, encode=False), "the rows decode kernel must take these"
+                assert cuda.rows_kernel(codec, want, encode=False), "the rows decode kernel must take these"
                 got = row_batch.decode_rows(codec, want, n)
             same = (got.view(torch.int32) == want_dec.view(torch.int32)) | (got.isnan() & want_dec.isnan())
             out[f"decode_{key}"] = bool(same.all())
@@ -147,7 +147,7 @@ def _worker() -> dict:
 
     from launch_counts import all_reduce_rows, codec_rows, cuda_path_on_cpu
 
-    from lightning_qcomm.codecs import ops
+    from lightning_qcomm.codecs import cuda
 
     report = {"rows": _rows_cases()}
     with cuda_path_on_cpu() as log:
@@ -156,7 +156,7 @@ def _worker() -> dict:
         }
         report["rows_encode"] = _rows_encode_launches(log)
         report["all_reduce"] = all_reduce_rows(log, codecs=ALL_REDUCE_CODECS)
-        with mock.patch.object(ops, "rows_kernel", lambda c, r, encode=True: False):
+        with mock.patch.object(cuda, "rows_kernel", lambda c, r, encode=True: False):
             report["all_reduce_torch_rows"] = all_reduce_rows(log, codecs=("uniform-8", "nuqsgd-4"))
     report["error_feedback_values"] = _error_feedback_values()
     return report

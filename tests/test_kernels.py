@@ -86,8 +86,8 @@ def _worker() -> dict:
         def __enter__(self):
             self.lib = torch.library.Library("qcomm", "IMPL")
             # allow_override: torch 2.11/2.12 refuse a second Python kernel for a key without it (their default)
-            self.lib.impl("encode", ops.encode_cuda, "CPU", allow_override=True)
-            self.lib.impl("decode", ops.decode_cuda, "CPU", allow_override=True)
+            self.lib.impl("encode", ops.kernel("encode", "cuda"), "CPU", allow_override=True)
+            self.lib.impl("decode", ops.kernel("decode", "cuda"), "CPU", allow_override=True)
 
         def __exit__(self, *exc):
             self.lib._destroy()  # the earlier CPU kernels are back
@@ -179,8 +179,8 @@ def _worker() -> dict:
                 args = codec.op_args()
                 try:  # the ops' CUDA kernels themselves: a dispatch mode does not see inside a custom op
                     with NoHostSync():
-                        codes, scales = ops.encode_cuda(x, *args, rng.signed_seed(seeds[1]))
-                        ops.decode_cuda(codes, scales, x.numel(), *args)
+                        codes, scales = ops.kernel("encode", "cuda")(x, *args, rng.signed_seed(seeds[1]))
+                        ops.kernel("decode", "cuda")(codes, scales, x.numel(), *args)
                 except AssertionError as err:
                     problems.append(f"bucket={bucket}: {err}")
         return problems

@@ -45,7 +45,9 @@ LAYERS = {
 # (reader, read): modules of ``reader`` may import the leaf modules of ``read`` (a layer above them) and no other
 LEAF_READS = (("kernels", "codecs"),)
 # the codec layer's backends: no module of ``adapters`` imports these modules of ``codecs`` or these names from it
-CODEC_BACKEND_MODULES = frozenset({"cpu_fused", "native", "triton_probe", "ops", "sign_ops", "sign_phases"})
+CODEC_BACKEND_MODULES = frozenset(
+    {"cpu", "cpu_fused", "cuda", "cuda_segments", "native", "triton_probe", "ops", "sign_ops", "sign_phases"}
+)
 CODEC_BACKEND_NAMES = frozenset(
     {
         "c_pass_available",

@@ -6,7 +6,7 @@ any other quantized segment is ``codec.encode(rows[j, seg], derive_seed(seg_seed
 Checked on fused-size segments (coded row by row by the C pass, the flat ones with a counter offset), small
 ones (all rows at once), for rows stored plainly and in a ``PieceLayout`` whose pieces cut through segments,
 on data with non-finite values, signed zeros, subnormals and huge values, in fp32 and bf16, with one and two
-torch threads. And ``codecs.rows.encode_flat_row_into`` on its own: row j of a flat encode of rows of whole
+torch threads. And ``codecs.cpu.encode_flat_row_into`` on its own: row j of a flat encode of rows of whole
 buckets from row j alone (the C pass's counter offset; the min-max codec's scales of a row's last bucket,
 which a flat tensor does not end on, on rows whose last bucket holds +0 and -0).
 """
@@ -18,7 +18,8 @@ import torch
 
 from lightning_qcomm.adapters.fsdp2.row_codec import RowCodec, Segment
 from lightning_qcomm.codecs import cpu_fused, derive_seed, get_codec
-from lightning_qcomm.codecs.rows import encode_flat, encode_flat_row_into
+from lightning_qcomm.codecs.cpu import encode_flat_row_into
+from lightning_qcomm.codecs.rows import encode_flat
 from lightning_qcomm.comm.transport import PieceLayout
 
 FUSED = cpu_fused.FUSED_MIN_NUMEL

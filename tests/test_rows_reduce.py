@@ -1,4 +1,4 @@
-"""The all-reduce's server step and error-feedback tail as ops (``codecs.rows_reduce``, ``codecs.rows_feedback``):
+"""The all-reduce's server step and error-feedback tail as ops (``codecs.rows_reduce``):
 ``qcomm::decode_rows_sum`` (torch's order, and ``rank_order``), ``qcomm::feedback_update`` and
 ``qcomm::feedback_rows``, and the flat form of ``decode_rows_into`` the final decode writes the output with.
 
@@ -233,7 +233,7 @@ def _cuda_sum_model(rows: torch.Tensor, avg: bool) -> torch.Tensor:
 def _worker() -> dict:
     from launch_counts import cuda_path_on_cpu
 
-    from lightning_qcomm.codecs import feedback_update, ops, rows_reduce
+    from lightning_qcomm.codecs import cuda, feedback_update, rows_reduce
 
     out = {}
     for name, bits, bucket, opts in CODECS + [("sign1", 1, 256, {})]:
@@ -243,7 +243,7 @@ def _worker() -> dict:
                 wire = _wire(codec, r, n, seed=3)
                 rows = decode_rows(codec, wire, n)  # the CPU reference, bit for bit each row's own decode
                 with cuda_path_on_cpu() as log:
-                    assert ops.rows_kernel(codec, wire, encode=False)  # the first-use check may launch: then cleared
+                    assert cuda.rows_kernel(codec, wire, encode=False)  # the first-use check may launch: then cleared
                     log.clear()
                     got = {avg: decode_rows_sum(codec, wire, n, avg=avg) for avg in (False, True)}
                     assert log == ["sum", "sum"], log
@@ -259,7 +259,7 @@ def _worker() -> dict:
             for k in (1.0, 8.0):
                 y, dec, reduced, held, err = _feedback_case(n, c, 11 * n + start)
                 want = err.clone()
-                rows_reduce.feedback_update_reference(y, dec, reduced, held, start, k, held_dtype, want)
+                rows_reduce.feedback_update_body(y, dec, reduced, held, start, k, held_dtype, want)
                 with cuda_path_on_cpu() as log:
                     feedback_update(y, dec, reduced, held, start, k, held_dtype, err)
                     assert log[-1:] == ["feedback"], log
@@ -274,7 +274,7 @@ def _worker() -> dict:
                 wire = _wire(codec, r, n, seed=7)
                 want = _rank_order_sum(decode_rows(codec, wire, n))
                 with cuda_path_on_cpu() as log:
-                    assert ops.rows_kernel(codec, wire, encode=False)
+                    assert cuda.rows_kernel(codec, wire, encode=False)
                     log.clear()
                     got = {avg: decode_rows_sum(codec, wire, n, avg=avg, rank_order=True) for avg in (False, True)}
                     launches = log == ["sum", "sum"]
@@ -293,7 +293,7 @@ def _worker() -> dict:
                 (y[:5], m - 2, 2.0, torch.float16),
             ):
                 want, got = err.clone(), err.clone()
-                rows_reduce.feedback_update_reference(y, dec, reduced, held, start, k, held_dtype, want)
+                rows_reduce.feedback_update_body(y, dec, reduced, held, start, k, held_dtype, want)
                 with cuda_path_on_cpu() as log:
                     feedback_rows(codec, y, wire, n, reduced, held, start, k, held_dtype, got)
                     log.clear()
@@ -307,7 +307,7 @@ def _worker() -> dict:
         row = torch.randn(1, 1037, generator=torch.Generator().manual_seed(9))
         want_row = codec.encode(row[0], seed=derive_seed(2, 7)).to_bytes()
         with cuda_path_on_cpu() as log:
-            assert ops.rows_kernel(codec, row) and ops.rows_kernel(codec, wire, encode=False)
+            assert cuda.rows_kernel(codec, row) and cuda.rows_kernel(codec, wire, encode=False)
             log.clear()
             flat = decode_rows_into(codec, wire, 1037, torch.full((3 * 1037 - 4,), 7.0))
             one = encode_rows(codec, row, [derive_seed(2, 7)])

@@ -1,4 +1,4 @@
-"""Where ``codecs.rows_reduce`` sends the all-reduce's server step and error-feedback tail on CUDA: the Triton
+"""Where the CUDA backend (``codecs.cuda``) sends the all-reduce's server step and error-feedback tail: the Triton
 kernels only where Triton is there, the operands fit their int32 indexing and the kernels passed their own
 first-use check on that device; else the eager ops (with one warning where a check failed). Run on CPU tensors
 with the device test stood in."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_qcomm import kernels
-from lightning_qcomm.codecs import rows_reduce, triton_probe
+from lightning_qcomm.codecs import cuda, rows_reduce, triton_probe
 
 CPU = torch.device("cpu")
 
@@ -45,8 +45,8 @@ def test_feedback_runs_the_eager_ops_where_triton_cannot_be_imported(monkeypatch
     monkeypatch.setattr(builtins, "__import__", no_triton)
     y, dec, red, held, err = _case()
     want = err.clone()
-    rows_reduce.feedback_update_reference(y, dec, red, held, 260, 4.0, torch.float32, want)
-    rows_reduce.feedback_update_cuda(y, dec, red, held, 260, 4.0, torch.float32, err)
+    rows_reduce.feedback_update_body(y, dec, red, held, 260, 4.0, torch.float32, want)
+    cuda.feedback_update(y, dec, red, held, 260, 4.0, torch.float32, err)
     assert torch.equal(err.view(torch.int32), want.view(torch.int32))
 
 
@@ -54,11 +54,11 @@ def test_feedback_kernel_only_below_int32_indices(monkeypatch):
     monkeypatch.setattr(kernels, "HAS_TRITON", True)
     monkeypatch.delenv("LIGHTNING_QCOMM_DISABLE_TRITON", raising=False)
     monkeypatch.setattr(kernels.codec_kernels, "_is_interpreted", lambda: True, raising=False)
-    monkeypatch.setattr(rows_reduce, "_feedback_kernel_works", lambda device: True)
+    monkeypatch.setattr(cuda, "_feedback_kernel_works", lambda device: True)
     small = [torch.empty(1 << 20, device="meta") for _ in range(5)]
     large = [torch.empty((1 << 31) - 1024, device="meta") for _ in range(5)]
-    assert rows_reduce._feedback_triton(small, CPU)
-    assert not rows_reduce._feedback_triton(large, CPU)  # its program * BLOCK + arange would wrap
+    assert cuda._feedback_triton(small, torch.float32, CPU)
+    assert not cuda._feedback_triton(large, torch.float32, CPU)  # its program * BLOCK + arange would wrap
 
 
 @pytest.mark.parametrize("broken", ["raises", "one ulp"])
@@ -69,13 +69,13 @@ def test_a_feedback_kernel_that_fails_its_check_is_not_used(broken, monkeypatch,
     def kernel(y, dec, red, held, start, k, held_dtype, err):
         if broken == "raises":
             raise RuntimeError("Global variable _NAN has changed since we compiled this kernel")
-        rows_reduce.feedback_update_reference(y, dec, red, held, start, k, held_dtype, err)
+        rows_reduce.feedback_update_body(y, dec, red, held, start, k, held_dtype, err)
         err.view(torch.int32)[-1] += 1
 
     monkeypatch.setattr(reduce_kernels, "feedback_update", kernel)
     with caplog.at_level(logging.WARNING, logger=triton_probe.__name__):
-        assert rows_reduce._feedback_kernel_works(CPU) is False
-        assert rows_reduce._feedback_kernel_works(CPU) is False  # checked once
+        assert cuda._feedback_kernel_works(CPU) is False
+        assert cuda._feedback_kernel_works(CPU) is False  # checked once
     warnings = [r for r in caplog.records if "first-use check" in r.getMessage()]
     assert len(warnings) == 1 and "error-feedback" in warnings[0].getMessage()
     if broken == "one ulp":
@@ -86,8 +86,8 @@ def test_a_working_feedback_kernel_passes_its_check(monkeypatch):
     pytest.importorskip("triton")
     from lightning_qcomm.kernels.cuda import reduce_kernels
 
-    monkeypatch.setattr(reduce_kernels, "feedback_update", rows_reduce.feedback_update_reference)
-    assert rows_reduce._feedback_kernel_works(CPU) is True
+    monkeypatch.setattr(reduce_kernels, "feedback_update", rows_reduce.feedback_update_body)
+    assert cuda._feedback_kernel_works(CPU) is True
 
 
 @pytest.mark.parametrize("broken", ["raises", "one ulp"])
@@ -95,20 +95,20 @@ def test_a_wire_feedback_kernel_that_fails_its_check_is_not_used(broken, monkeyp
     """``feedback_rows``: a kernel that fails or differs in its first-use check leaves the tail to the rows decode
     and ``feedback_update`` (the same values), with one warning."""
     pytest.importorskip("triton")
-    from lightning_qcomm.codecs import get_codec, rows_feedback
+    from lightning_qcomm.codecs import get_codec
     from lightning_qcomm.kernels.cuda import reduce_kernels
 
     def kernel(codec, y, wire, n, red, held, start, k, held_dtype, err):
         if broken == "raises":
             raise RuntimeError("no kernel here")
-        rows_feedback.feedback_rows_body(codec, y, wire, n, red, held, start, k, held_dtype, err, triton=False)
+        rows_reduce.feedback_rows_body(codec, y, wire, n, red, held, start, k, held_dtype, err, eager=True)
         err.view(torch.int32)[-1] += 1
 
     monkeypatch.setattr(reduce_kernels, "feedback_rows", kernel)
     codec = get_codec("sign1", 1, 40)
     with caplog.at_level(logging.WARNING, logger=triton_probe.__name__):
-        assert rows_feedback._feedback_rows_kernel_works(codec, CPU) is False
-        assert rows_feedback._feedback_rows_kernel_works(codec, CPU) is False  # checked once
+        assert cuda._feedback_rows_works(codec, CPU) is False
+        assert cuda._feedback_rows_works(codec, CPU) is False  # checked once
     warnings = [r for r in caplog.records if "first-use check" in r.getMessage()]
     assert len(warnings) == 1 and "wire-reading" in warnings[0].getMessage()
     from lightning_qcomm.codecs import decode_rows, encode_rows
@@ -119,8 +119,8 @@ def test_a_wire_feedback_kernel_that_fails_its_check_is_not_used(broken, monkeyp
     wire = encode_rows(codec, x, [0, 0])
     y, held, err = torch.randn(55), torch.randn(55), torch.randn(55)
     want, got = err.clone(), err.clone()
-    rows_reduce.feedback_update_reference(
+    rows_reduce.feedback_update_body(
         y, decode_rows(codec, wire, 30).view(-1)[:55], y[:0], held, 0, 1.0, torch.float32, want
     )
-    rows_feedback.feedback_rows_body(codec, y, wire, 30, y[:0], held, 0, 1.0, torch.float32, got, triton=True)
+    cuda.feedback_rows(y, wire, 30, codec, y[:0], held, 0, 1.0, torch.float32, got)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))

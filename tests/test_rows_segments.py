@@ -132,7 +132,7 @@ def test_opcheck_segment_ops():
 def _kernel_cases() -> dict:
     from launch_counts import cuda_path_on_cpu
 
-    from lightning_qcomm.codecs import rows_segments
+    from lightning_qcomm.codecs import cuda_segments, rows_segments
 
     out = {}
     for cid, (cname, bits, bucket, opts) in enumerate(CODECS):
@@ -145,9 +145,11 @@ def _kernel_cases() -> dict:
                     rows = _rows(r, layout, dtype, seed=cid + r)
                     p = wire_nbytes(codec, numels, quantized, dtype)
                     want = torch.zeros(r, p, dtype=torch.uint8)
-                    rows_segments.encode_body(codec, rows, numels, quantized, [3, 4, 5][: sum(quantized)], want, False)
+                    rows_segments.encode_segments_body(
+                        codec, rows, numels, quantized, [3, 4, 5][: sum(quantized)], want
+                    )
                     with cuda_path_on_cpu() as log:
-                        assert rows_segments.segments_kernel(codec, rows, numels, quantized, r, dtype)
+                        assert cuda_segments.segments_kernel(codec, rows, numels, quantized, r, dtype)
                         log.clear()  # the first-use check may launch
                         got = encode_segments(
                             codec, rows, numels, quantized, [3, 4, 5][: sum(quantized)], torch.zeros_like(want)
@@ -158,7 +160,7 @@ def _kernel_cases() -> dict:
                         for od in (torch.float32, torch.bfloat16):
                             skip = r - 1 if r > 1 else -1
                             ref = torch.full(rows.shape, 7.0, dtype=od)
-                            rows_segments.decode_body(codec, want, numels, quantized, dtype, skip, ref, False)
+                            rows_segments.decode_segments_body(codec, want, numels, quantized, dtype, skip, ref)
                             log.clear()
                             dec = decode_segments_into(
                                 codec,
@@ -171,7 +173,7 @@ def _kernel_cases() -> dict:
                             )
                             out[f"decode_{key}_to_{str(od)[6:]}"] = _same(dec, ref) and log == ["decode"]
                             ref_sum = torch.empty(rows.shape[1], dtype=od)
-                            rows_segments.sum_body(codec, want, rows, 0, numels, quantized, ref_sum, False)
+                            rows_segments.sum_segments_body(codec, want, rows, 0, numels, quantized, ref_sum)
                             log.clear()
                             total = decode_segments_sum(
                                 codec, want, rows, 0, numels, quantized, torch.empty(rows.shape[1], dtype=od)

@@ -3,7 +3,7 @@
 ``codecs.triton_probe.triton_works`` runs a codec's Triton encode/decode once per device next to the torch
 reference; a kernel that raises (a driver or architecture Triton does not support) or disagrees makes that
 codec use the reference there, with one warning. On CPU the Triton kernels are replaced by stand-ins: the
-reference itself (works), one that raises, one that flips a code; ``encode_cuda``/``decode_cuda`` are called
+reference itself (works), one that raises, one that flips a code; the CUDA kernels of ``encode``/``decode`` are called
 directly on CPU tensors (their logic does not depend on the device beyond ``on_device``).
 """
 
@@ -50,14 +50,14 @@ CPU = torch.device("cpu")
 def test_working_kernels_are_used_after_one_check(fresh):
     codec = get_codec("uniform", bits=4, bucket_size=128)
     x = torch.randn(1000)
-    want = ops.encode_reference(x, *codec.op_args(), 3)
-    got = ops.encode_cuda(x, *codec.op_args(), 3)
+    want = ops.kernel("encode", "other")(x, *codec.op_args(), 3)
+    got = ops.kernel("encode", "cuda")(x, *codec.op_args(), 3)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert fresh["encode"] == 2  # the probe's one, then the real call
-    ops.encode_cuda(x, *codec.op_args(), 4)
+    ops.kernel("encode", "cuda")(x, *codec.op_args(), 4)
     assert fresh["encode"] == 3  # checked once per codec and device
-    out = ops.decode_cuda(*got, 1000, *codec.op_args())
-    assert torch.equal(out, ops.decode_reference(*got, 1000, *codec.op_args()))
+    out = ops.kernel("decode", "cuda")(*got, 1000, *codec.op_args())
+    assert torch.equal(out, ops.kernel("decode", "other")(*got, 1000, *codec.op_args()))
 
 
 @pytest.mark.parametrize("failure", ["raises", "wrong codes"])
@@ -74,8 +74,8 @@ def test_failing_kernels_fall_back_to_the_reference_with_one_warning(failure, mo
     x = torch.randn(2000)
     with caplog.at_level(logging.WARNING, logger=triton_probe.__name__):
         for seed in range(3):
-            got = ops.encode_cuda(x, *codec.op_args(), seed)
-            want = ops.encode_reference(x, *codec.op_args(), seed)
+            got = ops.kernel("encode", "cuda")(x, *codec.op_args(), seed)
+            want = ops.kernel("encode", "other")(x, *codec.op_args(), seed)
             assert all(torch.equal(a, b) for a, b in zip(want, got))
     warnings = [r for r in caplog.records if "first-use check" in r.getMessage()]
     assert len(warnings) == 1

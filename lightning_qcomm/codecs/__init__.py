@@ -29,6 +29,7 @@ from lightning_qcomm.codecs.fp8 import FP8Codec
 from lightning_qcomm.codecs import ops as _ops  # noqa: F401  (defines torch.ops.qcomm.*)
 from lightning_qcomm.codecs import sign_phases  # noqa: F401  (the 1-bit all-reduce's phases)
 from lightning_qcomm.codecs.base import Codec, Packed
+from lightning_qcomm.codecs.ops import encode_row, row_at_a_time, segments_fused, segments_kernel
 from lightning_qcomm.codecs.registry import (
     NO_COMPRESSION,
     CodecSpec,
@@ -41,8 +42,7 @@ from lightning_qcomm.codecs.registry import (
 )
 from lightning_qcomm.codecs.rng import derive_seed
 from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows
-from lightning_qcomm.codecs.rows_feedback import feedback_rows
-from lightning_qcomm.codecs.rows_reduce import decode_rows_sum, feedback_update
+from lightning_qcomm.codecs.rows_reduce import decode_rows_sum, feedback_rows, feedback_update
 
 CODEC_NAMES = codec_names()
 
@@ -87,10 +87,14 @@ __all__ = [
     "decode_rows_into",
     "decode_rows_sum",
     "derive_seed",
+    "encode_row",
     "encode_rows",
     "feedback_rows",
     "feedback_update",
     "get_codec",
     "register_codec",
     "resolve_codec",
+    "row_at_a_time",
+    "segments_fused",
+    "segments_kernel",
 ]

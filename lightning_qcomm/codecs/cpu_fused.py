@@ -33,6 +33,7 @@ import torch
 from lightning_qcomm._log import log_once
 from lightning_qcomm.codecs import native, packing, registry, rng, scaling
 from lightning_qcomm.codecs.kernel_spec import KernelKind
+from lightning_qcomm.codecs.qsgd import tree_norm
 
 log = logging.getLogger(__name__)
 FLT_MAX = torch.finfo(torch.float32).max
@@ -41,7 +42,7 @@ FLT_MAX = torch.finfo(torch.float32).max
 # small anyway, and keeping small tensors on the reference keeps the spec path exercised by the tests.
 # 2^14 puts QSDP's per-parameter shards and DDP buckets of real models on the fused path.
 FUSED_MIN_NUMEL = 1 << 14
-ENV_SWITCH = "LIGHTNING_QCOMM_CPU_FUSED"  # "0" disables the fused path
+ENV_SWITCH = native.ENV_SWITCH  # "0" disables the fused path
 
 
 def supports(codec) -> bool:
@@ -70,43 +71,12 @@ def _require() -> None:
         raise RuntimeError(f"lightning_qcomm fused CPU codecs unavailable: {native.load_error()}")
 
 
-# ------------------------------------------------------------------ kernels of qcomm::encode / decode / decode_into
-def encode_kernel(x, codec: str, bits: int, bucket_size: int | None, stochastic: bool, seed: int):
-    """CPU kernel of ``qcomm::encode``: (codes, wire scales) of ``x``."""
-    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
-    xf = x.reshape(-1).to(torch.float32)
-    out_max = scaling.output_max(x.dtype)
-    if use_fused(c, xf, xf.numel()):  # same codes and scales, in compiled passes
-        return encode_packed(c, xf, seed, out_max)
-    return c.encode_torch(xf, seed, out_max)
-
-
-def decode_kernel(codes, scales, numel: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
-    """CPU kernel of ``qcomm::decode``: flat fp32 values."""
-    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
-    if use_fused(c, codes, numel):
-        return decode_wire(c, codes, scales, numel)
-    return c.decode_reference(codes, c._decode_params(scales), numel)
-
-
 def _fused_decode_params(codec, scales: torch.Tensor) -> torch.Tensor:
     """The C decode's params: the codec's ``plain_decode_params`` (one column: the kernel then multiplies by
     one parameter, the reference's product with m = 1 exactly) where it has them, else ``_decode_params``."""
     plain = getattr(codec, "plain_decode_params", None)
     params = None if plain is None else plain(scales)
     return codec._decode_params(scales) if params is None else params
-
-
-def decode_into_kernel(codes, scales, codec: str, bits: int, bucket_size, stochastic: bool, dtype, out) -> None:
-    """CPU kernel of ``qcomm::decode_into``: a contiguous fp32 ``out`` is written directly by the C decode;
-    any other ``out`` gets ``decode(...)`` cast to ``dtype`` (the payload's), as ``Codec.decode`` returns it."""
-    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
-    n = out.numel()
-    direct = out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
-    if direct and use_fused(c, codes, n):
-        decode_wire(c, codes, scales, n, out=out.view(-1))
-        return
-    out.copy_(decode_kernel(codes, scales, n, codec, bits, bucket_size, stochastic).to(dtype).view(out.shape))
 
 
 # ------------------------------------------------------------------ the fused passes
@@ -303,8 +273,6 @@ def _plain_scales_params(codec, x: torch.Tensor, out_max: float) -> tuple[torch.
     n = x.numel()
     blen = codec.bucket_len(n)
     nb = -(-n // blen)
-    from lightning_qcomm.codecs.qsgd import tree_norm
-
     norm = _per_row_block(x, nb, blen, lambda rows, o: tree_norm(rows))
     lo, hi = codec.plain_norm_range(blen, out_max)
     ends = torch.aminmax(norm)

@@ -73,6 +73,7 @@ CXXFLAGS = (
 # the compiler rejects the flag, the build is redone with CXXFLAGS alone.
 NATIVE_FLAGS = ("-march=native",)
 
+ENV_SWITCH = "LIGHTNING_QCOMM_CPU_FUSED"  # "0" switches the compiled CPU kernels off
 _lock = threading.Lock()
 _lib: str | None = None  # path of the loaded library
 _load_error: str | None = None

@@ -1,13 +1,14 @@
 """The codec layer's torch ops, ``torch.ops.qcomm.*``: schemas, fake kernels, and which kernel runs where
 (docs/design.md, "Registry, ops and kernels").
 
-A codec travels through the ops as ``Codec.op_args()`` = ``(codec, bits, bucket_size, stochastic)`` (rebuilt by
-``registry.codec_for_op``); torch's dispatcher picks the kernel by device: CPU the fused C passes
-(``codecs.cpu_fused``, ``codecs.native``) where they apply, CUDA the Triton kernels (``lightning_qcomm.kernels``),
-any other device the torch reference. The ops: ``encode`` / ``decode`` / ``decode_into``; the C kernels'
-``c_*`` ops (CPU only); the 1-bit ``sign_*`` ops (``codecs.sign_ops``); the rows ops ``encode_rows`` /
-``decode_rows`` / ``decode_rows_into`` (``codecs.rows``); ``decode_rows_sum`` / ``feedback_update`` /
-``feedback_rows`` (``codecs.rows_reduce``, ``codecs.rows_feedback``); the segment ops (``codecs.rows_segments``).
+A codec travels through the ops as ``Codec.op_args()`` = ``(codec, bits, bucket_size, stochastic)``, rebuilt once
+here (``registry.codec_for_op``) for the kernel. torch's dispatcher is the only chooser of a backend: CPU tensors
+run ``codecs.cpu`` (the fused C passes where they apply), CUDA tensors ``codecs.cuda`` / ``codecs.cuda_segments``
+(the Triton kernels where they apply), any other device the torch reference (``codecs.rows``, ``rows_reduce``,
+``rows_segments``); each backend falls back to that reference itself. The ops: ``encode`` / ``decode`` /
+``decode_into``; the rows ops; the sum and error-feedback ops; the segment ops; the C kernels' ``c_*`` ops (CPU
+only); the 1-bit ``sign_*`` ops (``codecs.sign_ops``). ``segments_fused`` and ``row_at_a_time`` answer the
+callers that lay rows out themselves which form the dispatcher will run.
 
 Invariants: every kernel gives the reference's bits; the fake kernels give the output shapes, so
 ``torch.compile`` traces ``Codec.encode`` / ``decode`` without a graph break; ``seed`` is ``rng.signed_seed``'s
@@ -23,28 +24,23 @@ Example::
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
-from lightning_qcomm._log import log_once
-from lightning_qcomm.codecs import (  # noqa: F401
-    cpu_fused,
+from lightning_qcomm.codecs import (
+    cpu,
+    cuda,
+    cuda_segments,
     packing,
     registry,
     rows,
-    rows_encode,
-    rows_feedback,
     rows_reduce,
     rows_segments,
     scaling,
-    sign_ops,
-    triton_probe,
+    sign_ops,  # noqa: F401  (defines the sign_* ops)
 )
+from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.kernel_spec import C_SPEC_SCHEMA
 
-log = logging.getLogger(__name__)
 _CODEC = "str codec, int bits, int? bucket_size, bool stochastic"
 
 _lib = torch.library.Library("qcomm", "DEF")
@@ -90,193 +86,150 @@ _lib.define(
 )
 
 
-# ---------------------------------------------------------------------------------------------- default: reference
-def encode_reference(x, codec: str, bits: int, bucket_size: int | None, stochastic: bool, seed: int):
-    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+# ---------------------------------------------------------------------------------------------- the reference
+def _encode(x, c: Codec, seed: int):
     return c.encode_torch(x.reshape(-1).to(torch.float32), seed, scaling.output_max(x.dtype))
 
 
-def decode_reference(codes, scales, numel: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
-    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+def _decode(codes, scales, numel: int, c: Codec):
     return c.decode_reference(codes, c._decode_params(scales), numel)
 
 
-def decode_into_reference(codes, scales, codec: str, bits: int, bucket_size, stochastic: bool, dtype, out) -> None:
-    values = torch.ops.qcomm.decode(codes, scales, out.numel(), codec, bits, bucket_size, stochastic)
-    out.copy_(values.to(dtype).view(out.shape))
-
-
-# ---------------------------------------------------------------------------------------------- CUDA: Triton
-def _triton_for(c, device: torch.device) -> bool:
-    """True when the Triton kernels should do the element-wise work of codec ``c`` on ``device``: Triton is
-    installed, not disabled, and passed its first-use check there (``codecs.triton_probe``)."""
-    if not registry.has_kernels(c) or os.environ.get("LIGHTNING_QCOMM_DISABLE_TRITON") == "1":
-        return False
-    from lightning_qcomm import kernels
-
-    if not kernels.HAS_TRITON:
-        log_once(
-            log, "no-triton", "lightning_qcomm: Triton is not available; CUDA tensors use the torch reference codecs"
-        )
-        return False
-    return triton_probe.triton_works(c, device)
-
-
-def encode_cuda(x, codec: str, bits: int, bucket_size: int | None, stochastic: bool, seed: int):
-    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
-    if not _triton_for(c, x.device):
-        return encode_reference(x, codec, bits, bucket_size, stochastic, seed)
-    from lightning_qcomm import kernels
-
-    with triton_probe.on_device(x.device):
-        return kernels.encode_codec(c, x.reshape(-1).to(torch.float32), seed, scaling.output_max(x.dtype))
-
-
-def decode_cuda(codes, scales, numel: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
-    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
-    if not _triton_for(c, codes.device):
-        return decode_reference(codes, scales, numel, codec, bits, bucket_size, stochastic)
-    from lightning_qcomm import kernels
-
-    with triton_probe.on_device(codes.device):  # one launch: the decode parameters are made in the kernel
-        return kernels.decode_codec(c, codes, scales, numel)
-
-
-def rows_kernel(c, rows: torch.Tensor, encode: bool = True) -> bool:
-    """Whether the rows kernels code the (R, n) ``rows`` (or, ``encode=False``, decode payloads of that many
-    rows) of codec ``c``: a CUDA tensor (or any, with the kernels interpreted), a registered codec with kernels and
-    Triton working for it there (``_triton_for``); to encode also a codec whose buckets the scales kernel reduces
-    (``kernels.fused_scales``: buckets up to ``MAX_BUCKET``)."""
-    return kernels_for(c, rows.device, rows.shape[1], encode)
-
-
-def kernels_for(c, device: torch.device, n: int, encode: bool = True) -> bool:
-    """``rows_kernel`` for rows of n elements on ``device``."""
-    from lightning_qcomm import kernels
-
-    if not kernels.HAS_TRITON or not registry.is_registered(c) or not registry.has_kernels(c):
-        return False
-    if not (device.type == "cuda" or kernels.codec_kernels._is_interpreted()):
-        return False
-    return (not encode or kernels.fused_scales(c, n)) and _triton_for(c, device)
-
-
-def decode_rows_kernel(c, wire: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """(R, n) fp32 values of the payloads ``wire`` (R, ``c.nbytes(n)``), row j
-    ``c.decode(c.from_bytes(wire[j], (n,), fp32))``, in one launch (``out``: a flat contiguous fp32 tensor of m
-    elements, (R - 1) n < m <= R n, that takes the first m values). Only where ``rows_kernel(c, ..., False)``."""
-    from lightning_qcomm import kernels
-
-    with triton_probe.on_device(wire.device):
-        return kernels.decode_rows(c, wire, n, out)
-
-
-def decode_rows_sum_kernel(c, wire: torch.Tensor, n: int, avg: bool, rank_order: bool = False) -> torch.Tensor:
-    """(n,) fp32 sum (``avg``: times fl(1/R)) of the R payloads ``wire`` decoded, in torch's CUDA ``sum(dim=0)``
-    order (``rank_order``: row 0, then + row 1, + row 2, ...; ``codecs.rows_reduce``), in one launch. Only where
-    ``rows_kernel(c, wire, False)``."""
-    from lightning_qcomm.kernels.cuda import reduce_kernels
-
-    with triton_probe.on_device(wire.device):
-        return reduce_kernels.decode_rows_sum(c, wire, n, avg, rank_order)
-
-
-def encode_rows_kernel(c, rows: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
-    """(R, ``c.nbytes(n)``) uint8 payloads of the rows of ``rows``, row j ``c.encode(rows[j], seed_j).to_bytes()``
-    bit for bit (``keys``: the seeds' (R, 2) int32 key words; None for a deterministic codec): two launches
-    whatever R (``kernels.encode_rows_codec``). Only where ``rows_kernel(c, rows)``."""
-    from lightning_qcomm import kernels
-
-    with triton_probe.on_device(rows.device):
-        return kernels.encode_rows_codec(c, rows, keys)
+def _decode_into(codes, scales, c: Codec, dtype, out) -> None:
+    """``qcomm::decode_into`` on CUDA and other devices: the ``decode`` op's values cast to ``dtype``."""
+    out.copy_(torch.ops.qcomm.decode(codes, scales, out.numel(), *c.op_args()).to(dtype).view(out.shape))
 
 
 # ---------------------------------------------------------------------------------------------- fake: shapes
-def _encode_fake(x, codec: str, bits: int, bucket_size: int | None, stochastic: bool, seed: int):
-    c = registry.codec_for_op(codec, bits, bucket_size, stochastic)
+def _encode_fake(x, c: Codec, seed: int):
     n = x.numel()
-    codes = x.new_empty(packing.packed_nbytes(n, bits), dtype=torch.uint8)
+    codes = x.new_empty(packing.packed_nbytes(n, c.bits), dtype=torch.uint8)
     return codes, x.new_empty((c.num_buckets(n), c.scales_per_bucket), dtype=torch.float32)
 
 
-def _decode_fake(codes, scales, numel: int, codec: str, bits: int, bucket_size: int | None, stochastic: bool):
+def _decode_fake(codes, scales, numel: int, c: Codec):
     return codes.new_empty(numel, dtype=torch.float32)
 
 
-def _decode_into_fake(codes, scales, codec: str, bits: int, bucket_size, stochastic: bool, dtype, out) -> None:
+def _encode_rows_fake(rows_, seeds, c: Codec):
+    return rows_.new_empty((rows_.shape[0], c.nbytes(rows_.shape[1])), dtype=torch.uint8)
+
+
+def _decode_rows_fake(wire, n: int, c: Codec):
+    return wire.new_empty((wire.numel() // rows.check_wire(c, wire, n), n), dtype=torch.float32)
+
+
+def _decode_rows_sum_fake(wire, n: int, c: Codec, avg: bool, rank_order: bool = False):
+    rows.check_wire(c, wire, n)
+    return wire.new_empty((n,), dtype=torch.float32)
+
+
+def _feedback_rows_fake(y, wire, n: int, c: Codec, *args) -> None:
+    rows_reduce.feedback_rows_prefix(c, wire, n, y)
+
+
+def _nothing(*args) -> None:
     return None
 
 
-for _op, _cpu, _cuda, _default, _fake in (
-    ("encode", cpu_fused.encode_kernel, encode_cuda, encode_reference, _encode_fake),
-    ("decode", cpu_fused.decode_kernel, decode_cuda, decode_reference, _decode_fake),
-    ("decode_into", cpu_fused.decode_into_kernel, decode_into_reference, decode_into_reference, _decode_into_fake),
-    # rows: CPU the C pass per row or the torch hooks, CUDA the Triton rows kernels (else the same as CPU)
-    (
-        "encode_rows",
-        rows_encode.encode_rows_reference,
-        rows_encode.encode_rows_cuda,
-        rows_encode.encode_rows_reference,
-        rows_encode.encode_rows_fake,
+# ---------------------------------------------------------------------------------------------- registration
+def _with_codec(fn, at: int):
+    """``fn`` called with the op's four codec arguments, from position ``at``, as one ``Codec``."""
+
+    def kernel(*args):
+        return fn(*args[:at], registry.codec_for_op(*args[at : at + 4]), *args[at + 4 :])
+
+    kernel.__name__ = kernel.__qualname__ = getattr(fn, "__name__", "kernel")
+    return kernel
+
+
+# op: (position of the codec arguments, CPU, CUDA, any other device, fake); None: the op takes no codec
+KERNELS = {
+    "encode": (1, cpu.encode, cuda.encode, _encode, _encode_fake),
+    "decode": (3, cpu.decode, cuda.decode, _decode, _decode_fake),
+    "decode_into": (2, cpu.decode_into, _decode_into, _decode_into, _nothing),
+    "encode_rows": (
+        2,
+        cpu.encode_rows,
+        cuda.encode_rows,
+        lambda r, s, c: rows.encode_rows_body(c, r, s),
+        _encode_rows_fake,
     ),
-    (
-        "decode_rows",
-        rows.decode_rows_reference,
-        rows.decode_rows_cuda,
-        rows.decode_rows_reference,
-        rows.decode_rows_fake,
+    "decode_rows": (
+        2,
+        cpu.decode_rows,
+        cuda.decode_rows,
+        lambda w, n, c: rows.decode_rows_body(c, w, n),
+        _decode_rows_fake,
     ),
-    (
-        "decode_rows_sum",
-        rows_reduce.decode_rows_sum_reference,
-        rows_reduce.decode_rows_sum_cuda,
-        rows_reduce.decode_rows_sum_reference,
-        rows_reduce.decode_rows_sum_fake,
+    "decode_rows_into": (
+        2,
+        cpu.decode_rows_into,
+        cuda.decode_rows_into,
+        lambda w, n, c, out: rows.decode_rows_into_body(c, w, n, out),
+        _nothing,
     ),
-    (
-        "feedback_update",
-        rows_reduce.feedback_update_reference,
-        rows_reduce.feedback_update_cuda,
-        rows_reduce.feedback_update_reference,
-        rows_reduce.feedback_update_fake,
+    "decode_rows_sum": (
+        2,
+        lambda w, n, c, avg, ro=False: rows_reduce.decode_rows_sum_body(c, w, n, avg, ro),
+        cuda.decode_rows_sum,
+        lambda w, n, c, avg, ro=False: rows_reduce.decode_rows_sum_body(c, w, n, avg, ro),
+        _decode_rows_sum_fake,
     ),
-    (
-        "feedback_rows",
-        rows_feedback.feedback_rows_reference,
-        rows_feedback.feedback_rows_cuda,
-        rows_feedback.feedback_rows_reference,
-        rows_feedback.feedback_rows_fake,
+    "feedback_update": (
+        None,
+        rows_reduce.feedback_update_body,
+        cuda.feedback_update,
+        rows_reduce.feedback_update_body,
+        _nothing,
     ),
-    (
-        "encode_segments",
-        rows_segments.encode_segments_reference,
-        rows_segments.encode_segments_cuda,
-        rows_segments.encode_segments_reference,
-        rows_segments._fake,
+    "feedback_rows": (
+        3,
+        lambda y, w, n, c, *a: rows_reduce.feedback_rows_body(c, y, w, n, *a),
+        cuda.feedback_rows,
+        lambda y, w, n, c, *a: rows_reduce.feedback_rows_body(c, y, w, n, *a),
+        _feedback_rows_fake,
     ),
-    (
-        "decode_segments_into",
-        rows_segments.decode_segments_reference,
-        rows_segments.decode_segments_cuda,
-        rows_segments.decode_segments_reference,
-        rows_segments._fake,
+    "encode_segments": (
+        4,
+        lambda r, ns, q, s, c, out: rows_segments.encode_segments_body(c, r, ns, q, s, out),
+        cuda_segments.encode_segments,
+        lambda r, ns, q, s, c, out: rows_segments.encode_segments_body(c, r, ns, q, s, out),
+        _nothing,
     ),
-    (
-        "decode_segments_sum",
-        rows_segments.sum_segments_reference,
-        rows_segments.sum_segments_cuda,
-        rows_segments.sum_segments_reference,
-        rows_segments._fake,
+    "decode_segments_into": (
+        3,
+        lambda w, ns, q, c, dt, skip, out: rows_segments.decode_segments_body(c, w, ns, q, dt, skip, out),
+        cuda_segments.decode_segments_into,
+        lambda w, ns, q, c, dt, skip, out: rows_segments.decode_segments_body(c, w, ns, q, dt, skip, out),
+        _nothing,
     ),
-    (
-        "decode_rows_into",
-        rows.decode_rows_into_kernel,
-        rows.decode_rows_into_cuda,
-        rows.decode_rows_into_kernel,
-        rows.decode_rows_into_fake,
+    "decode_segments_sum": (
+        5,
+        lambda w, r, own, ns, q, c, out: rows_segments.sum_segments_body(c, w, r, own, ns, q, out),
+        cuda_segments.decode_segments_sum,
+        lambda w, r, own, ns, q, c, out: rows_segments.sum_segments_body(c, w, r, own, ns, q, out),
+        _nothing,
     ),
-):
-    _lib.impl(_op, _cpu, "CPU")
-    _lib.impl(_op, _cuda, "CUDA")
-    _lib.impl(_op, _default, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"qcomm::{_op}", _fake, lib=_lib)
+}
+
+
+def kernel(op: str, device: str):
+    """The registered kernel of ``qcomm::<op>`` for ``device`` ("cpu", "cuda", anything else: the reference), taking
+    the op's arguments (``benchmarks/launch_counts.cuda_path_on_cpu`` registers the CUDA ones for CPU)."""
+    at, on_cpu, on_cuda, default, _ = KERNELS[op]
+    fn = {"cpu": on_cpu, "cuda": on_cuda}.get(device, default)
+    return fn if at is None else _with_codec(fn, at)
+
+
+for _op, (_at, *_kernels, _fake) in KERNELS.items():
+    for _key, _device in (("CPU", "cpu"), ("CUDA", "cuda"), ("CompositeExplicitAutograd", "other")):
+        _lib.impl(_op, kernel(_op, _device), _key)
+    torch.library.register_fake(f"qcomm::{_op}", _fake if _at is None else _with_codec(_fake, _at), lib=_lib)
+
+
+# ---------------------------------------------------------------------------------------------- which form runs
+row_at_a_time = cpu.row_at_a_time
+encode_row = cpu.encode_row
+segments_fused = cuda_segments.segments_fused
+segments_kernel = cuda_segments.segments_kernel

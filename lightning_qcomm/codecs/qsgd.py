@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from lightning_qcomm.codecs import scaling
+from lightning_qcomm.codecs import native, scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec, redo_floor
 from lightning_qcomm.codecs.registry import register_codec
@@ -51,9 +51,7 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
 
 def _c_tree_norm() -> bool:
     """Whether the C kernel of ``tree_norm`` is loaded (the fused CPU codecs' library; not switched off)."""
-    from lightning_qcomm.codecs import cpu_fused, native
-
-    return os.environ.get(cpu_fused.ENV_SWITCH) != "0" and native.load() is not None
+    return os.environ.get(native.ENV_SWITCH) != "0" and native.load() is not None
 
 
 def tree_norm(xb: torch.Tensor) -> torch.Tensor:

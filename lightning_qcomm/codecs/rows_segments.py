@@ -10,9 +10,9 @@ own or carried raw (docs/design.md, "QSDP"), as torch ops of the codec layer::
 The wire row is ``[seg_0 | seg_1 | ...]``: a quantized segment of n elements is ``codec.encode(x, seed).to_bytes()``,
 a raw one its bytes in the rows' dtype. A quantized segment's R rows are one flat tensor with one seed when R = 1 or
 n is a whole number of buckets and of 8 (``flat_coded``), else row r with ``derive_seed(seed, r)``. The sum adds
-rows 0, 1, ... in fp32 (one rounding each), row ``own`` exact from ``rows``, rounded once into ``out``. Kernels:
-any device but CUDA a codec door per segment; CUDA the Triton segment kernels (``segments_kernel``: two launches
-to encode, one to decode or sum), keys through pinned memory, no host sync. Details: docs/design.md, "Module notes".
+rows 0, 1, ... in fp32 (one rounding each), row ``own`` exact from ``rows``, rounded once into ``out``. Here the
+door and the reference (a codec door per segment); the CUDA kernels (two launches to encode, one to decode or sum)
+are ``codecs.cuda_segments``'. Details: docs/design.md, "Module notes".
 
 Example::
 
@@ -23,19 +23,13 @@ Example::
 
 from __future__ import annotations
 
-import array
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from lightning_qcomm.codecs import registry, rng
 from lightning_qcomm.codecs.base import Codec
-from lightning_qcomm.codecs.kernel_spec import KernelKind
-from lightning_qcomm.codecs.rows import c_pass_available, decode_rows_into, encode_flat, encode_rows
-
-_INT32 = 1 << 31
-_COUNT_FREE = (KernelKind.UNIFORM, KernelKind.FP8)  # scales that do not depend on a tensor's length past count
+from lightning_qcomm.codecs.rows import decode_rows_into, encode_flat, encode_rows
 
 
 def flat_coded(codec: Codec, n: int, rows: int) -> bool:
@@ -50,7 +44,8 @@ def wire_nbytes(codec: Codec, numels: Sequence[int], quantized: Sequence[bool], 
     return sum(codec.nbytes(n) if q else n * es for n, q in zip(numels, quantized))
 
 
-def _check(codec: Codec, numels, quantized, s: int, what: str) -> None:
+def check_segments(numels, quantized, s: int, what: str) -> None:
+    """ValueError unless ``numels`` (each >= 1) sum to the row's s elements with one quantized flag each."""
     if len(numels) != len(quantized) or any(n < 1 for n in numels) or sum(numels) != s:
         raise ValueError(
             f"{what}: numels {list(numels)} (each >= 1) must sum to the row's {s} elements, one quantized flag each "
@@ -59,7 +54,11 @@ def _check(codec: Codec, numels, quantized, s: int, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- reference
-def _encode_reference(codec: Codec, rows, numels, quantized, seeds, out) -> None:
+def encode_segments_body(codec: Codec, rows, numels, quantized, seeds, out) -> None:
+    """``qcomm::encode_segments`` by a codec door per segment (module docstring)."""
+    check_segments(numels, quantized, rows.shape[1], "encode_segments")
+    if sum(quantized) != len(seeds):
+        raise ValueError(f"encode_segments: {sum(quantized)} quantized segments need as many seeds, got {len(seeds)}")
     r = rows.shape[0]
     off = boff = 0
     it = iter(seeds)
@@ -92,7 +91,9 @@ def as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return raw.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
-def _decode_reference(codec: Codec, wire, numels, quantized, wire_dtype, skip_row: int, out) -> None:
+def decode_segments_body(codec: Codec, wire, numels, quantized, wire_dtype, skip_row: int, out) -> None:
+    """``qcomm::decode_segments_into`` by a codec door per segment (module docstring)."""
+    check_segments(numels, quantized, out.shape[-1], "decode_segments")
     r = wire.shape[0]
     es = torch.empty((), dtype=wire_dtype).element_size()
     spans = [(0, r)] if skip_row < 0 else [(0, skip_row), (skip_row + 1, r)]
@@ -110,7 +111,10 @@ def _decode_reference(codec: Codec, wire, numels, quantized, wire_dtype, skip_ro
         off, boff = off + n, boff + nb
 
 
-def _sum_reference(codec: Codec, wire, rows, own: int, numels, quantized, out) -> None:
+def sum_segments_body(codec: Codec, wire, rows, own: int, numels, quantized, out) -> None:
+    """``qcomm::decode_segments_sum`` in rank order, the own row exact (module docstring)."""
+    check_segments(numels, quantized, rows.shape[1], "decode_segments_sum")
+    out = out.view(-1)
     r, s = wire.shape[0], rows.shape[1]
     total = out if out.dtype == torch.float32 else torch.empty(s, dtype=torch.float32, device=out.device)
     row = torch.empty(1, s, dtype=torch.float32, device=out.device)
@@ -119,205 +123,11 @@ def _sum_reference(codec: Codec, wire, rows, own: int, numels, quantized, out) -
         if j == own:
             dst.copy_(rows[own : own + 1])  # the own row never left this rank: exact
         else:
-            _decode_reference(codec, wire[j : j + 1], numels, quantized, rows.dtype, -1, dst)
+            decode_segments_body(codec, wire[j : j + 1], numels, quantized, rows.dtype, -1, dst)
         if j > 0:
             total.add_(row.view(-1))
     if total is not out:
         out.copy_(total)
-
-
-# ---------------------------------------------------------------------------------------------- CUDA
-def segments_kernel(codec: Codec, t: torch.Tensor, numels, quantized, r: int, dtype: torch.dtype) -> bool:
-    """Whether the Triton segment kernels take this layout: ``ops.rows_kernel``'s conditions, buckets of at most
-    ``MAX_BUCKET`` elements, rows of fp32 / bf16 / fp16, int32 counters, and for codecs whose scales depend on
-    a tensor's length (the norm codecs) every quantized segment at least one bucket long."""
-    from lightning_qcomm.codecs import ops
-
-    b = codec.bucket_size
-    if b is None or dtype not in (torch.float32, torch.bfloat16, torch.float16) or r * sum(numels) >= _INT32:
-        return False
-    if not ops.kernels_for(codec, t.device, b, encode=True):
-        return False
-    if not (codec.kernel_spec().kind in _COUNT_FREE or all(n >= b for n, q in zip(numels, quantized) if q)):
-        return False
-    return _kernels_work(codec, t.device, dtype)
-
-
-def segments_fused(codec: Codec, t: torch.Tensor, numels, quantized, r: int, dtype: torch.dtype) -> bool:
-    """Whether R rows of this layout on ``t``'s device take the segment kernels: no fused C pass there (CPU keeps
-    its row loop: ``rows.c_pass_available``) and ``segments_kernel``."""
-    return not c_pass_available(codec, t.device) and segments_kernel(codec, t, numels, quantized, r, dtype)
-
-
-def _kernels_work(codec: Codec, device: torch.device, dtype: torch.dtype) -> bool:
-    """The segment kernels on ``device`` equal the reference (bytes; values with any NaN equal to any NaN) on a
-    probe of three rows of raw and quantized segments (a segment not a whole number of buckets, NaN, infinities
-    and subnormals): checked once per (codec, dtype, device), else the reference, with one warning. Not on CPU
-    tensors (Triton's interpreter, where the tests compare them)."""
-    from lightning_qcomm.codecs import triton_probe
-
-    if device.type != "cuda":
-        return True
-
-    def check() -> None:
-        b = codec.bucket_size
-        numels, quantized = [24, 3 * b, 5, b + 40], [False, True, False, True]
-        x = torch.randn(3, sum(numels), generator=torch.Generator().manual_seed(2)) * 3
-        x[0, 30], x[2, 3 * b + 31], x[1, 9], x[1, 40] = float("nan"), float("inf"), 1e-41, -0.0
-        x = x.to(dtype)
-        p = wire_nbytes(codec, numels, quantized, dtype)
-        want, got = torch.zeros(3, p, dtype=torch.uint8), torch.zeros(3, p, dtype=torch.uint8, device=device)
-        _encode_reference(codec, x, numels, quantized, [5, 6], want)
-        _encode_kernel(codec, x.to(device), numels, quantized, [5, 6], got)
-        dec, dec_d = torch.full(x.shape, 7.0), torch.full(x.shape, 7.0, device=device)
-        _decode_reference(codec, want, numels, quantized, dtype, 1, dec)
-        _decode_kernel(codec, want.to(device), numels, quantized, dtype, 1, dec_d)
-        tot, tot_d = torch.empty(x.shape[1]), torch.empty(x.shape[1], device=device)
-        _sum_reference(codec, want, x, 2, numels, quantized, tot)
-        _decode_kernel(codec, want.to(device), numels, quantized, dtype, 2, tot_d, x.to(device))
-        for what, a, c in (("decode", dec, dec_d), ("sum", tot, tot_d)):
-            difference = triton_probe._difference(what, a, c.cpu())
-            if difference:
-                raise RuntimeError(f"the segment kernels' {what} differs from the reference: {difference}")
-        if not torch.equal(got.cpu(), want):
-            raise RuntimeError("the segment kernels' encode differs from the reference")
-
-    key = ("segments", tuple(sorted(codec.config().items())), str(dtype), str(device))
-    what = f"the segment kernels of {codec.config()} on {dtype} rows"
-    return triton_probe.first_use(key, what, device, check, "the per-segment reference runs there")
-
-
-@functools.lru_cache(maxsize=256)
-def _device_table(codec: Codec, numels: tuple, quantized: tuple, raw_bytes: int, device: str):
-    from lightning_qcomm.kernels.cuda import segment_kernels
-
-    layout = segment_kernels.segment_table(codec, numels, quantized, raw_bytes)
-    return layout, _upload(list(layout[0]), torch.device(device))
-
-
-def _upload(words: list[int], device: torch.device) -> torch.Tensor:
-    t = torch.frombuffer(array.array("i", words), dtype=torch.int32)  # no aten op: nothing the host waits on
-    if device.type == "cuda":  # from pageable memory the copy would wait for the stream: pinned, it is queued
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
-def _keys(codec: Codec, numels, quantized, seeds, r: int, device: torch.device) -> torch.Tensor:
-    """(R, K, 3) int32 words (k1, k2, counter of the first element) of every (row, segment); raw segments 0."""
-    words: list[int] = []
-    per_segment = []
-    it = iter(seeds)
-    for n, q in zip(numels, quantized):
-        per_segment.append((next(it), flat_coded(codec, n, r), n) if q else None)
-    for j in range(r):
-        for seg in per_segment:
-            if seg is None:
-                words += [0, 0, 0]
-                continue
-            seed, flat, n = seg
-            k1, k2 = rng.seed_to_key(seed if flat else rng.derive_seed(seed, j))
-            words += [rng._as_int32(k1), rng._as_int32(k2), j * n if flat else 0]
-    return _upload(words, device)
-
-
-def _on(device: torch.device):
-    from lightning_qcomm.codecs import triton_probe
-
-    return triton_probe.on_device(device)
-
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _layout(codec: Codec, numels, quantized, dtype: torch.dtype, device: torch.device):
-    es = torch.empty((), dtype=dtype).element_size()
-    return _device_table(codec, tuple(numels), tuple(bool(q) for q in quantized), es, str(device))
-
-
-def _encode_kernel(codec: Codec, rows, numels, quantized, seeds, out) -> None:
-    from lightning_qcomm.codecs import scaling
-    from lightning_qcomm.kernels.cuda import segment_kernels
-
-    layout, table = _layout(codec, numels, quantized, rows.dtype, rows.device)
-    keys = _keys(codec, numels, quantized, seeds, rows.shape[0], rows.device)
-    with _on(rows.device):
-        segment_kernels.encode_segments(codec, rows, table, keys, layout, out, scaling.output_max(rows.dtype))
-
-
-def _decode_kernel(codec: Codec, wire, numels, quantized, wire_dtype, own: int, out, rows=None) -> None:
-    from lightning_qcomm.kernels.cuda import segment_kernels
-
-    layout, table = _layout(codec, numels, quantized, wire_dtype, wire.device)
-    with _on(wire.device):
-        segment_kernels.decode_segments(codec, wire, table, layout, wire_dtype, out, own, x=rows)
-
-
-def encode_body(codec: Codec, rows, numels, quantized, seeds, out, triton: bool) -> None:
-    _check(codec, numels, quantized, rows.shape[1], "encode_segments")
-    if sum(quantized) != len(seeds):
-        raise ValueError(f"encode_segments: {sum(quantized)} quantized segments need as many seeds, got {len(seeds)}")
-    r = rows.shape[0]
-    if triton and rows.stride(1) == 1 and segments_kernel(codec, rows, numels, quantized, r, rows.dtype):
-        _encode_kernel(codec, rows, numels, quantized, seeds, out)
-    else:
-        _encode_reference(codec, rows, numels, quantized, seeds, out)
-
-
-def decode_body(codec: Codec, wire, numels, quantized, wire_dtype, skip_row: int, out, triton: bool) -> None:
-    _check(codec, numels, quantized, out.shape[-1], "decode_segments")
-    ok = triton and out.stride(-1) == 1 and out.dtype in _FLOATS
-    if ok and segments_kernel(codec, wire, numels, quantized, wire.shape[0], wire_dtype):
-        _decode_kernel(codec, wire, numels, quantized, wire_dtype, skip_row, out)
-    else:
-        _decode_reference(codec, wire, numels, quantized, wire_dtype, skip_row, out)
-
-
-def sum_body(codec: Codec, wire, rows, own: int, numels, quantized, out, triton: bool) -> None:
-    _check(codec, numels, quantized, rows.shape[1], "decode_segments_sum")
-    ok = triton and out.is_contiguous() and out.dtype in _FLOATS and rows.stride(1) == 1
-    if ok and segments_kernel(codec, wire, numels, quantized, wire.shape[0], rows.dtype):
-        _decode_kernel(codec, wire, numels, quantized, rows.dtype, own, out.view(-1), rows)
-    else:
-        _sum_reference(codec, wire, rows, own, numels, quantized, out.view(-1))
-
-
-# ---------------------------------------------------------------------------------------------- the ops' kernels
-def _codec(args) -> Codec:
-    return registry.codec_for_op(*args)
-
-
-def encode_segments_reference(rows, numels, quantized, seeds, codec, bits, bucket_size, stochastic, out) -> None:
-    """``qcomm::encode_segments`` on any device but CUDA: a codec door per segment."""
-    encode_body(_codec((codec, bits, bucket_size, stochastic)), rows, numels, quantized, seeds, out, False)
-
-
-def encode_segments_cuda(rows, numels, quantized, seeds, codec, bits, bucket_size, stochastic, out) -> None:
-    """``qcomm::encode_segments`` on CUDA: two Triton launches where ``segments_kernel`` holds."""
-    encode_body(_codec((codec, bits, bucket_size, stochastic)), rows, numels, quantized, seeds, out, True)
-
-
-def decode_segments_reference(wire, numels, quantized, codec, bits, bucket_size, stochastic, wire_dtype, skip, out):
-    """``qcomm::decode_segments_into`` on any device but CUDA."""
-    decode_body(_codec((codec, bits, bucket_size, stochastic)), wire, numels, quantized, wire_dtype, skip, out, False)
-
-
-def decode_segments_cuda(wire, numels, quantized, codec, bits, bucket_size, stochastic, wire_dtype, skip, out):
-    """``qcomm::decode_segments_into`` on CUDA: one Triton launch where ``segments_kernel`` holds."""
-    decode_body(_codec((codec, bits, bucket_size, stochastic)), wire, numels, quantized, wire_dtype, skip, out, True)
-
-
-def sum_segments_reference(wire, rows, own, numels, quantized, codec, bits, bucket_size, stochastic, out) -> None:
-    """``qcomm::decode_segments_sum`` on any device but CUDA."""
-    sum_body(_codec((codec, bits, bucket_size, stochastic)), wire, rows, own, numels, quantized, out, False)
-
-
-def sum_segments_cuda(wire, rows, own, numels, quantized, codec, bits, bucket_size, stochastic, out) -> None:
-    """``qcomm::decode_segments_sum`` on CUDA: one Triton launch where ``segments_kernel`` holds."""
-    sum_body(_codec((codec, bits, bucket_size, stochastic)), wire, rows, own, numels, quantized, out, True)
-
-
-def _fake(*args) -> None:
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- the door
@@ -336,7 +146,7 @@ def encode_segments(
     if registry.is_registered(codec):
         torch.ops.qcomm.encode_segments(rows, list(numels), list(quantized), signed, *codec.op_args(), out)
     else:
-        encode_body(codec, rows, list(numels), list(quantized), [int(s) for s in seeds], out, False)
+        encode_segments_body(codec, rows, list(numels), list(quantized), [int(s) for s in seeds], out)
     return out
 
 
@@ -363,7 +173,7 @@ def decode_segments_into(
             wire, list(numels), list(quantized), *codec.op_args(), wire_dtype, skip, out
         )
     else:
-        decode_body(codec, wire, list(numels), list(quantized), wire_dtype, skip, out, False)
+        decode_segments_body(codec, wire, list(numels), list(quantized), wire_dtype, skip, out)
     return out
 
 
@@ -387,7 +197,7 @@ def decode_segments_sum(
     if registry.is_registered(codec):
         torch.ops.qcomm.decode_segments_sum(wire, rows, int(own), list(numels), list(quantized), *codec.op_args(), out)
     else:
-        sum_body(codec, wire, rows, int(own), list(numels), list(quantized), out, False)
+        sum_segments_body(codec, wire, rows, int(own), list(numels), list(quantized), out)
     return out
 
 

@@ -29,8 +29,7 @@ import torch
 from lightning_qcomm.codecs import cpu_fused, packing, sign_ops
 from lightning_qcomm.codecs.base import Codec, Packed
 from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows, row_bucketed
-from lightning_qcomm.codecs.rows_feedback import feedback_rows
-from lightning_qcomm.codecs.rows_reduce import decode_rows_sum
+from lightning_qcomm.codecs.rows_reduce import decode_rows_sum, feedback_rows
 
 
 def _c_kernels(sign: Codec, c: int, *buffers: torch.Tensor) -> bool:

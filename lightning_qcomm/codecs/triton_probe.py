@@ -24,6 +24,8 @@ import logging
 
 import torch
 
+from lightning_qcomm.codecs import scaling
+
 log = logging.getLogger(__name__)
 _verdicts: dict[tuple, bool] = {}
 _failures: dict[tuple, str] = {}
@@ -44,9 +46,7 @@ def _probe_input(codec, device: torch.device) -> torch.Tensor:
 
 
 def _check(codec, device: torch.device) -> None:
-    from lightning_qcomm import kernels
-    from lightning_qcomm.codecs import scaling
-
+    kernels = triton_kernels()
     x = _probe_input(codec, device)
     out_max = scaling.output_max(x.dtype)
     with on_device(device):
@@ -59,6 +59,13 @@ def _check(codec, device: torch.device) -> None:
         difference = _difference(label, want, got)
         if difference:
             raise RuntimeError(f"the Triton {what} differs from the torch reference: {difference}")
+
+
+def triton_kernels():
+    """``lightning_qcomm.kernels``, imported at first use: it imports Triton (seconds), which a CPU run never needs."""
+    from lightning_qcomm import kernels
+
+    return kernels
 
 
 def _key(codec, device: torch.device) -> tuple:

@@ -30,13 +30,8 @@ import weakref
 
 import torch
 
-from lightning_qcomm.codecs import Codec
-from lightning_qcomm.codecs.rows_segments import (
-    decode_segments_into,
-    encode_segments,
-    segments_kernel,
-    wire_nbytes,
-)
+from lightning_qcomm.codecs import Codec, segments_kernel
+from lightning_qcomm.codecs.rows_segments import decode_segments_into, encode_segments, wire_nbytes
 
 MAX_PENDING = 32  # saves held at most before a flush, whatever the layers (a bound on the held memory)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import NO_CUDA, has_triton
 
-from lightning_qcomm.codecs import get_codec, triton_probe
+from lightning_qcomm.codecs import cuda_segments, get_codec, triton_probe
 from lightning_qcomm.codecs import rows_segments as rs
 
 pytestmark = [
@@ -41,21 +41,21 @@ def test_segment_kernels_are_the_reference(spec, dtype, r):
     seeds = [11, 12, 13]
     p = rs.wire_nbytes(codec, numels, quantized, dtype)
     want = torch.zeros(r, p, dtype=torch.uint8)
-    rs.encode_body(codec, x, numels, quantized, seeds, want, False)
+    rs.encode_segments_body(codec, x, numels, quantized, seeds, want)
     xd = x.cuda()
-    assert rs.segments_kernel(codec, xd, numels, quantized, r, dtype)
+    assert cuda_segments.segments_kernel(codec, xd, numels, quantized, r, dtype)
     key = ("segments", tuple(sorted(codec.config().items())), str(dtype), str(xd.device))
     assert triton_probe._verdicts.get(key) is True, triton_probe._failures.get(key)
     got = rs.encode_segments(codec, xd, numels, quantized, seeds, torch.zeros(r, p, dtype=torch.uint8, device="cuda"))
     assert torch.equal(got.cpu(), want)
     for out_dtype in (torch.float32, torch.bfloat16):
         ref = torch.full(x.shape, 7.0, dtype=out_dtype)
-        rs.decode_body(codec, want, numels, quantized, dtype, r - 1 if r > 1 else -1, ref, False)
+        rs.decode_segments_body(codec, want, numels, quantized, dtype, r - 1 if r > 1 else -1, ref)
         dec = torch.full(x.shape, 7.0, dtype=out_dtype, device="cuda")
         rs.decode_segments_into(codec, got, numels, quantized, dtype, dec, r - 1 if r > 1 else None)
         assert _same(dec, ref)
         ref_sum = torch.empty(x.shape[1], dtype=out_dtype)
-        rs.sum_body(codec, want, x, 0, numels, quantized, ref_sum, False)
+        rs.sum_segments_body(codec, want, x, 0, numels, quantized, ref_sum)
         total = rs.decode_segments_sum(codec, got, xd, 0, numels, quantized, torch.empty_like(ref_sum, device="cuda"))
         assert _same(total, ref_sum)
 

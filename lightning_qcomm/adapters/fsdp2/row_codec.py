@@ -28,15 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from lightning_qcomm.adapters.fsdp2.shim import ParamShard
-from lightning_qcomm.codecs import Codec, derive_seed
-from lightning_qcomm.codecs.rows import decode_rows_into, encode_flat, encode_row, encode_rows, row_at_a_time
-from lightning_qcomm.codecs.rows_segments import (
-    as_dtype,
-    decode_segments_into,
-    decode_segments_sum,
-    encode_segments,
-    segments_fused,
-)
+from lightning_qcomm.codecs import Codec, derive_seed, encode_row, row_at_a_time, segments_fused
+from lightning_qcomm.codecs.rows import decode_rows_into, encode_flat, encode_rows
+from lightning_qcomm.codecs.rows_segments import as_dtype, decode_segments_into, decode_segments_sum, encode_segments
 from lightning_qcomm.comm.transport import PieceLayout
 
 DECODE_BLOCK_NUMEL = 1 << 24  # elements decoded per codec call at most (bounds the fp32 temporary)
