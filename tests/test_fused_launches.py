@@ -14,7 +14,6 @@ of the torch rows.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -226,5 +225,5 @@ def test_all_reduce_error_feedback_values(report):
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(BENCHMARKS), os.path.dirname(os.path.abspath(__file__))]
+    sys.path[:0] = [str(BENCHMARKS), str(Path(__file__).resolve().parents[0] / "_helpers")]
     print(json.dumps(_worker()))

@@ -1,7 +1,7 @@
 """Hierarchical QuantDDP and 1-bit Adam under Lightning on 4 real gloo ranks launched as 2 nodes x 2 ranks.
 
 Every rank is a process with the variables a launcher sets per node (``NODE_RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, as ``tests/_launch.py``'s ``lightning_env`` lays them out), and
+``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, as ``_launch.lightning_env`` lays them out), and
 runs ``Trainer(accelerator="cpu", devices=2, num_nodes=2)`` in-process (Lightning's "processes created
 externally" mode), so global rank != local rank. One spawn of 4 ranks runs all 2 x 2 fits; then one spawn of
 2 ranks (1 node x 2) and one of 4 ranks as 4 nodes x 1 resume its checkpoints on another topology.

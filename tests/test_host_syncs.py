@@ -1,6 +1,6 @@
 """The comm hot paths make the host wait for the device nowhere.
 
-Each path runs under ``NoHostSync`` (tests/_sync_guard.py: raises on ``aten._local_scalar_dense`` -- what
+Each path runs under ``NoHostSync`` (tests/_helpers/_sync_guard.py: raises on ``aten._local_scalar_dense`` -- what
 ``.item()``, ``bool(t)`` and ``float(t)`` dispatch to -- and on data-dependent shapes) on torch's ``fake``
 process group with 4 ranks. The one-off cross-rank consistency check is a host decision by design and
 stays off (``check=False``, as the DDP hook and FSDP comms pass after their first call). The codec layer runs in

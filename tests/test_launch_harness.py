@@ -1,14 +1,16 @@
-"""The test harness's ``spawn`` (``tests/_launch.py``) reports how a rank died.
+"""The test harness's ``spawn`` (``tests/_helpers/_launch.py``): how a rank died, and a test module's function.
 
 torch's spawn names only the signal of a rank that a C++ abort or a segfault kills ("process 0 terminated with
 signal SIGABRT"); the harness adds that rank's stderr tail (where c10 / gloo print the exception that aborted) and
-every thread's Python stack at the signal. Without it a rare crash in CI cannot be traced.
+every thread's Python stack at the signal. Without it a rare crash in CI cannot be traced. A rank runs a function
+of a test module even where it cannot import that module by pytest's name for it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from _launch import spawn
@@ -102,3 +104,25 @@ def test_a_rank_sees_the_callers_environment_and_its_stdout_reaches_the_caller(t
     out = capfd.readouterr().out
     assert "rank 0 wrote to stdout" in out and "rank 1 wrote to stdout" in out
     assert json.loads((tmp_path / "rank0.json").read_text())["lightning"]  # preloaded (or imported) in the rank
+
+
+def _report_module(rank: int, outdir: str, repo: str) -> None:
+    import json
+
+    on_path = any(os.path.realpath(p or ".") == repo for p in sys.path)
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump({"module": __name__, "checkout_on_path": on_path}, f)
+
+
+def test_a_test_modules_function_runs_in_a_rank_whose_path_lacks_the_checkout(tmp_path, monkeypatch):
+    """pytest imports this file under a name made from its path (``tests.<folder>.test_launch_harness``: the
+    ``importlib`` import mode, pyproject.toml), which a rank can import by name only with the checkout on its path;
+    one started without it (``pytest`` run from another directory, as benchmarks/gpu_check.py runs tests/cuda) loads
+    the file under that name instead."""
+    from _launch import rank_results
+
+    repo = os.path.realpath(Path(__file__).resolve().parents[1])
+    assert __name__.startswith("tests."), __name__
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.realpath(p or ".") != repo])
+    spawn(_report_module, str(tmp_path), repo, nprocs=1, start_method="spawn")  # a spawned rank gets this sys.path
+    assert rank_results(tmp_path, 1) == [{"module": __name__, "checkout_on_path": False}]

@@ -17,7 +17,6 @@ with a full chunk and no padding. Before (2026-12-06, this file's worker on the 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -140,5 +139,5 @@ def test_onebit_values_on_the_cuda_path(report):
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(BENCHMARKS), os.path.dirname(os.path.abspath(__file__))]
+    sys.path[:0] = [str(BENCHMARKS), str(Path(__file__).resolve().parents[0] / "_helpers")]
     print(json.dumps(_worker()))

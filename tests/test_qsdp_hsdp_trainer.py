@@ -1,7 +1,7 @@
 """``QSDPStrategy(hsdp=True)`` in a Trainer launched as 2 nodes x 2 ranks, in one spawn of 4 ranks.
 
 Each rank gets the variables a launcher sets (``LOCAL_RANK`` / ``NODE_RANK`` / ``WORLD_SIZE``, node-major, as
-``tests/_launch.lightning_env``), so Lightning sees ``Trainer(num_nodes=2, devices=2)`` with global rank !=
+``_launch.lightning_env``), so Lightning sees ``Trainer(num_nodes=2, devices=2)`` with global rank !=
 local rank. Checks: the job trains with 8-bit gradients across nodes; the replicas of each shard (ranks 0/2,
 1/3) stay bit-identical; a sharded checkpoint saved at step 4 resumes with exactly the saved weights and
 optimizer state and continues; ``node_size=1`` (no second level) warns and trains as flat QSDP;

@@ -15,7 +15,6 @@ that decodes the payloads in its registers (``feedback_rows``: one launch, no de
 from __future__ import annotations
 
 import json
-import os
 import struct
 import sys
 from pathlib import Path
@@ -336,5 +335,5 @@ def test_kernels_under_the_interpreter(report, kind):
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(BENCHMARKS), os.path.dirname(os.path.abspath(__file__))]
+    sys.path[:0] = [str(BENCHMARKS), str(Path(__file__).resolve().parents[0] / "_helpers")]
     print(json.dumps(_worker()))

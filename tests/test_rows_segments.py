@@ -2,7 +2,7 @@
 
 On CPU: the ops' reference equals ``RowCodec``'s own row loop bit for bit (encode, decode, and the reduce-scatter's
 rank-order sum with the own row exact), and bad layouts are refused. Under Triton's interpreter (a fresh process,
-``tests/_interpreted.py``), on the CUDA path: the segment kernels give the reference's bytes and values (NaN equal
+``_interpreted.py``), on the CUDA path: the segment kernels give the reference's bytes and values (NaN equal
 to NaN) for every codec kind, fp32 and bf16 rows, one and three rows, in two launches to encode and one to decode
 or sum; and a QSDP training step on them equals the same step on the per-segment row loop, bit for bit, at no more
 than 1.15x FSDP2's launches.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -292,7 +291,7 @@ def test_qsdp_step_launches_within_fsdp2s(report):
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(BENCHMARKS), os.path.dirname(os.path.abspath(__file__))]
+    sys.path[:0] = [str(BENCHMARKS), str(Path(__file__).resolve().parents[0] / "_helpers")]
     try:
         import transformers  # noqa: F401
 

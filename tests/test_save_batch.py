@@ -1,6 +1,6 @@
 """Saved activations encoded a layer at a time (``memory/save_batch.py``, ``ActivationQuantConfig.batch_saves``).
 
-Under Triton's interpreter (a fresh process, ``tests/_interpreted.py``), on the CUDA path: a GPT-2 forward and
+Under Triton's interpreter (a fresh process, ``tests/_helpers/_interpreted.py``), on the CUDA path: a GPT-2 forward and
 backward with the saves batched gives the loss and gradients of the same step with each save encoded alone, bit
 for bit, in one encode (two launches) and one decode per layer, with no save left pending when a block's forward
 ends; a restore after the batch's buffer is gone decodes again, and a save's strides come back; and a DDP step
@@ -11,7 +11,6 @@ with 4-bit ActivationQuantization launches at most 1.15x plain DDP's. On CPU the
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -191,5 +190,5 @@ def test_activation_quantization_step_launches_within_ddps(report):
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(BENCHMARKS), os.path.dirname(os.path.abspath(__file__))]
+    sys.path[:0] = [str(BENCHMARKS), str(Path(__file__).resolve().parents[0] / "_helpers")]
     print(json.dumps(_worker()))

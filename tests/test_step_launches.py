@@ -1,6 +1,6 @@
 """``benchmarks/step_launches.py`` counts a training step's launches per method and names who launched them; this
 checks the counting itself at a tiny width (GPT-2 small's 148 tensors at widths x 0.02, 2 fake ranks), in a fresh
-process under Triton's interpreter (``tests/_interpreted.py``). No figure is fixed here: the checks compare the
+process under Triton's interpreter (``tests/_helpers/_interpreted.py``). No figure is fixed here: the checks compare the
 script's own counts with each other.
 
 * A baseline counted twice gives the same row (the count is deterministic).
@@ -15,7 +15,6 @@ script's own counts with each other.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -109,5 +108,5 @@ def test_quant_ddp_adds_only_its_own_launches(report):
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(BENCHMARKS), os.path.dirname(os.path.abspath(__file__))]
+    sys.path[:0] = [str(BENCHMARKS), str(Path(__file__).resolve().parents[0] / "_helpers")]
     print(json.dumps(_worker()))

@@ -18,7 +18,8 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the matrix's model
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [TESTS, os.path.join(TESTS, "_helpers")]  # the matrix's model (test_strategy_matrix) and _launch
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 STRATEGIES = ("ddp", "quant_ddp_ef", "qsdp", "local_sgd", "onebit_adam", "activation_quant")

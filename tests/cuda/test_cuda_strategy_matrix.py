@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import NO_CUDA
+from _cuda_checks import NO_CUDA
 
 SCRIPT = Path(__file__).with_name("strategy_matrix_run.py")
 BAND = 0.03  # tests/test_strategy_matrix.py's PRECISION_BAND

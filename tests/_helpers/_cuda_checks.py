@@ -1,5 +1,6 @@
-"""GPU checks: collected by the normal test command, every test skipped with its reason without CUDA.
+"""What the GPU checks of tests/cuda share: the skip reason without CUDA and where the Triton kernels come from.
 
+The tests in tests/cuda are collected by the normal test command, every one skipped with its reason without CUDA.
 Run them with ``python benchmarks/gpu_check.py`` (which also times the codecs and writes
 benchmarks/results/gpu_check.md) or ``python -m pytest tests/cuda``. The Triton kernels are the package's own
 ``lightning_qcomm.kernels``; nothing is installed.
@@ -8,12 +9,6 @@ benchmarks/results/gpu_check.md) or ``python -m pytest tests/cuda``. The Triton 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
-
-TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:  # tests/_sync_guard.py
-    sys.path.insert(0, str(TESTS))
 
 NO_CUDA = "needs a CUDA device (run on a GPU: python benchmarks/gpu_check.py)"
 

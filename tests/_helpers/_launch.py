@@ -8,7 +8,8 @@
   ``timeout_s`` ranks still running are killed and ``TimeoutError`` is raised. A rank killed by a signal (a C++
   abort in a collective, a segfault) fails it with that rank's stderr tail and every thread's Python stack at the
   signal (``faulthandler``), since torch reports only the signal's name. A process group a rank leaves alive is
-  destroyed when ``fn`` returns (torch can abort in interpreter teardown while a gloo group lives).
+  destroyed when ``fn`` returns (torch can abort in interpreter teardown while a gloo group lives). ``fn`` may be
+  a test module's function: a rank that cannot import its module by pytest's name for it loads it from its file.
 * ``write_rank_result`` / ``rank_results``: each rank writes one file (``rank{rank}.json`` by default;
   ``.pt`` and ``.pkl`` names are saved with torch / pickle) and the parent reads them back in rank order.
 * ``set_rank_env`` (a spawned worker's launcher variables) and ``FakeBucket`` (a DDP ``GradBucket`` stand-in).
@@ -35,6 +36,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 
@@ -55,8 +57,18 @@ class _Logged:
     signal leaves every thread's Python stack there after the C++ message that preceded it; a process group ``fn``
     leaves alive is destroyed when it returns."""
 
-    def __init__(self, fn: Callable[..., None], logdir: str) -> None:
-        self.fn, self.logdir, self.env = fn, logdir, dict(os.environ)
+    def __init__(self, fn: Callable[..., None], logdir: str, env: dict[str, str] | None = None) -> None:
+        self.fn, self.logdir, self.env = fn, logdir, dict(os.environ) if env is None else env
+
+    def __reduce__(self) -> tuple:
+        """A module-level function goes by its module's name *and file*: pytest imports a test module under a name
+        made from its path (``tests.strategies.test_qsdp``, the ``importlib`` import mode), which a rank whose
+        ``sys.path`` lacks the checkout cannot import by name; ``_restore`` loads the file under that name first."""
+        name, qualname = getattr(self.fn, "__module__", None), getattr(self.fn, "__qualname__", "")
+        path = getattr(sys.modules.get(name or ""), "__file__", None)
+        if name in (None, "__main__") or path is None or "<" in qualname:
+            return (_Logged, (self.fn, self.logdir, self.env))
+        return (_restore, (name, path, qualname, self.logdir, self.env))
 
     def __call__(self, rank: int, *args: Any) -> None:
         import faulthandler
@@ -72,6 +84,52 @@ class _Logged:
         faulthandler.enable(file=log, all_threads=True)
         self.fn(rank, *args)
         _destroy_process_group()
+
+
+def _module_at(name: str, path: str) -> ModuleType:
+    """The module ``name`` whose source is ``path``: imported by name where this process can, else loaded from the
+    file under that name, with its missing parents made empty (as pytest's ``importlib`` mode makes them), so that
+    pickle finds the module's other functions and classes by name afterwards."""
+    import importlib
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        module = importlib.import_module(name)
+        if os.path.samefile(module.__file__ or "", path):
+            return module
+        del sys.modules[name]  # a namesake elsewhere on the path: the file wins
+    except (ImportError, OSError):
+        pass
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {name} from {path}")
+    module = importlib.util.module_from_spec(spec)
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        parent = ".".join(parts[:i])
+        if parent not in sys.modules:
+            try:
+                importlib.import_module(parent)
+            except ImportError:
+                sys.modules[parent] = ModuleType(parent)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _restore(name: str, path: str, qualname: str, logdir: str, env: dict[str, str]) -> _Logged:
+    """``_Logged.__reduce__``'s other half, run in the rank: the function ``qualname`` of module ``name`` at
+    ``path``."""
+    fn: Any = _module_at(name, path)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    return _Logged(fn, logdir, env)
 
 
 def _destroy_process_group() -> None:
