@@ -1,6 +1,6 @@
 """The precision x strategy matrix on one device, run as one process.
 
-``python tests/cuda/strategy_matrix_run.py --accelerator cuda OUT.json`` trains tests/test_strategy_matrix.py's
+``python tests/cuda/strategy_matrix_run.py --accelerator cuda OUT.json`` trains tests/strategies/test_strategy_matrix.py's
 classifier with every strategy and callback (plain DDP, QuantDDP + error feedback, QSDP W8G8, Local SGD,
 DDP + OneBitAdamCallback, DDP + ActivationQuantization) in every precision, ``Trainer(devices=1)``, and writes
 per cell the last training loss or the refusal message. ``--accelerator cpu`` runs the same on CPU (how the
@@ -19,7 +19,8 @@ import warnings
 import torch
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [TESTS, os.path.join(TESTS, "_helpers")]  # the matrix's model (test_strategy_matrix) and _launch
+# test_strategy_matrix (the matrix's model and strategies) and _launch, which it imports
+sys.path[:0] = [os.path.join(TESTS, "strategies"), os.path.join(TESTS, "_helpers")]
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 STRATEGIES = ("ddp", "quant_ddp_ef", "qsdp", "local_sgd", "onebit_adam", "activation_quant")
