@@ -36,7 +36,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 
@@ -66,7 +66,7 @@ class _Logged:
         ``sys.path`` lacks the checkout cannot import by name; ``_restore`` loads the file under that name first."""
         name, qualname = getattr(self.fn, "__module__", None), getattr(self.fn, "__qualname__", "")
         path = getattr(sys.modules.get(name or ""), "__file__", None)
-        if name in (None, "__main__") or path is None or "<" in qualname:
+        if not isinstance(self.fn, FunctionType) or name in (None, "__main__") or path is None or "<" in qualname:
             return (_Logged, (self.fn, self.logdir, self.env))
         return (_restore, (name, path, qualname, self.logdir, self.env))
 
