@@ -279,4 +279,8 @@ def test_has_triton_and_bad_input():
 
 
 if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_helpers"))  # _sync_guard
     print(json.dumps(_worker()))
