@@ -74,8 +74,10 @@ def _values_on_the_cuda_path(world: int) -> list[str]:
     order) and the gloo worlds' of tests/collectives/test_onebit_batched.py (the eager sum against the rank-order loop)."""
     import torch
     import torch.distributed as dist
+    from _siblings import from_test_file
     from launch_counts import mirrored_collectives
-    from test_onebit_batched import _same_values
+
+    _same_values = from_test_file("collectives/test_onebit_batched", "_same_values")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from lightning_qcomm.collectives import onebit_all_reduce, sign_collective

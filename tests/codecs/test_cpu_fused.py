@@ -14,10 +14,12 @@ import logging
 
 import pytest
 import torch
-from test_codecs import extreme_values, flush_denormal
+from _siblings import from_test_file
 
 from lightning_qcomm import _log
 from lightning_qcomm.codecs import cpu_fused, get_codec, native, packing
+
+extreme_values, flush_denormal = from_test_file("codecs/test_codecs", "extreme_values", "flush_denormal")
 
 CONFIGS = (
     [("uniform", b, {}) for b in (1, 2, 3, 4, 8)]

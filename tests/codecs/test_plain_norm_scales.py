@@ -13,9 +13,11 @@ import struct
 
 import pytest
 import torch
-from test_codecs import flush_denormal
+from _siblings import from_test_file
 
 from lightning_qcomm.codecs import cpu_fused, get_codec, scaling, sign_ops
+
+flush_denormal = from_test_file("codecs/test_codecs", "flush_denormal")
 
 CODECS = [("qsgd", 2), ("qsgd", 4), ("qsgd", 8), ("nuqsgd", 2), ("nuqsgd", 4), ("nuqsgd", 8), ("sign1", 1)]
 N = cpu_fused.FUSED_MIN_NUMEL + 4099  # above the fused threshold, not a multiple of the buckets used

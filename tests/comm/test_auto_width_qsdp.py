@@ -120,7 +120,9 @@ TAGS = ("weights", "grads")
 
 def _fit(strategy, max_steps: int = STEPS, save: str | None = None, resume: str | None = None) -> dict:
     import lightning.pytorch as pl
-    from test_qsdp import GPTModule
+    from _siblings import from_test_file
+
+    GPTModule = from_test_file("strategies/test_qsdp", "GPTModule")
 
     from lightning_qcomm.comm.ledger import CommLedger, set_ledger
 
@@ -163,8 +165,10 @@ def _fit(strategy, max_steps: int = STEPS, save: str | None = None, resume: str 
 
 
 def _lightning(rank: int, out: str, result: dict) -> None:
+    from _siblings import from_test_file
     from lightning.fabric import Fabric
-    from test_qsdp import TinyGPT
+
+    TinyGPT = from_test_file("strategies/test_qsdp", "TinyGPT")
 
     from lightning_qcomm import QSDPFabricStrategy, QSDPStrategy
 

@@ -41,8 +41,10 @@ def _rows_cases() -> dict:
     """``codecs.rows.encode_rows`` / ``decode_rows`` through the rows kernels against each row's own encode and
     decode (the CPU reference: the ops' CPU kernels are back outside ``cuda_path_on_cpu``), bit for bit."""
     import torch
+    from _siblings import from_test_file
     from launch_counts import cuda_path_on_cpu
-    from test_codecs import extreme_values
+
+    extreme_values = from_test_file("codecs/test_codecs", "extreme_values")
 
     from lightning_qcomm.codecs import derive_seed, get_codec, ops
     from lightning_qcomm.codecs import rows as row_batch

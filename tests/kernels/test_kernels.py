@@ -140,7 +140,9 @@ def _worker() -> dict:
     def run_extreme(name: str, bits: int, opts: dict) -> dict:
         """Extreme finite values (test_codecs.extreme_values): kernel codes and decoded bits equal the
         reference's, and the kernel's decode is finite."""
-        from test_codecs import extreme_values
+        from _siblings import from_test_file
+
+        extreme_values = from_test_file("codecs/test_codecs", "extreme_values")
 
         x = extreme_values()
         res = {"checked": 0, "mismatch": [], "nonfinite": []}

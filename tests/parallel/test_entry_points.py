@@ -40,7 +40,9 @@ MULTI_BUCKET = {"codec": "uniform", "bits": 2, "min_quant_numel": 0, "error_feed
 
 # ---------------------------------------------------------------------------------------------- problems
 def _mlp() -> nn.Module:
-    from test_quant_ddp import N_CLS, N_FEAT, N_HID
+    from _siblings import from_test_file
+
+    N_CLS, N_FEAT, N_HID = from_test_file("strategies/test_quant_ddp", "N_CLS", "N_FEAT", "N_HID")
 
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(N_FEAT, N_HID), nn.Tanh(), nn.Linear(N_HID, N_CLS))
@@ -48,7 +50,9 @@ def _mlp() -> nn.Module:
 
 def _wide_mlp() -> nn.Module:
     """Layers of 16k-65k elements: with bucket_cap_mb=0.1 DDP makes several buckets (layout replay on resume)."""
-    from test_quant_ddp import N_CLS, N_FEAT
+    from _siblings import from_test_file
+
+    N_CLS, N_FEAT = from_test_file("strategies/test_quant_ddp", "N_CLS", "N_FEAT")
 
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(N_FEAT, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, N_CLS))
@@ -67,13 +71,17 @@ def _batches(dataset, rank: int, steps: int, batch: int) -> list[tuple[torch.Ten
 
 
 def _mlp_batches(rank: int, steps: int = MLP_STEPS):
-    from test_quant_ddp import BATCH, _dataset
+    from _siblings import from_test_file
+
+    BATCH, _dataset = from_test_file("strategies/test_quant_ddp", "BATCH", "_dataset")
 
     return _batches(_dataset(), rank, steps, BATCH)
 
 
 def _full_loss(model: nn.Module, dataset=None) -> float:
-    from test_quant_ddp import _dataset
+    from _siblings import from_test_file
+
+    _dataset = from_test_file("strategies/test_quant_ddp", "_dataset")
 
     x, y = (dataset or _dataset()).tensors
     with torch.no_grad():
@@ -101,7 +109,9 @@ def _train(model, optimizer, batches, backward=None, after_step=None, poison_at=
 
 
 def _gpt():
-    from test_qsdp import TinyGPT
+    from _siblings import from_test_file
+
+    TinyGPT = from_test_file("strategies/test_qsdp", "TinyGPT")
 
     torch.manual_seed(0)
     return TinyGPT()
@@ -111,7 +121,9 @@ def _gpt_losses(
     model, optimizer, rank: int, steps: int = GPT_STEPS, start: int = 0, backward=None, at=None, poison_at=None
 ):
     """tests/strategies/test_qsdp.py's run: rank r's sequences r, r+2, ... in order, batches of 4, 8 per epoch."""
-    from test_qsdp import BATCH, VOCAB, token_data
+    from _siblings import from_test_file
+
+    BATCH, VOCAB, token_data = from_test_file("strategies/test_qsdp", "BATCH", "VOCAB", "token_data")
 
     data = token_data()[rank::WORLD]
     batches = [data[i : i + BATCH] for i in range(0, len(data), BATCH)]
@@ -149,7 +161,9 @@ def _identical_across_ranks(t: torch.Tensor) -> bool:
 
 # ---------------------------------------------------------------------------------------------- plain torch
 def _plain_quant_ddp(rank: int, out: dict) -> None:
-    from test_quant_ddp import LR
+    from _siblings import from_test_file
+
+    LR = from_test_file("strategies/test_quant_ddp", "LR")
 
     from lightning_qcomm import QuantDDPConfig, quant_ddp_hook
 
@@ -191,7 +205,9 @@ def _plain_qsdp(rank: int, out: dict) -> None:
 
 
 def _plain_local_sgd(rank: int, out: dict) -> None:
-    from test_quant_ddp import LR
+    from _siblings import from_test_file
+
+    LR = from_test_file("strategies/test_quant_ddp", "LR")
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
     from torch.distributed.optim import PostLocalSGDOptimizer
@@ -247,7 +263,9 @@ def _plain_local_sgd(rank: int, out: dict) -> None:
 def _plain_nonfinite(rank: int, out: dict) -> None:
     """A NaN gradient on rank 1 at step 2: the policy of each entry point (default "skip", run from the optimizer's
     step pre-hook) keeps every rank's parameters finite; "propagate" is torch's behaviour (NaN weights)."""
-    from test_quant_ddp import LR
+    from _siblings import from_test_file
+
+    LR = from_test_file("strategies/test_quant_ddp", "LR")
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_qcomm import LocalSGD, LocalSGDConfig, QSDPConfig, QuantDDPConfig, apply_qsdp, quant_ddp_hook
@@ -279,7 +297,11 @@ def _plain_nonfinite(rank: int, out: dict) -> None:
 
 def _onebit_problem(rank: int, make_optimizer, wrap, backward=None) -> dict:
     """tests/optim/test_onebit_adam.py's problem: two param groups, LambdaLR warm-up over 8 steps, 48 steps."""
-    from test_onebit_adam import BATCH, LR, STEPS, _dataset, _net
+    from _siblings import from_test_file
+
+    BATCH, LR, STEPS, _dataset, _net = from_test_file(
+        "optim/test_onebit_adam", "BATCH", "LR", "STEPS", "_dataset", "_net"
+    )
 
     from lightning_qcomm.comm.ledger import CommLedger, set_ledger
 
@@ -301,7 +323,9 @@ def _onebit_problem(rank: int, make_optimizer, wrap, backward=None) -> dict:
 
 
 def _plain_onebit(rank: int, out: dict) -> None:
-    from test_onebit_adam import FREEZE
+    from _siblings import from_test_file
+
+    FREEZE = from_test_file("optim/test_onebit_adam", "FREEZE")
 
     from lightning_qcomm import OneBitAdam, onebit_adam_ddp
 
@@ -328,7 +352,9 @@ def _fabric(strategy):
 
 
 def _fabric_quant_ddp(rank: int, outdir: str, out: dict) -> None:
-    from test_quant_ddp import LR
+    from _siblings import from_test_file
+
+    LR = from_test_file("strategies/test_quant_ddp", "LR")
 
     from lightning_qcomm import QuantDDPFabricStrategy
 
@@ -411,7 +437,9 @@ def _fabric_qsdp(rank: int, outdir: str, out: dict) -> None:
 
 
 def _fabric_local_sgd(rank: int, outdir: str, out: dict) -> None:
-    from test_quant_ddp import LR
+    from _siblings import from_test_file
+
+    LR = from_test_file("strategies/test_quant_ddp", "LR")
 
     from lightning_qcomm import LocalSGDFabricStrategy
 
@@ -446,7 +474,9 @@ def _fabric_local_sgd(rank: int, outdir: str, out: dict) -> None:
 
 
 def _fabric_onebit(rank: int, out: dict) -> None:
-    from test_onebit_adam import FREEZE
+    from _siblings import from_test_file
+
+    FREEZE = from_test_file("optim/test_onebit_adam", "FREEZE")
 
     from lightning_qcomm import OneBitAdam, onebit_adam_ddp
 
@@ -545,7 +575,9 @@ def test_plain_local_sgd_matches_torch_averagers(runs):
 
 @pytest.mark.slow
 def test_plain_onebit_adam_recipe(runs):
-    from test_onebit_adam import FREEZE
+    from _siblings import from_test_file
+
+    FREEZE = from_test_file("optim/test_onebit_adam", "FREEZE")
 
     r0 = runs[0]["plain"]
     onebit, adamw = r0["onebit"], r0["adamw"]
@@ -633,7 +665,9 @@ def test_fabric_local_sgd_matches_torch_and_resumes_mid_round(runs):
 
 @pytest.mark.slow
 def test_fabric_onebit_adam_recipe(runs):
-    from test_onebit_adam import FREEZE
+    from _siblings import from_test_file
+
+    FREEZE = from_test_file("optim/test_onebit_adam", "FREEZE")
 
     f0 = runs[0]["fabric"]
     onebit, adamw = f0["onebit"], f0["adamw"]

@@ -13,6 +13,7 @@ probes for), tests/cuda NVIDIA's ``cuda``.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 from pathlib import Path
@@ -78,7 +79,21 @@ def test_top_level_names_do_not_resolve_into_tests():
 def test_the_helpers_names_are_their_own():
     """What the tests import by bare name is found in tests/_helpers, and no standard module has its name."""
     names = sorted(p.stem for p in HELPERS.glob("*.py"))
-    assert names == ["_cuda_checks", "_interpreted", "_launch", "_sync_guard"], names
+    assert names == ["_cuda_checks", "_interpreted", "_launch", "_siblings", "_sync_guard"], names
     for name in names:
         assert name not in sys.stdlib_module_names, name
         assert Path(importlib.util.find_spec(name).origin).resolve().parent == HELPERS, name
+
+
+def test_no_test_file_imports_another_by_bare_name():
+    """``import test_codecs`` works only with its folder on the path: a test reuses another's code through
+    ``_siblings.from_test_file("codecs/test_codecs", ...)``, which imports it under pytest's name for it."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [
+                f"{path.relative_to(TESTS)}:{node.lineno} {n}" for n in names if n.split(".")[0].startswith("test_")
+            ]
+    assert not found, found

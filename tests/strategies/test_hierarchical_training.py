@@ -136,7 +136,9 @@ class _StepProbe:
 
             def on_train_start(self, trainer, pl_module):
                 if count_bytes:
-                    from test_hierarchical import _OffNodeBytes
+                    from _siblings import from_test_file
+
+                    _OffNodeBytes = from_test_file("collectives/test_hierarchical", "_OffNodeBytes")
 
                     from lightning_qcomm.comm.topology import Topology
 

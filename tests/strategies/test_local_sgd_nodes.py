@@ -19,8 +19,18 @@ import tempfile
 import pytest
 import torch
 from _launch import free_port, rank_results, spawn, write_rank_result
-from test_hierarchical_training import BATCH, N_SAMPLES, _dataset, _full_loss, _module, _params
-from test_hierarchical_training import _fit as _hier_fit
+from _siblings import from_test_file
+
+BATCH, N_SAMPLES, _dataset, _full_loss, _module, _params, _hier_fit = from_test_file(
+    "strategies/test_hierarchical_training",
+    "BATCH",
+    "N_SAMPLES",
+    "_dataset",
+    "_full_loss",
+    "_module",
+    "_params",
+    "_fit",
+)
 
 STEPS = 12
 PERIOD = 3

@@ -22,8 +22,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from _launch import free_port, lightning_env, rank_results, spawn, write_rank_result
-from test_qsdp_flows import GAN, RootGAN
-from test_qsdp_hsdp import Net
+from _siblings import from_test_file
+
+GAN, RootGAN = from_test_file("strategies/test_qsdp_flows", "GAN", "RootGAN")
+Net = from_test_file("parallel/test_qsdp_hsdp", "Net")
 
 WORLD, NODE = 4, 2
 ANOTHER_TOPOLOGY = "the checkpoint was written on 2 nodes x 2 ranks (HSDP)"
