@@ -5,14 +5,15 @@ multiply-add in the PTX (``test_triton_compile``'s check), for every codec kind,
 from __future__ import annotations
 
 import pytest
+from _siblings import from_test_file
 
 triton = pytest.importorskip("triton")
-
-from tests.test_triton_compile import CODECS, _check, _compile  # noqa: E402
 
 from lightning_qcomm.codecs import get_codec  # noqa: E402
 from lightning_qcomm.codecs.qsgd import redo_floor  # noqa: E402
 from lightning_qcomm.kernels.cuda import codec_kernels, segment_kernels, wire_params  # noqa: E402
+
+CODECS, _check, _compile = from_test_file("kernels/test_triton_compile", "CODECS", "_check", "_compile")
 
 KINDS = ["uniform8", "uniform3", "qsgd4", "nuqsgd4", "sign1", "fp8_e4m3", "fp8_e5m2_stochastic"]
 COMMON = {"table_ptr": "*i32", "K": "i32", "x_stride": "i64", "wire_stride": "i64", "nbt": "i32"}
