@@ -1,6 +1,6 @@
 """The fidelity benchmark's processes: one pair of gloo ranks that trains every scheduled configuration in turn.
 
-``run_pair`` spawns the two ranks (``tests._launch.spawn``) and returns None, or the error text when the pair
+``run_pair`` spawns the two ranks (``tests._helpers._launch.spawn``) and returns None, or the error text when the pair
 stopped early. Each rank makes the process group once, pins itself to one core (when there are two), loads the
 corpus once, then per configuration seeds everything, builds the method (``fidelity_methods.build_method``)
 and fits a fresh ``Trainer`` (validation every ``eval_every`` steps and once before training: the step-0 loss).
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_pair(todo: list[tuple[str, int]], cfg: Any, json_path: Path) -> str | None:
     """Train ``todo`` (method, seed) in order on two fresh ranks; None when all finished, else the error."""
     sys.path.insert(0, str(REPO))
-    from tests._launch import free_port, spawn
+    from tests._helpers._launch import free_port, spawn
 
     spec = {"todo": todo, "config": dataclasses.asdict(cfg), "json": str(json_path)}
     spec_path = json_path.with_suffix(".spec.json")
@@ -67,7 +67,7 @@ def _worker(rank: int, port: int, spec_path: str) -> None:
     from benchmarks.bench_model import MODEL_PRESETS
     from benchmarks.fidelity_methods import RunConfig, load_corpus
     from benchmarks.fidelity_report import run_key
-    from tests._launch import lightning_env
+    from tests._helpers._launch import lightning_env
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)

@@ -15,7 +15,7 @@ the fused C path off), so the counts are those of a CUDA tensor:
     python benchmarks/launch_counts.py                  # the three tables (about a minute)
     python benchmarks/launch_counts.py --json out.json
 
-``cuda_path_on_cpu`` and ``Launches`` are what tests/test_fused_launches.py counts with.
+``cuda_path_on_cpu`` and ``Launches`` are what tests/kernels/test_fused_launches.py counts with.
 """
 
 from __future__ import annotations

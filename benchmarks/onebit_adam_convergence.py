@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from tests._launch import free_port, rank_results, spawn, write_rank_result  # noqa: E402
+from tests._helpers._launch import free_port, rank_results, spawn, write_rank_result  # noqa: E402
 
 
 def _variants(steps: int) -> dict[str, dict]:

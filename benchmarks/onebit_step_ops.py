@@ -9,7 +9,7 @@ with a ``TorchDispatchMode``:
 * **launches**: dispatched aten ops except views and allocations (``empty*``, ``detach``, ``alias``) and the
   sync ops below; the optimizer's per-parameter step counters are CPU tensors on a GPU too, so a few of these
   launch nothing there (a proxy, not a profile);
-* **syncs**: the ops ``tests/_sync_guard.py`` refuses (``_local_scalar_dense``, ``nonzero``, ``lift_fresh``, ...),
+* **syncs**: the ops ``tests/_helpers/_sync_guard.py`` refuses (``_local_scalar_dense``, ``nonzero``, ``lift_fresh``, ...),
   each attributed to the innermost ``lightning_qcomm`` frame that called it.
 
 Parameters: a GPT-2-small-shaped list (tied embeddings, 12 layers, 148 tensors, 124M elements at ``--scale 1``).
@@ -43,7 +43,7 @@ from collections import Counter
 if __name__ == "__main__" and "--triton" in sys.argv:  # before torch or triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.getcwd())
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "_helpers"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402

@@ -12,7 +12,7 @@ buckets: per-row seeds), two 102400-element ones plus a 4096-element bias that t
 flat encode per segment), and sixteen 12500-element ones (below the fused C path's row size). Writes
 ``benchmarks/results/qsdp_rs_memory.md``.
 
-tests/test_qsdp_rs_memory.py asserts the bound (rest <= 2 shards) with the same measurement.
+tests/adapters/test_qsdp_rs_memory.py asserts the bound (rest <= 2 shards) with the same measurement.
 """
 
 from __future__ import annotations

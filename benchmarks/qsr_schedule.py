@@ -2,7 +2,7 @@
 
 Default setting: the QSR paper's ViT-B Local AdamW run (Gu et al., ICLR 2024): 93,600 steps (300 epochs x
 312), 10k linear-warmup steps to peak lr 0.008, cosine decay to 0; QSR H_base 4, alpha 0.0175. Data-parallel
-training communicates at every step (100%). Checked by tests/test_sync_rules.py.
+training communicates at every step (100%). Checked by tests/parallel/test_sync_rules.py.
 
     python benchmarks/qsr_schedule.py [--total 93600 --warmup 10000 --peak-lr 0.008 --alpha 0.0175 --h-base 4]
 """

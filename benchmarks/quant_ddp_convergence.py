@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests._launch
-from tests._launch import free_port, spawn  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests._helpers._launch
+from tests._helpers._launch import free_port, spawn  # noqa: E402
 
 N_SAMPLES, N_FEAT, N_HID, N_CLS, BATCH, LR = 2048, 64, 128, 8, 32, 0.05
 

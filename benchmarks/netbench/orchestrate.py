@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests._launch import free_port
+from tests._helpers._launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

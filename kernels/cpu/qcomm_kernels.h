@@ -3,7 +3,7 @@
 
    Each function redoes the torch reference's fp32 arithmetic (the codec classes of lightning_qcomm/codecs), in the
    reference's order: built with -ffp-contract=off and without fast-math (lightning_qcomm/codecs/native.py),
-   there is no FMA contraction or reassociation, so the results are bit-identical (tests/test_cpu_fused.py).
+   there is no FMA contraction or reassociation, so the results are bit-identical (tests/codecs/test_cpu_fused.py).
    Single-threaded; it runs under the caller's floating-point environment (flush-denormal included).
 
    Plain C-compatible code, included by qcomm_ops.cpp (the torch op wrappers). The kernel kinds

@@ -9,7 +9,7 @@ fused C passes (``codecs.cpu_fused``, built by ``codecs.native``) where they app
 * ``row_at_a_time`` / ``encode_row``: the same C pass for a caller that lays rows out in its own buffer (QSDP's
   row codec, through the ``codecs`` door).
 
-Invariant: every kernel gives the reference's bits (tests/test_cpu_fused.py, tests/test_row_batch.py).
+Invariant: every kernel gives the reference's bits (tests/codecs/test_cpu_fused.py, tests/codecs/test_rows.py).
 
 Example::
 

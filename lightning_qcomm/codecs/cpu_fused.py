@@ -8,7 +8,7 @@ quantize and pack), decode in one (unpack, LUT, scale). Smaller tensors, other c
 ``LIGHTNING_QCOMM_CPU_FUSED=0`` run the reference; so does everything when the library cannot be built
 (``codecs.native``; logged once).
 
-Invariants: bit-identical to the reference (tests/test_cpu_fused.py): the decode LUT comes from the codec's own
+Invariants: bit-identical to the reference (tests/codecs/test_cpu_fused.py): the decode LUT comes from the codec's own
 ``_dequantize``; the scales are the codec's own ``_scales`` of exact per-bucket stats (min/max, ``max |x|``) or, for the
 L2-norm codecs (qsgd, nuqsgd, sign1), of ``qsgd.tree_norm``'s fixed pairwise order (its C kernel on CPU), so no
 scale depends on torch's summation order. Single-threaded, in the calling thread, under the caller's

@@ -8,7 +8,7 @@ kernels, default kernels and their checked entry points.
 A payload of c elements is ceil(c/8) code bytes (bit k of byte g set where y[8g+k] < 0, as ``packing``) then
 the scale as fp32; decoding flips the scale's sign bit where the code is 1 (``(1 - 2 code) * s`` for every
 non-NaN s). The CPU kernels are the C ones (``kernels/cpu``, registered when ``codecs.native`` loads them); the
-default kernels below are the same arithmetic in torch (any device), bit for bit (tests/test_torch_ops.py).
+default kernels below are the same arithmetic in torch (any device), bit for bit (tests/codecs/test_torch_ops.py).
 ``sign_scale`` is the sign1 codec's one-bucket scale; ``sign_encode_err`` / ``sign_server_sum`` / ``sign_decode``
 check their buffers and call the ops.
 

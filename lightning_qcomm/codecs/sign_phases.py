@@ -11,8 +11,8 @@ runs them; docs/design.md, "1-bit all-reduce"), with C(v) the ``sign1`` codec of
 kernels) where the fused CPU path applies (CPU, one scale per chunk, fp32 buffers, ``cpu_fused.use_fused``), else
 the rows ops (``encode_rows``, ``feedback_rows``, ``decode_rows_sum``, ``decode_rows_into``: one multi-row op per
 phase step, whatever K; Triton on CUDA). ``SPEC`` is the reference the tests compare against: piece by piece
-through the codec's encode / decode. All three give the same bits (tests/test_onebit_batched.py,
-tests/test_collectives.py); no value is read on the host off the CPU.
+through the codec's encode / decode. All three give the same bits (tests/collectives/test_onebit_batched.py,
+tests/collectives/test_collectives.py); no value is read on the host off the CPU.
 
 Example::
 

@@ -12,7 +12,7 @@ the whole job runs on a side stream instead::
 
 DDP waits on the future at the end of backward, which makes its stream wait on that event (no host sync).
 The host still issues the job inline; it returns as soon as the kernels are queued when the job has no host
-syncs (tests/test_host_syncs.py). Tensors the job allocates belong to the side stream's pool; the bucket
+syncs (tests/adapters/test_host_syncs.py). Tensors the job allocates belong to the side stream's pool; the bucket
 buffer, allocated by DDP on the current stream, is marked as used by the side stream (``record_stream``).
 
 Example::

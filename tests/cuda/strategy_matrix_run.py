@@ -1,6 +1,6 @@
 """The precision x strategy matrix on one device, run as one process.
 
-``python tests/cuda/strategy_matrix_run.py --accelerator cuda OUT.json`` trains tests/test_strategy_matrix.py's
+``python tests/cuda/strategy_matrix_run.py --accelerator cuda OUT.json`` trains tests/strategies/test_strategy_matrix.py's
 classifier with every strategy and callback (plain DDP, QuantDDP + error feedback, QSDP W8G8, Local SGD,
 DDP + OneBitAdamCallback, DDP + ActivationQuantization) in every precision, ``Trainer(devices=1)``, and writes
 per cell the last training loss or the refusal message. ``--accelerator cpu`` runs the same on CPU (how the
@@ -18,7 +18,8 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the matrix's model
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TESTS, "_helpers"))  # _siblings: tests/strategies/test_strategy_matrix.py
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 STRATEGIES = ("ddp", "quant_ddp_ef", "qsdp", "local_sgd", "onebit_adam", "activation_quant")
@@ -26,10 +27,11 @@ STEPS = 32
 
 
 def _strategy(name: str):
-    from test_strategy_matrix import _strategy as cpu_strategy
+    from _siblings import from_test_file
 
     from lightning_qcomm import QSDPStrategy
 
+    cpu_strategy = from_test_file("strategies/test_strategy_matrix", "_strategy")
     if name == "qsdp":
         return QSDPStrategy(bits=8, min_quant_numel=0), []
     return cpu_strategy(name)
@@ -37,7 +39,9 @@ def _strategy(name: str):
 
 def _cell(accelerator: str, name: str, precision: str) -> dict:
     import lightning.pytorch as pl
-    from test_strategy_matrix import _make_classifier
+    from _siblings import from_test_file
+
+    _make_classifier = from_test_file("strategies/test_strategy_matrix", "_make_classifier")
 
     pl.seed_everything(0)
     strategy, callbacks = _strategy(name)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _cuda_checks import NO_CUDA, ensure_kernels
 from _launch import FakeBucket
-from conftest import NO_CUDA, ensure_kernels
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_qcomm.adapters.ddp.config import QuantDDPConfig

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import NO_CUDA, has_triton
+from _cuda_checks import NO_CUDA, has_triton
 
 from lightning_qcomm.codecs import derive_seed, get_codec, rng, scaling
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import NO_CUDA, has_triton
+from _cuda_checks import NO_CUDA, has_triton
 
 from lightning_qcomm.codecs import cuda_segments, get_codec, triton_probe
 from lightning_qcomm.codecs import rows_segments as rs

@@ -4,7 +4,7 @@ Runs ``tests/cuda/strategy_matrix_run.py --accelerator cuda`` in one subprocess 
 initialises a one-rank NCCL group) and checks each cell: it trains to finite losses within the CPU matrix's
 band (a precision may cost a method no more than it costs plain DDP, up to 3%), or is refused before its
 first step naming the precision. Skipped without CUDA; the script runs on CPU too (``--accelerator cpu``,
-about 1.5 minutes, not part of the suite: tests/test_strategy_matrix.py covers CPU with 2 ranks).
+about 1.5 minutes, not part of the suite: tests/strategies/test_strategy_matrix.py covers CPU with 2 ranks).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import NO_CUDA
+from _cuda_checks import NO_CUDA
 
 SCRIPT = Path(__file__).with_name("strategy_matrix_run.py")
-BAND = 0.03  # tests/test_strategy_matrix.py's PRECISION_BAND
+BAND = 0.03  # tests/strategies/test_strategy_matrix.py's PRECISION_BAND
 
 
 def _run(accelerator: str, tmp_path: Path) -> dict:

@@ -3,7 +3,7 @@ feature-detected branch per torch release (adapter layer; docs/design.md, "The F
 
 QSDP installs itself through FSDP2's public hooks (``set_custom_all_gather`` / ``set_custom_reduce_scatter`` /
 ``set_all_reduce_hook`` / ``set_force_sum_reduction_for_comms``, the same in torch 2.11 to 2.15). What no public
-API gives is read here and nowhere else (tests/test_fsdp_shim.py holds that): the per-parameter layout of a param
+API gives is read here and nowhere else (tests/adapters/test_fsdp_shim.py holds that): the per-parameter layout of a param
 group's flat buffers, the unsharded parameter, the shard rank, the root states, the post-divide after the
 all-reduce hook, and whether a reduce-scatter's output is only viewed afterwards (``adapters.fsdp2.deferred``).
 What moves between releases (param groups one or a list; ``foreach_reduce``'s cast; ``reset_iter_state`` from

@@ -1,0 +1,120 @@
+"""1-bit Adam's memory per rank after the freeze, counted per storage (``benchmarks/tensor_memory.TensorMemory``).
+
+Two gloo ranks, one spawn, plain torch DDP: the same model and data trained by AdamW, and by ``OneBitAdam``
+(``freeze_step=2``, overlap on, several buckets) through ``onebit_adam_ddp``; every storage made from the model's
+construction on is counted. After 4 compressed steps 1-bit Adam keeps, per parameter, at most AdamW's live bytes
++ 4 (the worker error, fp32) + 4/N (the server error), + 4 with the variance refresh (its window of g² sums, in the
+moment dtype): its algorithm's state, none of a step's buffers (the last bucket's flat momentum, once kept alive by
+the comm worker's thread between steps, was one bucket more).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from _launch import free_port, rank_results, spawn, write_rank_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+N_FEAT, N_HID, N_CLS, BATCH = 64, 256, 64, 16
+FREEZE, STEPS = 2, 6
+BUCKET_MB = 8192 * 4 / 2**20  # 8192 fp32 elements: the 33,088 momentum elements travel in several buckets
+
+
+def _train(rank: int, refresh: int | None) -> dict:
+    """Live bytes per parameter after the run and by owner (``refresh`` None: AdamW, else OneBitAdam's
+    ``variance_refresh``)."""
+    from tensor_memory import TensorMemory, owners
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_qcomm.optim import OneBitAdam
+    from lightning_qcomm.parallel.onebit_adam import onebit_adam_ddp
+
+    with TensorMemory() as mem:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(N_FEAT, N_HID), torch.nn.Tanh(), torch.nn.Linear(N_HID, N_CLS))
+        ddp = DDP(model)
+        if refresh is None:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        else:
+            opt = OneBitAdam(
+                model.parameters(),
+                lr=1e-3,
+                freeze_step=FREEZE,
+                bucket_mb=BUCKET_MB,
+                variance_refresh=refresh,
+            )
+            onebit_adam_ddp(ddp, opt)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x, y = torch.randn(BATCH, N_FEAT, generator=g), torch.randint(0, N_CLS, (BATCH,), generator=g)
+            opt.zero_grad(set_to_none=False)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        del x, y, g
+        gc.collect()
+    numel = sum(p.numel() for p in model.parameters())
+    return {
+        "live": mem.live / numel,
+        "peak": mem.peak / numel,
+        "owners": {k: v / numel for k, v in mem.by_owner(owners(model, opt)).items()},
+    }
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    out = {
+        "adamw": _train(rank, None),
+        "onebit": _train(rank, 0),
+        "onebit_refresh": _train(rank, 3),
+    }
+    write_rank_result(outdir, rank, out)
+
+
+def test_onebit_adam_live_bytes_after_freeze_are_its_algorithms_state() -> None:
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_worker, world, free_port(), tmp, nprocs=world)
+        results = rank_results(tmp, world)
+    for r in results:
+        adamw = r["adamw"]
+        assert adamw["live"] >= 16.0, adamw  # p, gradient, m and v at least: the counter sees the baseline
+        assert r["onebit"]["live"] - adamw["live"] <= 4 + 4 / world, r
+        assert r["onebit_refresh"]["live"] - adamw["live"] <= 4 + 4 / world + 4, r
+
+
+def test_the_compressed_steps_optimizer_math_holds_at_most_two_copies_of_a_bucket():
+    """``bucket_candidates`` forms m', w and the clip of a bucket of R fp32 bytes within its output and one more
+    buffer (w, formed in √v̂'s copy) and a mask of bools: at most 2.25 R at its peak (it held m', its fp32 copy,
+    √v̂, √v̂ + ε and w at once: 5 R); ``bucket_update_`` m = u (√v̂ + ε) in √v̂'s copy, beside u: 1.5 R with its masks."""
+    from tensor_memory import TensorMemory
+
+    from lightning_qcomm.optim.adam_foreach import bucket_candidates, bucket_update_
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(256, 64)), torch.nn.Parameter(torch.randn(64))]
+    group = {"params": params, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    group["decoupled_weight_decay"] = True
+    state = {}
+    for p in params:
+        p.grad = torch.randn_like(p)
+        state[p] = {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+    group_of = {p: group for p in params}
+    nbytes = 4 * sum(p.numel() for p in params)
+    with TensorMemory() as mem:
+        mem.adopt([*params, *(p.grad for p in params), *(t for p in params for t in state[p].values())])
+        start = mem.mark()
+        flat = bucket_candidates(params, state, group_of)
+        candidates_peak = mem.peak_since(start)
+        start = mem.mark()
+        bucket_update_(params, state, group_of, flat)
+        update_peak = mem.peak_since(start)
+    assert candidates_peak <= 2.25 * nbytes + 1024, candidates_peak / nbytes
+    assert update_peak <= 1.5 * nbytes + 1024, update_peak / nbytes
