@@ -1,5 +1,5 @@
-"""CPU kernels of the codec ops (``qcomm::encode`` / ``decode`` / ``decode_into``): a few compiled passes instead of
-~40 eager ops (docs/design.md, "Registry, ops and kernels"; the 1-bit sign passes: ``codecs.sign_ops``).
+"""The fused C passes of the CPU backend (``codecs.cpu`` calls them for the ops' CPU kernels): a few compiled passes
+instead of ~40 eager ops (docs/design.md, "Registry, ops and kernels"; the 1-bit sign passes: ``codecs.sign_ops``).
 
 The torch reference (``Codec._scales`` + ``encode_reference`` / ``decode_reference``) stays the spec. On CPU tensors
 of at least ``FUSED_MIN_NUMEL`` elements of a codec with native kernels the same arithmetic runs in the C kernels
