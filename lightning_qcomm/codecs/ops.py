@@ -143,72 +143,65 @@ def _with_codec(fn, at: int):
     return kernel
 
 
-# op: (position of the codec arguments, CPU, CUDA, any other device, fake); None: the op takes no codec
+def _codec_first(body, at: int):
+    """A reference ``body(codec, *rest)`` called in the op's argument order, the ``Codec`` at position ``at``."""
+
+    def reference(*args):
+        return body(args[at], *args[:at], *args[at + 1 :])
+
+    reference.__name__ = reference.__qualname__ = body.__name__
+    return reference
+
+
+# op: (position of the codec arguments or None, CPU, CUDA, the reference (any other device), fake); a CPU or CUDA
+# entry None: the reference runs there too
 KERNELS = {
     "encode": (1, cpu.encode, cuda.encode, _encode, _encode_fake),
     "decode": (3, cpu.decode, cuda.decode, _decode, _decode_fake),
-    "decode_into": (2, cpu.decode_into, _decode_into, _decode_into, _nothing),
-    "encode_rows": (
-        2,
-        cpu.encode_rows,
-        cuda.encode_rows,
-        lambda r, s, c: rows.encode_rows_body(c, r, s),
-        _encode_rows_fake,
-    ),
-    "decode_rows": (
-        2,
-        cpu.decode_rows,
-        cuda.decode_rows,
-        lambda w, n, c: rows.decode_rows_body(c, w, n),
-        _decode_rows_fake,
-    ),
+    "decode_into": (2, cpu.decode_into, None, _decode_into, _nothing),
+    "encode_rows": (2, cpu.encode_rows, cuda.encode_rows, _codec_first(rows.encode_rows_body, 2), _encode_rows_fake),
+    "decode_rows": (2, cpu.decode_rows, cuda.decode_rows, _codec_first(rows.decode_rows_body, 2), _decode_rows_fake),
     "decode_rows_into": (
         2,
         cpu.decode_rows_into,
         cuda.decode_rows_into,
-        lambda w, n, c, out: rows.decode_rows_into_body(c, w, n, out),
+        _codec_first(rows.decode_rows_into_body, 2),
         _nothing,
     ),
     "decode_rows_sum": (
         2,
-        lambda w, n, c, avg, ro=False: rows_reduce.decode_rows_sum_body(c, w, n, avg, ro),
+        None,
         cuda.decode_rows_sum,
-        lambda w, n, c, avg, ro=False: rows_reduce.decode_rows_sum_body(c, w, n, avg, ro),
+        _codec_first(rows_reduce.decode_rows_sum_body, 2),
         _decode_rows_sum_fake,
     ),
-    "feedback_update": (
-        None,
-        rows_reduce.feedback_update_body,
-        cuda.feedback_update,
-        rows_reduce.feedback_update_body,
-        _nothing,
-    ),
+    "feedback_update": (None, None, cuda.feedback_update, rows_reduce.feedback_update_body, _nothing),
     "feedback_rows": (
         3,
-        lambda y, w, n, c, *a: rows_reduce.feedback_rows_body(c, y, w, n, *a),
+        None,
         cuda.feedback_rows,
-        lambda y, w, n, c, *a: rows_reduce.feedback_rows_body(c, y, w, n, *a),
+        _codec_first(rows_reduce.feedback_rows_body, 3),
         _feedback_rows_fake,
     ),
     "encode_segments": (
         4,
-        lambda r, ns, q, s, c, out: rows_segments.encode_segments_body(c, r, ns, q, s, out),
+        None,
         cuda_segments.encode_segments,
-        lambda r, ns, q, s, c, out: rows_segments.encode_segments_body(c, r, ns, q, s, out),
+        _codec_first(rows_segments.encode_segments_body, 4),
         _nothing,
     ),
     "decode_segments_into": (
         3,
-        lambda w, ns, q, c, dt, skip, out: rows_segments.decode_segments_body(c, w, ns, q, dt, skip, out),
+        None,
         cuda_segments.decode_segments_into,
-        lambda w, ns, q, c, dt, skip, out: rows_segments.decode_segments_body(c, w, ns, q, dt, skip, out),
+        _codec_first(rows_segments.decode_segments_body, 3),
         _nothing,
     ),
     "decode_segments_sum": (
         5,
-        lambda w, r, own, ns, q, c, out: rows_segments.sum_segments_body(c, w, r, own, ns, q, out),
+        None,
         cuda_segments.decode_segments_sum,
-        lambda w, r, own, ns, q, c, out: rows_segments.sum_segments_body(c, w, r, own, ns, q, out),
+        _codec_first(rows_segments.sum_segments_body, 5),
         _nothing,
     ),
 }
@@ -218,7 +211,7 @@ def kernel(op: str, device: str):
     """The registered kernel of ``qcomm::<op>`` for ``device`` ("cpu", "cuda", anything else: the reference), taking
     the op's arguments (``benchmarks/launch_counts.cuda_path_on_cpu`` registers the CUDA ones for CPU)."""
     at, on_cpu, on_cuda, default, _ = KERNELS[op]
-    fn = {"cpu": on_cpu, "cuda": on_cuda}.get(device, default)
+    fn = {"cpu": on_cpu, "cuda": on_cuda}.get(device) or default
     return fn if at is None else _with_codec(fn, at)
 
 
