@@ -129,11 +129,17 @@ class _Counted:
 @contextlib.contextmanager
 def cuda_path_on_cpu() -> Iterator[list[str]]:
     """CPU tensors take the codec ops' CUDA kernels (Triton, interpreted) while active; yields the list the
-    Triton launches are appended to (kernel names: "encode", "decode", "wire", "sum", "feedback")."""
+    Triton launches are appended to (kernel names: "encode", "decode", "wire", "sum", "feedback", "hadamard")."""
     from unittest import mock
 
     from lightning_qcomm.codecs import ops, scaling
-    from lightning_qcomm.kernels.cuda import codec_kernels, reduce_kernels, segment_kernels, wire_params
+    from lightning_qcomm.kernels.cuda import (
+        codec_kernels,
+        reduce_kernels,
+        rotation_kernels,
+        segment_kernels,
+        wire_params,
+    )
 
     if not codec_kernels._is_interpreted():
         raise RuntimeError("set TRITON_INTERPRET=1 before lightning_qcomm.kernels is imported")
@@ -160,6 +166,9 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
         mock.patch.object(segment_kernels, "_wire_kernel", _Counted(segment_kernels._wire_kernel, "wire", log)),
         mock.patch.object(segment_kernels, "_encode_kernel", _Counted(segment_kernels._encode_kernel, "encode", log)),
         mock.patch.object(segment_kernels, "_decode_kernel", _Counted(segment_kernels._decode_kernel, "decode", log)),
+        mock.patch.object(
+            rotation_kernels, "_hadamard_kernel", _Counted(rotation_kernels._hadamard_kernel, "hadamard", log)
+        ),
         mock.patch.object(scaling, "_HOST_BRANCHES", False),
     ]
     try:

@@ -199,6 +199,24 @@ static void qc_encode(const cfg_t* c, const float* x, int64_t n, const float* pa
 static inline int32_t fkey(uint32_t u) { return (int32_t)(u ^ ((uint32_t)((int32_t)u >> 31) & 0x7FFFFFFFu)); }
 static inline float unkey(int32_t k) { return u2f((uint32_t)k ^ ((uint32_t)(k >> 31) & 0x7FFFFFFFu)); }
 
+/* The Hadamard transform of each block of `block` = 2^k floats of x (n of them, whole blocks), in place, in the
+   order of codecs.rotation.hadamard_reference_: for h = 1, 2, ..., block / 2 every pair (i, i + h) with
+   i mod 2h < h becomes (a + b, a - b); then every element times `scale`. Additions only until the product, and
+   -ffp-contract=off, so each output is the reference's sequence of fp32 operations. */
+static void qc_hadamard(float* x, int64_t n, int64_t block, float scale) {
+    for (int64_t o = 0; o < n; o += block) {
+        float* v = x + o;
+        for (int64_t h = 1; h < block; h <<= 1)
+            for (int64_t i = 0; i < block; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = v[j], b = v[j + h];
+                    v[j] = a + b;
+                    v[j + h] = a - b;
+                }
+        for (int64_t j = 0; j < block; j++) v[j] *= scale;
+    }
+}
+
 /* ||row||_2 of each of the `rows` rows of `width` floats at x, in the fixed order of codecs.qsgd.tree_norm: the
    squares summed pairwise as a binary tree over the row zero-padded to a power of two (a binary counter of
    partial sums: equal-sized subtrees merge left + right as soon as both exist; at the end the partials merge

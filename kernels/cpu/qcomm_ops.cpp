@@ -121,6 +121,13 @@ void c_tree_norm(Tensor x, int64_t width, Tensor out) {
     qc_tree_norm(f32(x, n, "x"), n / width, width, f32_out(out, n / width, "out"));
 }
 
+void c_hadamard(Tensor x, int64_t block, double scale) {
+    const int64_t n = x.numel();
+    STD_TORCH_CHECK(block >= 1 && (block & (block - 1)) == 0 && n % block == 0,
+                    "qcomm: c_hadamard needs whole blocks of a power-of-two size");
+    qc_hadamard(f32_out(x, n, "x"), n, block, static_cast<float>(scale));
+}
+
 // The uniform codec's whole encode (scales, parameters, codes); false when a bucket needs the general path.
 bool c_uniform_encode(Tensor x, int64_t k1, int64_t k2, QC_SPEC_PARAMS, Tensor scales, Tensor params, Tensor out,
                       int64_t offset) {
@@ -162,6 +169,7 @@ STABLE_TORCH_LIBRARY_IMPL(qcomm, CPU, m) {
     m.impl("c_uniform_decode", TORCH_BOX(&c_uniform_decode));
     m.impl("c_bucket_stats", TORCH_BOX(&c_bucket_stats));
     m.impl("c_tree_norm", TORCH_BOX(&c_tree_norm));
+    m.impl("c_hadamard", TORCH_BOX(&c_hadamard));
     m.impl("c_uniform_encode", TORCH_BOX(&c_uniform_encode));
     m.impl("sign_encode_err", TORCH_BOX(&sign_encode_err));
     m.impl("sign_server_sum", TORCH_BOX(&sign_server_sum));

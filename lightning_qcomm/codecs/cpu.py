@@ -6,6 +6,7 @@ fused C passes (``codecs.cpu_fused``, built by ``codecs.native``) where they app
   elements of a codec with native kernels.
 * the rows ops: rows of the fused path's size one C pass per row (``rows_one_by_one``), each row's payload written
   where it goes (``encode_row_into``); the others the reference (``codecs.rows``) in a fixed number of ops.
+* ``hadamard_``: the C butterfly for fp32 contiguous tensors when the C kernels are loaded.
 * ``row_at_a_time`` / ``encode_row``: the same C pass for a caller that lays rows out in its own buffer (QSDP's
   row codec, through the ``codecs`` door).
 
@@ -23,11 +24,12 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
-from lightning_qcomm.codecs import cpu_fused, packing, scaling
+from lightning_qcomm.codecs import cpu_fused, native, packing, rotation, scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.rows import (
     check_wire,
@@ -202,3 +204,15 @@ def _whole_aligned(c: Codec, n: int) -> bool:
     """Rows of whole byte-aligned buckets: their codes are already the flat layout (no repacking)."""
     b = row_bucketed(c, n).bucket_size
     return n % b == 0 and n % 8 == 0
+
+
+# ---------------------------------------------------------------------------------------------- rotation
+def hadamard_(x: torch.Tensor, block: int) -> None:
+    """``qcomm::hadamard_``: the C butterfly (``kernels/cpu``) in the reference's order, for a contiguous fp32 ``x``
+    when the C kernels are loaded (and not switched off); else ``rotation.hadamard_reference_``."""
+    rotation.check_block(block, x.numel())
+    c_kernels = os.environ.get(native.ENV_SWITCH) != "0" and native.load() is not None
+    if x.dtype == torch.float32 and x.is_contiguous() and c_kernels:
+        torch.ops.qcomm.c_hadamard(x, block, rotation.hadamard_scale(block))
+        return
+    rotation.hadamard_reference_(x, block)

@@ -8,7 +8,7 @@ reference, bit for bit; else the reference there, with one warning). Each kernel
 (scales, codes), ``decode`` one; ``encode_rows`` two whatever R, keys through pinned memory; ``decode_rows`` /
 ``decode_rows_into`` one; ``decode_rows_sum`` one, in torch's CUDA ``sum(dim=0)`` order up to
 ``reduce_kernels.MAX_SUM_ROWS`` rows or in rank order; ``feedback_update`` one; ``feedback_rows`` one, each element
-decoded in registers. No host sync on any of them after the first-use checks.
+decoded in registers; ``hadamard_`` one. No host sync on any of them after the first-use checks.
 
 Invariant: every kernel gives the reference's bits (any NaN equal to any NaN); with ``TRITON_INTERPRET=1`` the same
 kernels run on CPU tensors (``benchmarks/launch_counts.cuda_path_on_cpu`` registers ``KERNELS`` for CPU).
@@ -26,7 +26,7 @@ import os
 import torch
 
 from lightning_qcomm._log import log_once
-from lightning_qcomm.codecs import registry, rows_reduce, scaling, triton_probe
+from lightning_qcomm.codecs import registry, rotation, rows_reduce, scaling, triton_probe
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.rows import (
     INT32_COUNTERS,
@@ -263,4 +263,52 @@ def _feedback_rows_works(c: Codec, device: torch.device) -> bool:
     return triton_probe.first_use(key, what, device, check, _EAGER)
 
 
-__all__ = ["decode", "decode_rows", "decode_rows_into", "decode_rows_sum", "encode", "encode_rows", "kernels_for"]
+# ---------------------------------------------------------------------------------------------- rotation
+def hadamard_(x: torch.Tensor, block: int) -> None:
+    """``qcomm::hadamard_``: one launch (a program per block, ``rotation_kernels``) for a contiguous fp32 ``x`` with
+    blocks up to ``MAX_BLOCK`` once its first-use check passed on the device; else ``rotation.hadamard_reference_``."""
+    rotation.check_block(block, x.numel())
+    k = triton_kernels()
+    usable = k.HAS_TRITON and os.environ.get("LIGHTNING_QCOMM_DISABLE_TRITON") != "1"
+    if usable and (x.device.type == "cuda" or k.codec_kernels._is_interpreted()):
+        fits = x.dtype == torch.float32 and x.is_contiguous() and block <= k.rotation_kernels.MAX_BLOCK
+        if fits and _hadamard_works(x.device):
+            with triton_probe.on_device(x.device):
+                k.rotation_kernels.hadamard_(x, block, rotation.hadamard_scale(block))
+            return
+    rotation.hadamard_reference_(x, block)
+
+
+def _hadamard_works(device: torch.device) -> bool:
+    """The Triton butterfly equals the reference (bit for bit) on blocks of 1 to 4096 with NaN, infinities,
+    subnormals and values near FLT_MAX: checked once per device."""
+
+    def check() -> None:
+        g = torch.Generator().manual_seed(2)
+        for block in (1, 2, 8, 512, 4096):
+            x = torch.randn(3 * block, generator=g) * 3
+            x[0], x[-1], x[block // 2] = float("nan"), 3e38, 1e-41
+            if block > 2:
+                x[2 * block + 1] = float("-inf")
+            want = x.clone()
+            rotation.hadamard_reference_(want, block)
+            got = x.to(device)
+            with triton_probe.on_device(device):
+                triton_kernels().rotation_kernels.hadamard_(got, block, rotation.hadamard_scale(block))
+            difference = triton_probe._difference("rotated values", want, got.cpu())
+            if difference:
+                raise RuntimeError(f"the Triton Hadamard transform differs from the reference: {difference}")
+
+    return triton_probe.first_use(("hadamard", str(device)), "the Hadamard transform kernel", device, check, _EAGER)
+
+
+__all__ = [
+    "decode",
+    "decode_rows",
+    "decode_rows_into",
+    "decode_rows_sum",
+    "encode",
+    "encode_rows",
+    "hadamard_",
+    "kernels_for",
+]

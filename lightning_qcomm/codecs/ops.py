@@ -7,7 +7,7 @@ run ``codecs.cpu`` (the fused C passes where they apply), CUDA tensors ``codecs.
 (the Triton kernels where they apply), any other device the torch reference (``codecs.rows``, ``rows_reduce``,
 ``rows_segments``); each backend falls back to that reference itself. The ops: ``encode`` / ``decode`` /
 ``decode_into``; the rows ops; the sum and error-feedback ops; the segment ops; the C kernels' ``c_*`` ops (CPU
-only); the 1-bit ``sign_*`` ops (``codecs.sign_ops``). ``segments_fused`` and ``row_at_a_time`` answer the
+only); the 1-bit ``sign_*`` ops (``codecs.sign_ops``); ``hadamard_`` (``codecs.rotation``). ``segments_fused`` and ``row_at_a_time`` answer the
 callers that lay rows out themselves which form the dispatcher will run.
 
 Invariants: every kernel gives the reference's bits; the fake kernels give the output shapes, so
@@ -32,6 +32,7 @@ from lightning_qcomm.codecs import (
     cuda_segments,
     packing,
     registry,
+    rotation,
     rows,
     rows_reduce,
     rows_segments,
@@ -68,6 +69,8 @@ _lib.define(
     f"feedback_rows(Tensor y, Tensor wire, int n, {_CODEC}, Tensor reduced, Tensor held, int start, float k, "
     "ScalarType held_dtype, Tensor(a!) err) -> ()"
 )
+# The Hadamard transform of whole blocks, in place (``codecs.rotation``).
+_lib.define("hadamard_(Tensor(a!) x, int block) -> ()")
 # The C kernels (CPU only; kernels/cpu/qcomm_ops.cpp), on flat contiguous tensors given the per-bucket parameters.
 _lib.define(
     f"c_encode_codes(Tensor x, Tensor params, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) out, int offset=0) -> ()"
@@ -80,6 +83,7 @@ _lib.define(
     "c_bucket_stats(Tensor x, int bucket, Tensor(a!) lo, Tensor(b!) hi, Tensor(c!) amax, Tensor(d!) flags) -> ()"
 )
 _lib.define("c_tree_norm(Tensor x, int width, Tensor(a!) out) -> ()")
+_lib.define("c_hadamard(Tensor(a!) x, int block, float scale) -> ()")
 _lib.define(
     f"c_uniform_encode(Tensor x, int k1, int k2, {C_SPEC_SCHEMA}, Tensor(a!) scales, Tensor(b!) params, "
     "Tensor(c!) out, int offset=0) -> bool"
@@ -204,6 +208,7 @@ KERNELS = {
         _codec_first(rows_segments.sum_segments_body, 5),
         _nothing,
     ),
+    "hadamard_": (None, cpu.hadamard_, cuda.hadamard_, rotation.hadamard_reference_, _nothing),
 }
 
 

@@ -28,6 +28,7 @@ CUDA = (
     "elementwise.py",
     "norms.py",
     "reduce_kernels.py",
+    "rotation_kernels.py",
     "segment_kernels.py",
     "wire_params.py",
 )
