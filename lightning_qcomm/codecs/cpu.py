@@ -6,6 +6,7 @@ fused C passes (``codecs.cpu_fused``, built by ``codecs.native``) where they app
   elements of a codec with native kernels.
 * the rows ops: rows of the fused path's size one C pass per row (``rows_one_by_one``), each row's payload written
   where it goes (``encode_row_into``); the others the reference (``codecs.rows``) in a fixed number of ops.
+* ``tree_norm``: the C kernel of the norm codecs' fixed-order L2 norm for fp32 rows.
 * ``hadamard_``: the C butterfly for fp32 contiguous tensors when the C kernels are loaded.
 * ``row_at_a_time`` / ``encode_row``: the same C pass for a caller that lays rows out in its own buffer (QSDP's
   row codec, through the ``codecs`` door).
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_qcomm.codecs import cpu_fused, native, packing, rotation, scaling
+from lightning_qcomm.codecs import cpu_fused, native, packing, qsgd, rotation, scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.rows import (
     check_wire,
@@ -206,13 +207,26 @@ def _whole_aligned(c: Codec, n: int) -> bool:
     return n % b == 0 and n % 8 == 0
 
 
-# ---------------------------------------------------------------------------------------------- rotation
+# ---------------------------------------------------------------------------------------------- norm, rotation
+def _c_kernels() -> bool:
+    """Whether the C kernels are loaded (and not switched off, ``native.ENV_SWITCH``)."""
+    return os.environ.get(native.ENV_SWITCH) != "0" and native.load() is not None
+
+
+def tree_norm(xb: torch.Tensor) -> torch.Tensor:
+    """``qcomm::tree_norm``: the C kernel (the same order, one compiled pass) for fp32 rows, else the reference."""
+    if xb.dtype == torch.float32 and xb.numel() and _c_kernels():
+        out = torch.empty(xb.shape[0], dtype=torch.float32)
+        torch.ops.qcomm.c_tree_norm(xb.contiguous(), xb.shape[1], out)
+        return out
+    return qsgd.tree_norm_reference(xb)
+
+
 def hadamard_(x: torch.Tensor, block: int) -> None:
     """``qcomm::hadamard_``: the C butterfly (``kernels/cpu``) in the reference's order, for a contiguous fp32 ``x``
     when the C kernels are loaded (and not switched off); else ``rotation.hadamard_reference_``."""
     rotation.check_block(block, x.numel())
-    c_kernels = os.environ.get(native.ENV_SWITCH) != "0" and native.load() is not None
-    if x.dtype == torch.float32 and x.is_contiguous() and c_kernels:
+    if x.dtype == torch.float32 and x.is_contiguous() and _c_kernels():
         torch.ops.qcomm.c_hadamard(x, block, rotation.hadamard_scale(block))
         return
     rotation.hadamard_reference_(x, block)

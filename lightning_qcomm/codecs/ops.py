@@ -7,7 +7,8 @@ run ``codecs.cpu`` (the fused C passes where they apply), CUDA tensors ``codecs.
 (the Triton kernels where they apply), any other device the torch reference (``codecs.rows``, ``rows_reduce``,
 ``rows_segments``); each backend falls back to that reference itself. The ops: ``encode`` / ``decode`` /
 ``decode_into``; the rows ops; the sum and error-feedback ops; the segment ops; the C kernels' ``c_*`` ops (CPU
-only); the 1-bit ``sign_*`` ops (``codecs.sign_ops``); ``hadamard_`` (``codecs.rotation``). ``segments_fused`` and ``row_at_a_time`` answer the
+only); the 1-bit ``sign_*`` ops (``codecs.sign_ops``); ``tree_norm`` (``codecs.qsgd``); ``hadamard_``
+(``codecs.rotation``). ``segments_fused`` and ``row_at_a_time`` answer the
 callers that lay rows out themselves which form the dispatcher will run.
 
 Invariants: every kernel gives the reference's bits; the fake kernels give the output shapes, so
@@ -31,6 +32,7 @@ from lightning_qcomm.codecs import (
     cuda,
     cuda_segments,
     packing,
+    qsgd,
     registry,
     rotation,
     rows,
@@ -69,6 +71,8 @@ _lib.define(
     f"feedback_rows(Tensor y, Tensor wire, int n, {_CODEC}, Tensor reduced, Tensor held, int start, float k, "
     "ScalarType held_dtype, Tensor(a!) err) -> ()"
 )
+# The norm codecs' L2 norm of each row in one fixed order (``qsgd.tree_norm``).
+_lib.define("tree_norm(Tensor xb) -> Tensor")
 # The Hadamard transform of whole blocks, in place (``codecs.rotation``).
 _lib.define("hadamard_(Tensor(a!) x, int block) -> ()")
 # The C kernels (CPU only; kernels/cpu/qcomm_ops.cpp), on flat contiguous tensors given the per-bucket parameters.
@@ -130,6 +134,10 @@ def _decode_rows_sum_fake(wire, n: int, c: Codec, avg: bool, rank_order: bool = 
 
 def _feedback_rows_fake(y, wire, n: int, c: Codec, *args) -> None:
     rows_reduce.feedback_rows_prefix(c, wire, n, y)
+
+
+def _tree_norm_fake(xb):
+    return xb.new_empty((xb.shape[0],), dtype=torch.float32)
 
 
 def _nothing(*args) -> None:
@@ -208,6 +216,7 @@ KERNELS = {
         _codec_first(rows_segments.sum_segments_body, 5),
         _nothing,
     ),
+    "tree_norm": (None, cpu.tree_norm, None, qsgd.tree_norm_reference, _tree_norm_fake),
     "hadamard_": (None, cpu.hadamard_, cuda.hadamard_, rotation.hadamard_reference_, _nothing),
 }
 

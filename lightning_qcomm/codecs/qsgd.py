@@ -26,11 +26,9 @@ below one gap).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from lightning_qcomm.codecs import native, scaling
+from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec, redo_floor
 from lightning_qcomm.codecs.registry import register_codec
@@ -49,20 +47,17 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
     return ((e + 127).to(torch.int32) << 23).view(torch.float32)
 
 
-def _c_tree_norm() -> bool:
-    """Whether the C kernel of ``tree_norm`` is loaded (the fused CPU codecs' library; not switched off)."""
-    return os.environ.get(native.ENV_SWITCH) != "0" and native.load() is not None
-
-
 def tree_norm(xb: torch.Tensor) -> torch.Tensor:
     """fp32 ``||row||_2`` of each row of fp32 ``xb`` in one fixed order, the Triton kernel's: the squares, zero-padded
     to a power-of-two width, are summed pairwise (columns 2i and 2i + 1, level by level), and the square root is
     the correctly rounded one (taken in fp64: exact enough that rounding it to fp32 is). Any device and any
-    backend that follows this order gets the same bits (torch's own norm reduces in an order of its choosing)."""
-    if xb.device.type == "cpu" and xb.dtype == torch.float32 and xb.numel() and _c_tree_norm():
-        out = torch.empty(xb.shape[0], dtype=torch.float32)
-        torch.ops.qcomm.c_tree_norm(xb.contiguous(), xb.shape[1], out)  # the same order, in one compiled pass
-        return out
+    backend that follows this order gets the same bits (torch's own norm reduces in an order of its choosing).
+    The op ``qcomm::tree_norm``: the dispatcher runs the C kernel on CPU (``codecs.cpu``), else the reference."""
+    return torch.ops.qcomm.tree_norm(xb)
+
+
+def tree_norm_reference(xb: torch.Tensor) -> torch.Tensor:
+    """``tree_norm`` in torch ops: the reference, and the kernel on every device but the CPU."""
     sq = xb * xb
     width = sq.shape[1]
     pow2 = 1 << max(width - 1, 0).bit_length()
