@@ -3,7 +3,7 @@
 * ``METHODS``: one ``Method`` per row of the fidelity table, each paired with the baseline it is judged
   against (QSDP vs FSDP2 fp32; QuantDDP codecs, Local SGD, OneBitAdam and ActivationQuantization vs DDP fp32
   + AdamW, which is also the fp32-activation run). Strategies and callbacks come from
-  ``benchmarks.netbench.variants.build_variant``, so a row here trains what the netbench row of the same
+  ``benchmarks.netbench.build.build_variant``, so a row here trains what the netbench row of the same
   name times; only ``actq_4bit`` (DDP fp32 + ``ActivationQuantization(bits=4)``) is built here.
 * ``RunConfig`` and ``phase_steps``: the schedule every method shares (warm-up + cosine to 10%), plus the
   step counts that follow from it (OneBitAdam's freeze, post-local SGD's switch).
@@ -132,7 +132,7 @@ def phase_steps(cfg: RunConfig) -> dict[str, int]:
 
 def build_method(name: str, cfg: RunConfig) -> tuple[Any, type, dict, list]:
     """(strategy, LightningModule class, its extra kwargs, callbacks) for method ``name`` under ``cfg``."""
-    from benchmarks.netbench.variants import build_variant
+    from benchmarks.netbench.build import build_variant
 
     if name not in METHOD_BY_NAME:
         raise ValueError(f"unknown method {name!r}; known: {sorted(METHOD_BY_NAME)}")

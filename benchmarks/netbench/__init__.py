@@ -6,11 +6,12 @@ loopback), ``orchestrate`` (schedule, worker pairs), ``variants`` (what each row
 ``worker`` (one rank's measurement), ``report`` (tables and plot).
 """
 
+from benchmarks.netbench.build import variant_available
 from benchmarks.netbench.cli import main, parse_args
 from benchmarks.netbench.net import LoopbackNet, NamespaceNet, make_net
 from benchmarks.netbench.orchestrate import make_schedule, run_schedule
 from benchmarks.netbench.report import aggregate
-from benchmarks.netbench.variants import VARIANT_BY_NAME, VARIANTS, variant_available
+from benchmarks.netbench.variants import VARIANT_BY_NAME, VARIANTS
 
 __all__ = [
     "VARIANTS",

@@ -3,9 +3,9 @@
     sudo python -m benchmarks.netbench --rates 100,1000 --steps 30 --repeats 2 --out benchmarks/results
 
 This module owns the command line (run from the repository root); the network lives in ``net.py``, the
-schedule and worker pairs in ``orchestrate.py``, the variants in ``variants.py``, the measurement inside a
-rank in ``worker.py``, the tables and plot in ``report.py``, the shaped link in ``benchmarks/netns.py``,
-the model in ``benchmarks/bench_model.py``.
+schedule and worker pairs in ``orchestrate.py``, the variants in ``variants.py`` (built by ``build.py``), the
+measurement inside a rank in ``worker.py``, the tables and plot in ``report.py``, the shaped link in
+``benchmarks/netns.py``, the model in ``benchmarks/bench_model.py``.
 
 Network. As root: two network namespaces joined by a veth pair (``netns.shaped_link``; addresses
 10.88.0.1 and 10.88.0.2, assigned only inside those namespaces), each end's egress shaped with
@@ -65,11 +65,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.netbench.build import variant_available
 from benchmarks.netbench.net import make_net
 from benchmarks.netbench.orchestrate import make_schedule, run_schedule
 from benchmarks.netbench.report import aggregate, auto_choices, machine_line, plot, render_markdown
 from benchmarks.netbench.report_nodes import aggregate_nodes, render_markdown_nodes
-from benchmarks.netbench.variants import MULTI_RANK_ALL, VARIANT_BY_NAME, VARIANTS, variant_available
+from benchmarks.netbench.variants import MULTI_RANK_ALL, VARIANT_BY_NAME, VARIANTS
 
 __all__ = ["aggregate", "main", "make_schedule", "parse_args", "run_schedule"]
 

@@ -144,7 +144,7 @@ def _make_step_timer(warmup: int, steps: int, iface: str, ledgers: dict[str, Any
 
 def run_entry(entry: dict, spec: dict, rank: int) -> dict:
     """Train variant ``entry["variant"]`` for ``spec["steps"]`` steps with a fresh Trainer; return the figures."""
-    from benchmarks.netbench.variants import ablation_scope
+    from benchmarks.netbench.build import ablation_scope
 
     with ablation_scope():  # an ablation's patch must not outlive its entry (the process runs the whole schedule)
         return _train_entry(entry, spec, rank)
@@ -154,7 +154,7 @@ def _train_entry(entry: dict, spec: dict, rank: int) -> dict:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    from benchmarks.netbench.variants import build_variant
+    from benchmarks.netbench.build import build_variant
     from lightning_qcomm.comm import CommLedger, set_ledger
 
     name = entry["variant"]

@@ -16,11 +16,7 @@ docs/design.md, "Module notes".
 
 Example::
 
-    q = ActivationQuantizer(ActivationQuantConfig(bits=4))
-    q.attach(model)
-    with q.forward_context(step=0):
-        loss = model(x).sum()
-    loss.backward()   # the quantized activations are restored here
+    Trainer(callbacks=[ActivationQuantization(bits=4)])   # the callback drives an ActivationQuantizer per step
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def test_an_ablation_patch_ends_with_its_entry(monkeypatch):
     import lightning_qcomm.adapters.ddp.hooks as ddp_hooks
     import lightning_qcomm.adapters.fsdp2.install as fsdp_install
     from benchmarks.netbench import worker
-    from benchmarks.netbench.variants import build_variant
+    from benchmarks.netbench.build import build_variant
 
     originals = fsdp_install.deferrable, ddp_hooks.quantized_all_reduce
     seen = []
