@@ -24,7 +24,7 @@ position comes from the optimizer's own step counts. K = 0 turns it off. Cost an
 Example::
 
     refresh = VarianceRefresh(128, bucket_numel=1 << 23)
-    refresh.accumulate(opt.param_groups, opt.state)          # after each compressed step
+    refresh.accumulate(opt.param_groups, opt.state, step, rank)   # after each compressed step
     if steps_since_freeze % 128 == 0:
         refresh.refresh(opt.param_groups, opt.state, process_group)
 """
