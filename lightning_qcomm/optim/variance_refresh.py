@@ -7,13 +7,7 @@ as Adam's v would over K steps of it::
 
     a <- SR_bf16(a + g²)  (each compressed step);    v̂ <- β2^K v̂ + (1 - β2^K) s;  a <- 0  (each K-th)
 
-The window a is held in bf16 (2 bytes per parameter, the dtype it is all-reduced in anyway). a + g² is formed in
-fp32 a piece at a time and rounded stochastically (``codecs.rng.round_bf16_stochastic_``: bits keyed by step, rank
-and parameter, so a resumed run repeats them): E[a] = Σ g² exactly, where a bf16 sum rounded to nearest would drop
-every term below half a place of a (up to 127 of them in a window of 128). Each rounding moves a by less than one
-place, 2^-7 of it; the errors are unbiased and independent, so after K steps the standard deviation of a - Σ g² is
-below √(K/3) · 2^-8 · a, 2.5% at K = 128, under the spread of the window's own estimate of E[g²] (√(2/K), 12%,
-for Gaussian g) and shrunk by (1 - β2^K) in v̂.
+The window a is held in bf16 (2 bytes per parameter), rounded stochastically: unbiased (``_add_square_rounded_``).
 
 Invariants: v̂ stays the same on every rank; the blend (not a replacement of v̂ by s) keeps the memory of rows the
 window did not touch (the choice is measured in BENCHMARKS.md); a coordinate with no usable variance at the freeze
@@ -61,7 +55,14 @@ def _window_zeros(p: torch.Tensor) -> torch.Tensor:
 
 
 def _add_square_rounded_(acc: torch.Tensor, g: torch.Tensor, seed: int, chunk: int) -> None:
-    """acc (flat bf16) <- SR_bf16(acc + g²) (g flat, any float dtype), ``chunk`` elements at a time."""
+    """acc (flat bf16) <- SR_bf16(acc + g²) (g flat, any float dtype), ``chunk`` elements at a time.
+
+    acc + g² is formed in fp32 and rounded stochastically (``codecs.rng.round_bf16_stochastic_``; ``seed`` from step,
+    rank and parameter, so a resumed run repeats the bits): E[a] = Σ g² exactly, where a bf16 sum rounded to nearest
+    drops every term below half a place of a (up to 127 of them in a window of 128). Each rounding moves a by less
+    than one place (2^-7 of it), unbiased and independent, so after K steps sd(a - Σ g²) < √(K/3) · 2^-8 · a: 2.5% at
+    K = 128, under the spread of the window's own estimate of E[g²] (√(2/K), 12% for Gaussian g), and scaled by
+    (1 - β2^K) in v̂. Hard bound: |a_K - S_K| < 2^-7 Σ_k (1+2^-7)^(k-1) S_k (S_k: the exact partial sums)."""
     for s in range(0, acc.numel(), chunk):
         e = min(acc.numel(), s + chunk)
         gs = g[s:e]
