@@ -143,3 +143,29 @@ def _to_uniform(h: torch.Tensor, out: torch.Tensor) -> None:
 def uniform(seed: int, numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
     """float32 uniforms in [0, 1) on a 2**-24 grid: ``(hash >> 8) * 2**-24``."""
     return _hash_into(torch.empty(numel, dtype=torch.float32, device=device), seed, offset, _to_uniform)
+
+
+def round_bf16_stochastic_(out: torch.Tensor, x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor:
+    """``out`` (bf16) <- ``x`` (fp32, clobbered) rounded stochastically: up with probability the fraction of the
+    last bf16 place that x lies above the lower neighbour, so E[out] = x exactly (unbiased) and |out - x| < one
+    bf16 place (2^-7 |x| at most). The 16 bits bf16 drops get the low 16 bits of the hash of the counters
+    offset .. offset+numel-1 added, then are cut (carries move the magnitude up one place); ±inf and NaN stay.
+
+    Example::
+
+        round_bf16_stochastic_(acc[s:e], acc[s:e].float().add_(g[s:e] ** 2), derive_seed(1, step), offset=s)
+    """
+    if x.dtype != torch.float32 or out.dtype != torch.bfloat16 or x.shape != out.shape:
+        raise TypeError(
+            f"round_bf16_stochastic_(out={out.dtype}{tuple(out.shape)}, x={x.dtype}{tuple(x.shape)}): allowed a "
+            "bfloat16 out and a float32 x of the same shape"
+        )
+    bits = x.view(torch.int32)
+
+    def finish(h: torch.Tensor, o: torch.Tensor) -> None:
+        h &= 0xFFFF
+        o += h
+
+    _hash_into(bits.view(-1), seed, offset, finish)
+    bits &= -65536  # keep the 16 bits bf16 holds: the cast below is exact
+    return out.copy_(x)

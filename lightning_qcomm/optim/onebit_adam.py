@@ -11,8 +11,8 @@ all-reduce. Invariants: m, v̂ and p are the same on every rank; non-finite grad
 uses torch's Adam keys (an AdamW checkpoint loads); the 1-bit error buffers differ per rank and travel through
 ``rank_state_dict`` / ``load_rank_state_dict``, not ``state_dict``. Unsupported (ValueError): amsgrad, maximize,
 sparse gradients, complex parameters. Memory kept between steps after the freeze, per fp32 parameter: AdamW's
-bytes + 4 + 4/N (the error buffers) + 4 with ``variance_refresh`` (the window of g² sums); within a step at most
-a few buckets more. The full statement: docs/design.md, "Module notes".
+bytes + 4 + 4/N (the error buffers) + 2 with ``variance_refresh`` (the window of g² sums, bf16); within a step
+a few buckets more inline, and with ``overlap`` every bucket's fp32 average (4) from backward to the step. The full statement: docs/design.md, "Module notes".
 
 Example::
 
@@ -177,7 +177,8 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
             if not self._compressed_step():
                 return loss
             if self.variance_refresh.enabled:
-                self.variance_refresh.accumulate(self.param_groups, self.state)
+                rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+                self.variance_refresh.accumulate(self.param_groups, self.state, self.num_steps, rank)
         else:
             self._warmup_step()
         self.num_steps += 1
