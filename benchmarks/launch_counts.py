@@ -129,7 +129,7 @@ class _Counted:
 @contextlib.contextmanager
 def cuda_path_on_cpu() -> Iterator[list[str]]:
     """CPU tensors take the codec ops' CUDA kernels (Triton, interpreted) while active; yields the list the
-    Triton launches are appended to (kernel names: "encode", "decode", "wire", "sum", "feedback", "hadamard")."""
+    Triton launches are appended to (kernel names: "encode", "decode", "wire", "sum", "feedback", "hadamard", "window")."""
     from unittest import mock
 
     from lightning_qcomm.codecs import ops, scaling
@@ -137,6 +137,7 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
         codec_kernels,
         reduce_kernels,
         rotation_kernels,
+        rounding_kernels,
         segment_kernels,
         wire_params,
     )
@@ -168,6 +169,11 @@ def cuda_path_on_cpu() -> Iterator[list[str]]:
         mock.patch.object(segment_kernels, "_decode_kernel", _Counted(segment_kernels._decode_kernel, "decode", log)),
         mock.patch.object(
             rotation_kernels, "_hadamard_kernel", _Counted(rotation_kernels._hadamard_kernel, "hadamard", log)
+        ),
+        mock.patch.object(
+            rounding_kernels,
+            "_add_square_sr_kernel",
+            _Counted(rounding_kernels._add_square_sr_kernel, "window", log),
         ),
         mock.patch.object(scaling, "_HOST_BRANCHES", False),
     ]

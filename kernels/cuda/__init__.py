@@ -1,10 +1,10 @@
 """Triton kernels of the codec ops (``lightning_qcomm.kernels.cuda``; docs/design.md, "Layers and files").
 
-Seven modules: ``codec_kernels`` (encode / decode of one tensor and of rows), ``wire_params`` (the wire scales and
+Eight modules: ``codec_kernels`` (encode / decode of one tensor and of rows), ``wire_params`` (the wire scales and
 encode parameters of every bucket in one launch), ``norms`` (the norm codecs' per-bucket helpers it calls),
 ``elementwise`` (the device functions they share), ``reduce_kernels`` (the compressed all-reduce's server sum and
-error-feedback tail), ``segment_kernels`` (QSDP's rows of quantized and raw segments) and ``rotation_kernels``
-(the Hadamard transform of whole blocks). The public entry points
+error-feedback tail), ``segment_kernels`` (QSDP's rows of quantized and raw segments) ``rotation_kernels``
+(the Hadamard transform of whole blocks) and ``rounding_kernels`` (1-bit Adam's bf16 variance window). The public entry points
 are re-exported by ``lightning_qcomm.kernels``; these modules read only the codec layer's spec modules.
 
 Example::

@@ -26,7 +26,7 @@ import os
 import torch
 
 from lightning_qcomm._log import log_once
-from lightning_qcomm.codecs import registry, rotation, rows_reduce, scaling, triton_probe
+from lightning_qcomm.codecs import registry, rng, rotation, rows_reduce, scaling, triton_probe
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.rows import (
     INT32_COUNTERS,
@@ -300,6 +300,45 @@ def _hadamard_works(device: torch.device) -> bool:
                 raise RuntimeError(f"the Triton Hadamard transform differs from the reference: {difference}")
 
     return triton_probe.first_use(("hadamard", str(device)), "the Hadamard transform kernel", device, check, _EAGER)
+
+
+# ---------------------------------------------------------------------------------------------- bf16 window
+def add_square_sr_(acc: torch.Tensor, g: torch.Tensor, seed: int, chunk: int) -> None:
+    """``qcomm::add_square_sr_``: one launch over the whole tensor (``rounding_kernels``; no fp32 piece held) for a
+    contiguous flat bf16 ``acc`` and a contiguous float ``g`` of its size once the kernel's first-use check passed on
+    the device; else ``rng.add_square_sr_reference_`` (``chunk`` elements at a time)."""
+    k = triton_kernels()
+    usable = k.HAS_TRITON and os.environ.get("LIGHTNING_QCOMM_DISABLE_TRITON") != "1"
+    if usable and (acc.device.type == "cuda" or k.codec_kernels._is_interpreted()):
+        fits = acc.dtype == torch.bfloat16 and acc.is_contiguous() and g.is_contiguous() and g.numel() == acc.numel()
+        if fits and g.dtype in (torch.float32, torch.bfloat16, torch.float16) and _add_square_sr_works(acc.device):
+            with triton_probe.on_device(acc.device):
+                k.rounding_kernels.add_square_sr_(acc, g, seed)
+            return
+    rng.add_square_sr_reference_(acc, g, seed, chunk)
+
+
+def _add_square_sr_works(device: torch.device) -> bool:
+    """The Triton pass equals the reference (bit for bit) on fp32 and bf16 gradients with NaN, infinities and
+    subnormals, the window's values near FLT_MAX: checked once per device."""
+
+    def check() -> None:
+        gen = torch.Generator().manual_seed(4)
+        for dtype in (torch.float32, torch.bfloat16):
+            acc = (torch.rand(3000, generator=gen) * 4).to(torch.bfloat16)
+            acc[7] = 3e38
+            g = (torch.randn(3000, generator=gen) * 3).to(dtype)
+            g[1], g[2], g[3] = float("nan"), float("inf"), 1e-41
+            want = acc.clone()
+            rng.add_square_sr_reference_(want, g, -5, 1024)
+            got = acc.to(device)
+            with triton_probe.on_device(device):
+                triton_kernels().rounding_kernels.add_square_sr_(got, g.to(device), -5)
+            difference = triton_probe._difference("window sums", want.float(), got.float().cpu())
+            if difference:
+                raise RuntimeError(f"the Triton rounded window sum differs from the reference: {difference}")
+
+    return triton_probe.first_use(("add_square_sr", str(device)), "the bf16 window kernel", device, check, _EAGER)
 
 
 __all__ = [

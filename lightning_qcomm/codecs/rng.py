@@ -169,3 +169,12 @@ def round_bf16_stochastic_(out: torch.Tensor, x: torch.Tensor, seed: int, offset
     _hash_into(bits.view(-1), seed, offset, finish)
     bits &= -65536  # keep the 16 bits bf16 holds: the cast below is exact
     return out.copy_(x)
+
+
+def add_square_sr_reference_(acc: torch.Tensor, g: torch.Tensor, seed: int, chunk: int) -> None:
+    """``qcomm::add_square_sr_``'s reference: acc (flat bf16) <- SR_bf16(acc + g²), g flat (any float dtype), formed
+    in fp32 ``chunk`` elements at a time (``round_bf16_stochastic_``, counter i = the element's index in ``acc``)."""
+    for s in range(0, acc.numel(), chunk):
+        e = min(acc.numel(), s + chunk)
+        gs = g[s:e]
+        round_bf16_stochastic_(acc[s:e], acc[s:e].float().addcmul_(gs, gs), seed, offset=s)

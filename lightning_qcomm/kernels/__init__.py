@@ -40,7 +40,15 @@ except ImportError:  # e.g. macOS / Windows, where triton is not a dependency
 
 if HAS_TRITON:
     # kernels.codec_kernels / .wire_params: the modules the ops read (tests patch them there)
-    from .cuda import codec_kernels, elementwise, reduce_kernels, rotation_kernels, segment_kernels, wire_params  # noqa: F401
+    from .cuda import (  # noqa: F401
+        codec_kernels,
+        elementwise,
+        reduce_kernels,
+        rotation_kernels,
+        rounding_kernels,
+        segment_kernels,
+        wire_params,
+    )
     from .cuda.codec_kernels import decode, decode_rows, encode, encode_rows
     from .cuda.wire_params import fused_scales, wire_encode_params
 else:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.codecs.rng import derive_seed, round_bf16_stochastic_
+from lightning_qcomm.codecs.rng import derive_seed, signed_seed
 from lightning_qcomm.comm.ledger import get_ledger
 from lightning_qcomm.comm.topology import NodeGroups
 from lightning_qcomm.optim.adam_math import momentum_grad
@@ -63,10 +63,7 @@ def _add_square_rounded_(acc: torch.Tensor, g: torch.Tensor, seed: int, chunk: i
     than one place (2^-7 of it), unbiased and independent, so after K steps sd(a - Σ g²) < √(K/3) · 2^-8 · a: 2.5% at
     K = 128, under the spread of the window's own estimate of E[g²] (√(2/K), 12% for Gaussian g), and scaled by
     (1 - β2^K) in v̂. Hard bound: |a_K - S_K| < 2^-7 Σ_k (1+2^-7)^(k-1) S_k (S_k: the exact partial sums)."""
-    for s in range(0, acc.numel(), chunk):
-        e = min(acc.numel(), s + chunk)
-        gs = g[s:e]
-        round_bf16_stochastic_(acc[s:e], acc[s:e].float().addcmul_(gs, gs), seed, offset=s)
+    torch.ops.qcomm.add_square_sr_(acc, g, signed_seed(seed), chunk)  # one launch on CUDA, the reference elsewhere
 
 
 def _refreshed(param_groups: list[dict], state: Mapping) -> list[tuple[dict, list[torch.Tensor]]]:

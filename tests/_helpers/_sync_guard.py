@@ -42,7 +42,7 @@ PINNED_UPLOADS = {("rows.py", "row_keys")}  # (file, function): uploads through 
 # qcomm ops whose kernel is checked (and, in benchmarks/onebit_step_ops.py, whose launches are counted, not the op)
 OPENED_OPS = frozenset(
     {"encode_rows", "decode_rows", "decode_rows_into", "decode_rows_sum", "feedback_update", "feedback_rows"}
-    | {"encode_segments", "decode_segments_into", "decode_segments_sum", "hadamard_", "tree_norm"}
+    | {"encode_segments", "decode_segments_into", "decode_segments_sum", "hadamard_", "tree_norm", "add_square_sr_"}
 )
 
 

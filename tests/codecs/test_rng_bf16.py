@@ -1,5 +1,7 @@
 """``codecs.rng.round_bf16_stochastic_``: a bf16 neighbour of x, up with probability the fraction of the place x lies
-above the lower one (unbiased), the same bits for the same seed, ±inf and NaN kept, bad dtypes refused."""
+above the lower one (unbiased), the same bits for the same seed, ±inf and NaN kept, bad dtypes refused; and the op
+``qcomm::add_square_sr_`` (1-bit Adam's bf16 window) on its CUDA path, under the interpreter: the reference's bits,
+one launch, no host sync."""
 
 from __future__ import annotations
 
@@ -31,3 +33,57 @@ def test_a_neighbour_taken_with_the_right_probability_and_repeatable():
 def test_bad_dtypes_raise_naming_the_function_and_the_allowed():
     with pytest.raises(TypeError, match=r"round_bf16_stochastic_\(.*allowed a bfloat16 out and a float32 x"):
         round_bf16_stochastic_(torch.empty(2, dtype=torch.float16), torch.zeros(2), 0)
+
+
+def _window_worker() -> dict:
+    """Under the interpreter: the op's CUDA path (Triton, one launch, no host sync) against the reference."""
+    from _sync_guard import NoHostSync
+    from launch_counts import cuda_path_on_cpu
+
+    from lightning_qcomm.codecs import cuda, rng
+
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for n in (1, 1000, 5000):
+            acc = (torch.rand(n, generator=gen) * 4).to(torch.bfloat16)
+            g = (torch.randn(n, generator=gen) * 2).to(dtype)
+            if n > 10:
+                g[3], g[5], acc[7] = float("nan"), float("inf"), 3e38
+            want = acc.clone()
+            rng.add_square_sr_reference_(want, g, -77, 256)  # pieces of 256: the bits do not depend on them
+            with cuda_path_on_cpu() as log:
+                assert cuda._add_square_sr_works(acc.device)
+                log.clear()
+                with NoHostSync():
+                    torch.ops.qcomm.add_square_sr_(acc, g, -77, 256)
+            same = torch.equal(want.float().isnan(), acc.float().isnan())
+            same = same and torch.equal(want[~want.isnan()].view(torch.int16), acc[~acc.isnan()].view(torch.int16))
+            out[f"bits_{dtype}_{n}"] = bool(same)
+            out[f"launches_{dtype}_{n}"] = log == ["window"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def window_report() -> dict:
+    pytest.importorskip("triton")
+    from _interpreted import run_interpreted
+
+    return run_interpreted(__file__, 600)
+
+
+@pytest.mark.parametrize("kind", ["bits", "launches"])
+def test_window_kernel_under_the_interpreter(window_report, kind):
+    cases = {k: v for k, v in window_report.items() if k.startswith(kind + "_")}
+    assert cases, kind
+    assert all(cases.values()), [k for k, v in cases.items() if not v]
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve()
+    sys.path[:0] = [str(here.parents[2] / "benchmarks"), str(here.parents[1] / "_helpers")]
+    print(json.dumps(_window_worker()))

@@ -29,6 +29,7 @@ CUDA = (
     "norms.py",
     "reduce_kernels.py",
     "rotation_kernels.py",
+    "rounding_kernels.py",
     "segment_kernels.py",
     "wire_params.py",
 )
