@@ -157,13 +157,13 @@ class EdenCodec(Codec):
     rotation = True  # tests switch it off on an instance to show what the rotation buys
 
     def __init__(self, bits: int = 2, bucket_size: int | None = 4096) -> None:
-        super().__init__(bits, bucket_size)
         ok = isinstance(bucket_size, int) and 1 <= bucket_size <= _BUCKET_MAX and bucket_size & (bucket_size - 1) == 0
-        if not ok:
+        if not ok and not isinstance(bucket_size, bool):
             raise ValueError(
                 f"EdenCodec(bucket_size={bucket_size!r}) must be a power of two (the rotation block); "
                 f"allowed: 1, 2, 4, ..., {_BUCKET_MAX}"
             )
+        super().__init__(bits, bucket_size)
         self.levels = lloyd_max_levels(bits)
         self.thresholds = (self.levels[1:] + self.levels[:-1]) / 2
 
