@@ -258,6 +258,25 @@ def summarize(res: list[dict], args: argparse.Namespace) -> dict:
     return rows
 
 
+def _cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``) and core count, for the results file."""
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"CPU: {names[0] if names else 'unknown'} ({os.cpu_count()} cores), 2 gloo ranks, 1 thread each"
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(VOCAB), default="demo")
@@ -294,6 +313,9 @@ def main() -> None:
         "utc": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}",
         "seconds": round(time.perf_counter() - start),
         "freeze_step": args.freeze,
+        "device": _cpu_name(),
+        "torch": torch.__version__,
+        "commit": _commit(),
     }
     if args.out:  # before the summary lines: a run's figures are never lost to a print
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
