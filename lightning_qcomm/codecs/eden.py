@@ -1,45 +1,27 @@
 """EDEN: a randomized Hadamard rotation, then the Lloyd-Max levels of N(0, 1) with an unbiased scale, 1..4 bits.
 
-Per bucket x of B = 2^k elements (Vargaftik et al., "EDEN", ICML 2022; DRIVE, NeurIPS 2021)::
+Per bucket x of B = 2^k elements (Vargaftik et al., ICML 2022; docs/design.md, "EDEN")::
 
-    y = R x,   R = H_B D / sqrt(B)        D: random +-1 signs, H_B: Walsh-Hadamard (Sylvester order)
-    z = y sqrt(B) / ||y||                  close to N(0, 1) per coordinate, whatever the shape of x
-    q_i = the Lloyd-Max level of N(0, 1) nearest z_i          (deterministic: the code is its index)
-    S = ||y||^2 / <y, q>                   EDEN's scale: <S q, y> = ||y||^2 exactly
-    decode = R^T (S q) = D H_B (S q) / sqrt(B)
+    y = R x,  R = H_B D / sqrt(B)   (D random +-1 signs, H_B Walsh-Hadamard in a fixed butterfly order)
+    z = y sqrt(B) / ||y||,  q_i = the Lloyd-Max level nearest z_i (deterministic),  S = ||y||^2 / <y, q>
+    decode = R^T (S q)
 
-R is orthogonal, so ||x_hat - x|| = ||S q - y||. With a uniformly random rotation, EDEN's scale makes the decode
-unbiased over the rotation, E_R[x_hat] = x, with NMSE E||x_hat - x||^2 / ||x||^2 = D_b / (1 - D_b) for large B,
-D_b the Lloyd-Max distortion of N(0, 1) (``DISTORTION``: 0.570 / 0.133 / 0.0359 / 0.0096 at 1 / 2 / 3 / 4 bits),
-independent of how heavy the tails of x are (a min-max codec's error grows with max|x| / rms(x)). The randomized
-Hadamard rotation is close to uniform: the residual bias measured over 2,000 rotations is below 1e-5 of ||x||^2
-at B = 4096 (BENCHMARKS.md, section 12). The rotation key changes with the encode seed, so the errors of two
-encodes (two steps, two ranks) are independent.
+Bias and variance: R is orthogonal, and EDEN's scale gives <S q, y> = ||y||^2; over a uniformly random rotation the
+decode is unbiased, E_R[x_hat] = x, with NMSE D_b / (1 - D_b) = 0.571 / 0.133 / 0.0359 / 0.0096 at 1..4 bits
+(``DISTORTION``), whatever the tails of x; the randomized Hadamard's residual bias is below 1e-5 of ||x||^2 at
+B = 4096 (BENCHMARKS.md section 12). A short last bucket (L not a power of two) is rotated by D, then an
+orthonormal Hadamard of h = 2^floor(log2 L) on its first h and on its last h elements (orthogonal, one scale).
 
-The last bucket of a tensor holds L = n mod B elements (or n < B): if L is a power of two it is rotated as above;
-else, with h the largest power of two below L, by D, then H_h / sqrt(h) on its first h elements, then H_h /
-sqrt(h) on its last h (the two blocks overlap; each is orthogonal, so their product is): every element is spread
-over at least h > L / 2 coordinates, one scale for the bucket.
-
-Wire: ``ceil(n / B)`` buckets, each ``bits`` per element plus two fp32 words: the scale S (in x's units, NaN for a
-bucket holding NaN / +-Inf, 0 for an all-zero bucket; flagged as in ``codecs.scaling`` where it leaves fp32's
-normal range) and the bucket's rotation key (23 bits from ``rng.hash_u32(seed, bucket)``, carried as the fp32
-1.key in [1, 2)): ``bits + 64 / B`` bits per element, 2.016 at 2 bits and B = 4096. The key travels because the
-ops' decode takes no seed; the signs are a function of the key alone, so the same seed gives the same signs on
-every rank and every bucket decodes by itself (rows of whole buckets may be coded as one flat tensor).
-
-Numerics: each bucket is scaled by an exact power of two (max |x| to [0.5, 1)) before the rotation, so subnormal
-and near-FLT_MAX buckets rotate without underflow or overflow; a decoded value past FLT_MAX is clamped to
-+-FLT_MAX (a decode cast to fp16 / bf16 is not capped at that dtype's maximum). A NaN or Inf is spread by the
-rotation over its bucket: that bucket decodes NaN, the others finite.
-
-There are no native kernels yet (registered ``kernels=False``): on every device the ops run this torch reference
-(vectorized over buckets: log2(B) add/sub steps, no host work per bucket).
+Wire: bits per element plus two fp32 words per bucket, the scale S (NaN for a bucket with NaN / Inf, flagged as in
+``codecs.scaling`` outside fp32's normal range) and the 23-bit rotation key (the ops' decode takes no seed): bits +
+64 / B bits per element. The keys come from ``rng.hash_u32(seed, bucket)``: one seed, the same signs on every rank.
+Buckets are pre-scaled by a power of two before the rotation (subnormal and near-FLT_MAX buckets stay exact);
+decodes past FLT_MAX are clamped. No native C / Triton kernels yet (``kernels=False``): every device, CUDA
+included, runs this torch reference, vectorized over buckets (log2(B) add/sub steps, no host work per bucket).
 
 Example::
 
-    codec = get_codec("eden", bits=2)                        # B = 4096
-    x_hat = codec.decode(codec.encode(x, seed=derive_seed(0, step, rank)))
+    x_hat = get_codec("eden", bits=2).roundtrip(x, seed=derive_seed(0, step, rank))   # B = 4096: 2.016 bits/elem
 """
 
 from __future__ import annotations
@@ -150,6 +132,14 @@ def _pow2(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @register_codec("eden", bits=range(1, 5), default_bits=2, bucket_size=4096, kernels=False)
 class EdenCodec(Codec):
+    """The ``eden`` codec (module docstring): ``bits`` 1..4, ``bucket_size`` a power of two (the rotation block).
+
+    Example::
+
+        >>> EdenCodec(2, 4096).nbytes(8192)      # 2 bits per element + (scale, key) per bucket
+        4112
+    """
+
     name = "eden"
     scales_per_bucket = 2
     stochastic = False
