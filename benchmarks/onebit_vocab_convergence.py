@@ -14,13 +14,14 @@ frequencies are), where each token is followed by its fixed successor with proba
 otherwise: learnable (a bigram table), and like text most vocabulary rows see a gradient only rarely. Each rank
 draws its own stream (seeded by seed and rank); every variant sees the same batches.
 
-Variants: ``ddp_adamw`` (DDP's fp32 gradient all-reduce, counted), ``onebit`` (DDP +
+Variants: ``ddp_adamw`` (DDP's fp32 gradient all-reduce, counted), ``quant_<codec>_<bits>``
+(``QuantDDPStrategy(codec=<codec>, bits=<bits>)``, its defaults otherwise), ``onebit`` (DDP +
 ``OneBitAdamCallback(freeze_step=F)``), ``onebit_exact`` (the same, but the momentum average is exact fp32: the
 frozen variance alone, without 1-bit compression; a diagnostic, its bytes are not 1-bit's), ``onebit_vreplace``
 (a diagnostic of the variance refresh: v̂ is replaced by the window's mean square gradient instead of blended with
 β2^K).
 
-Reported: training loss (mean of both ranks) over the last 10 steps, its ratio to DDP+AdamW's, and the ledger's
+Reported: training loss (mean of both ranks) over the last 10 steps (and the last 5), its ratio to DDP+AdamW's, and the ledger's
 wire bytes per step after the freeze over the fp32 ring all-reduce of all parameters (median and mean over the steps;
 the mean counts the variance refresh every ``variance_refresh`` steps). ``--diag`` also records per
 tensor, on steps around the freeze, the update's RMS and its largest row RMS (dim 0: a token's row of an embedding
@@ -185,6 +186,11 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             VarianceRefresh.refresh = _replace_refresh if name == "onebit_vreplace" else blend_refresh
             if name == "ddp_adamw":
                 strategy = CPUHookDDP(ddp_comm_hook=counting_allreduce_hook)
+            elif name.startswith("quant_"):  # quant_<codec>_<bits>: QuantDDPStrategy(codec=..., bits=...)
+                from lightning_qcomm import QuantDDPStrategy
+
+                codec, bits = name[len("quant_") :].rsplit("_", 1)
+                strategy = QuantDDPStrategy(codec=codec, bits=int(bits))
             else:
                 strategy = CPUHookDDP()
                 cb = dict(args.cb)
@@ -235,6 +241,7 @@ def summarize(res: list[dict], args: argparse.Namespace) -> dict:
         after = a["bytes"][a["frozen_at"] :] if a["frozen_at"] is not None else []
         rows[f"{seed}/{name}"] = {
             "tail": statistics.fmean(losses[-10:]),
+            "tail5": statistics.fmean(losses[-5:]),
             "curve": [round(statistics.fmean(losses[i : i + 10]), 4) for i in range(0, len(losses), 10)],
             "bytes_after_freeze_ratio": statistics.median(after) / fp32 if after else None,
             "bytes_after_freeze_mean_ratio": statistics.fmean(after) / fp32 if after else None,
@@ -247,7 +254,27 @@ def summarize(res: list[dict], args: argparse.Namespace) -> dict:
         seed = key.split("/")[0]
         base = rows.get(f"{seed}/ddp_adamw")
         row["vs_adamw"] = row["tail"] / base["tail"] if base else None
+        row["vs_adamw5"] = row["tail5"] / base["tail5"] if base else None
     return rows
+
+
+def _cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``) and core count, for the results file."""
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"CPU: {names[0] if names else 'unknown'} ({os.cpu_count()} cores), 2 gloo ranks, 1 thread each"
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def main() -> None:
@@ -262,7 +289,8 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="ddp_adamw,onebit",
-        help="comma list of ddp_adamw, onebit, onebit_exact, onebit_vreplace, onebit_b<B> (scale_block=B)",
+        help="comma list of ddp_adamw, onebit, onebit_exact, onebit_vreplace, onebit_b<B> (scale_block=B), "
+        "quant_<codec>_<bits> (QuantDDPStrategy(codec=<codec>, bits=<bits>), e.g. quant_eden_2)",
     )
     ap.add_argument("--cb", default="{}", help="extra OneBitAdamCallback arguments as JSON")
     ap.add_argument("--diag", action="store_true", help="record update sizes per tensor around the freeze")
@@ -285,13 +313,17 @@ def main() -> None:
         "utc": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}",
         "seconds": round(time.perf_counter() - start),
         "freeze_step": args.freeze,
+        "device": _cpu_name(),
+        "torch": torch.__version__,
+        "commit": _commit(),
     }
     if args.out:  # before the summary lines: a run's figures are never lost to a print
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     for key, row in rows.items():
         br, vs = row["bytes_after_freeze_ratio"], row["vs_adamw"]
         print(
-            f"{key}: loss(last 10) {row['tail']:.4f}  vs AdamW {'-' if vs is None else f'{vs:.4f}'}  bytes after "
+            f"{key}: loss(last 10) {row['tail']:.4f}  vs AdamW {'-' if vs is None else f'{vs:.4f}'}  "
+            f"loss(last 5) {row['tail5']:.4f}  vs AdamW {row['vs_adamw5'] or 0:.4f}  bytes after "
             f"freeze {'-' if br is None else f'{br:.4f}'}x fp32 (mean {row['bytes_after_freeze_mean_ratio'] or 0:.4f}x)"
             f"  curve {row['curve']}"
         )

@@ -26,6 +26,9 @@ from lightning_qcomm.codecs.sign import SignCodec
 from lightning_qcomm.codecs.fp8 import FP8Codec
 
 # isort: split
+from lightning_qcomm.codecs.eden import EdenCodec
+
+# isort: split
 from lightning_qcomm.codecs import ops as _ops  # noqa: F401  (defines torch.ops.qcomm.*)
 from lightning_qcomm.codecs import sign_phases  # noqa: F401  (the 1-bit all-reduce's phases)
 from lightning_qcomm.codecs.base import Codec, Packed
@@ -53,9 +56,9 @@ def get_codec(name: str, bits: int | None = None, bucket_size: int | None = None
     Args:
         name: one of ``CODEC_NAMES`` (``codec_names()``).
         bits: code width, within ``codec_spec(name).bits`` (uniform 1..8, qsgd/qsgdinf/nuqsgd 2..8, sign1 1,
-            fp8_* 8). None picks the codec's default (1 for sign1, else 8).
+            fp8_* 8, eden 1..4). None picks the codec's default (1 for sign1, 2 for eden, else 8).
         bucket_size: elements per scale block; None picks the codec default (``codec_spec(name).default_bucket(bits)``:
-            512; 128 for qsgd at 4 bits or fewer; the whole tensor for sign1).
+            512; 128 for qsgd at 4 bits or fewer; the whole tensor for sign1; 4096 for eden, a power of two).
         opts: the options of ``codec_spec(name).options``: ``stochastic`` (uniform: False rounds to nearest),
             ``rounding`` (fp8: "nearest" | "stochastic").
 
@@ -72,6 +75,7 @@ __all__ = [
     "NO_COMPRESSION",
     "Codec",
     "CodecSpec",
+    "EdenCodec",
     "FP8Codec",
     "NUQSGDCodec",
     "Packed",

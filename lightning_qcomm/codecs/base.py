@@ -95,6 +95,9 @@ class Codec(ABC):
     # computes it in C): "minmax" (lo, hi), "amax" (max |x|), or None (an L2 norm, qsgd.tree_norm: computed
     # from the bucket itself).
     scale_statistic: str | None = None
+    # Whether the last bucket decodes the same padded with zero codes to a full bucket, as ``codecs.rows`` repacks
+    # rows that are not whole buckets (False where the bucket's length is part of the math: eden's rotation).
+    tail_pads: bool = True
 
     def __init__(self, bits: int, bucket_size: int | None = 512) -> None:
         if not isinstance(bits, int) or isinstance(bits, bool):

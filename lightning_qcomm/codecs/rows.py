@@ -214,6 +214,8 @@ def decode_rows_body(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
     if padded == n and n % 8 == 0:  # whole buckets, byte-aligned rows: the codes are already the flat layout
         packed = Packed(codes.reshape(-1), scales, torch.Size((r * n,)), torch.float32)
         return flat.decode(packed).view(r, n)
+    if not codec.tail_pads:  # the last bucket's length is part of the math: one decode per row
+        return torch.stack([codec.decode(codec.from_bytes(wire[j], (n,), torch.float32)) for j in range(r)])
     # repack: each row's codes padded to nb whole buckets (zero codes, cut away after the decode)
     per_row = -(-n // 8) * 8
     unpacked = packing.unpack_bits(codes.reshape(-1), codec.bits, r * per_row).view(r, per_row)

@@ -204,9 +204,11 @@ def _payload(y: torch.Tensor) -> torch.Tensor:
 def test_registry_lists_every_codec_once():
     from lightning_qcomm.codecs import CODEC_NAMES, codec_names, codec_spec
 
-    assert codec_names() == CODEC_NAMES == ("uniform", "qsgd", "qsgdinf", "nuqsgd", "sign1", "fp8_e4m3", "fp8_e5m2")
+    assert codec_names() == CODEC_NAMES == (
+        "uniform", "qsgd", "qsgdinf", "nuqsgd", "sign1", "fp8_e4m3", "fp8_e5m2", "eden"
+    )  # fmt: skip
     assert codec_names(with_none=True) == (*CODEC_NAMES, "none")
-    assert codec_names(family="quantizer") == ("uniform", "qsgd", "qsgdinf", "nuqsgd", "fp8_e4m3", "fp8_e5m2")
+    assert codec_names(family="quantizer") == ("uniform", "qsgd", "qsgdinf", "nuqsgd", "fp8_e4m3", "fp8_e5m2", "eden")
     assert codec_names(family="sign") == ("sign1",)
     assert codec_spec("uniform").bits == range(1, 9) and codec_spec("qsgd").bits == range(2, 9)
     assert codec_spec("sign1").bits == range(1, 2) and codec_spec("fp8_e5m2").bits == range(8, 9)
@@ -219,7 +221,7 @@ def test_registry_lists_every_codec_once():
         for bits in (spec.bits.start - 1, spec.bits.stop):
             with pytest.raises(ValueError, match=f"allowed {spec.bits.start}..{spec.bits.stop - 1}"):
                 get_codec(name, bits)
-    with pytest.raises(ValueError, match="unknown codec name 'topk'; allowed: uniform, qsgd, .*fp8_e5m2"):
+    with pytest.raises(ValueError, match="unknown codec name 'topk'; allowed: uniform, qsgd, .*fp8_e5m2, eden"):
         codec_spec("topk")
 
 
@@ -271,7 +273,11 @@ def test_op_args_rebuild_every_registered_codec():
         for values in itertools.product(*spec.options.values()):
             for bits in spec.bits:
                 opts = dict(zip(spec.options, values))
-                for codec in (get_codec(name, bits, 100, **opts), spec.cls(bits, None, **spec.fixed, **opts)):
+                if name == "eden":  # buckets are rotation blocks: a power of two, never one per tensor
+                    codecs = (get_codec(name, bits, 128, **opts),)
+                else:
+                    codecs = (get_codec(name, bits, 100, **opts), spec.cls(bits, None, **spec.fixed, **opts))
+                for codec in codecs:
                     assert registry.codec_for_op(*codec.op_args()).config() == codec.config()
 
 
