@@ -16,8 +16,8 @@ Wire: bits per element plus two fp32 words per bucket, the scale S (NaN for a bu
 ``codecs.scaling`` outside fp32's normal range) and the 23-bit rotation key (the ops' decode takes no seed): bits +
 64 / B bits per element. The keys come from ``rng.hash_u32(seed, bucket)``: one seed, the same signs on every rank.
 Buckets are pre-scaled by a power of two before the rotation (subnormal and near-FLT_MAX buckets stay exact);
-decodes past FLT_MAX are clamped. No native C / Triton kernels yet (``kernels=False``): every device, CUDA
-included, runs this torch reference, vectorized over buckets (log2(B) add/sub steps, no host work per bucket).
+decodes past FLT_MAX are clamped. The rotation is the op ``qcomm::hadamard_`` (C on CPU, Triton on CUDA); the rest
+is torch ops on every device (``kernels=False``), vectorized over buckets, no host work per bucket.
 
 Example::
 
@@ -65,19 +65,12 @@ def lloyd_max_levels(bits: int) -> torch.Tensor:
 
 
 def fwht_rows(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal Walsh-Hadamard transform of each row of ``x`` (rows of h = 2^k), out of place.
-
-    Fixed butterfly order: for w = 1, 2, 4, ..., h / 2, every pair (i, i + w) with i mod 2w < w becomes
-    (a + b, a - b); then the rows are multiplied by fl(1 / sqrt(h)). The transform is its own inverse (H H = h I).
-    """
-    r, h = x.shape
-    w = 1
-    while w < h:
-        v = x.reshape(r, h // (2 * w), 2, w)
-        a, b = v[:, :, 0, :], v[:, :, 1, :]
-        x = torch.stack([a + b, a - b], dim=2).reshape(r, h)
-        w *= 2
-    return x * (1.0 / math.sqrt(h)) if h > 1 else x
+    """Orthonormal Walsh-Hadamard transform of each row of ``x`` (rows of h = 2^k), out of place: the op
+    ``qcomm::hadamard_`` (``codecs.rotation``: the butterfly in one fixed order, then fl(1 / sqrt(h)); the C kernel
+    on CPU, Triton on CUDA, the same bits). The transform is its own inverse (H H = I, up to rounding)."""
+    y = x.contiguous().clone()
+    torch.ops.qcomm.hadamard_(y.view(-1), x.shape[1])
+    return y
 
 
 def signs(keys: torch.Tensor, length: int) -> torch.Tensor:
