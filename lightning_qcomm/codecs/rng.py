@@ -147,8 +147,8 @@ def uniform(seed: int, numel: int, device: torch.device | str = "cpu", offset: i
 
 def round_bf16_stochastic_(out: torch.Tensor, x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor:
     """``out`` (bf16) <- ``x`` (fp32, clobbered) rounded stochastically: up with probability the fraction of the
-    last bf16 place that x lies above the lower neighbour, so E[out] = x exactly (unbiased) and |out - x| < one
-    bf16 place (2^-7 |x| at most). The 16 bits bf16 drops get the low 16 bits of the hash of the counters
+    last bf16 place that x lies above the lower neighbour, so E[out] = x exactly (unbiased) and ``|out - x|`` < one
+    bf16 place (``2^-7 |x|`` at most). The 16 bits bf16 drops get the low 16 bits of the hash of the counters
     offset .. offset+numel-1 added, then are cut (carries move the magnitude up one place); ±inf and NaN stay.
 
     Example::

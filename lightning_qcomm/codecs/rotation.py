@@ -11,7 +11,7 @@ rounding of fl(1 / sqrt(B))^2).
 
 Invariants: ||R x|| = ||x|| up to rounding; a NaN or +-Inf reaches every output of its block (each is a signed
 sum of all its inputs) and no other block; the butterfly overflows where a block's l1 norm passes FLT_MAX
-(sum of |x_i|), which a codec pre-scales (``codecs.scaling``).
+(``sum |x_i|``), which a codec pre-scales (``codecs.scaling``).
 
 Example::
 
