@@ -30,6 +30,9 @@ def _worker(rank: int, port: int, out: str) -> None:
             "local": [p.grad.tolist() for p in local.parameters()],
         },
     )
+    # A barrier first: gloo's barrier waits for the earlier all-reduce, whose Python callback (``decompress``) runs
+    # on gloo's thread; destroying the group while that thread still needs the GIL deadlocked once on torch 2.11.
+    dist.barrier()
     dist.destroy_process_group()
 
 
