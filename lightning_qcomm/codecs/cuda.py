@@ -182,13 +182,16 @@ def feedback_update(y, dec, reduced, held, start: int, k: float, held_dtype, err
     rows_reduce.feedback_update_body(y, dec, reduced, held, start, k, held_dtype, err)
 
 
-def _feedback_triton(tensors, held_dtype, device: torch.device) -> bool:
+def _triton_on(device: torch.device) -> bool:
+    """Triton installed, not switched off, and ``device`` CUDA (or the kernels interpreted on CPU tensors)."""
     k = triton_kernels()
     if not k.HAS_TRITON or os.environ.get("LIGHTNING_QCOMM_DISABLE_TRITON") == "1":
         return False
-    if held_dtype not in k.reduce_kernels.HELD_DTYPES:
-        return False
-    if not (device.type == "cuda" or k.codec_kernels._is_interpreted()):
+    return device.type == "cuda" or k.codec_kernels._is_interpreted()
+
+
+def _feedback_triton(tensors, held_dtype, device: torch.device) -> bool:
+    if not _triton_on(device) or held_dtype not in triton_kernels().reduce_kernels.HELD_DTYPES:
         return False
     if not all(t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 1 for t in tensors):
         return False
@@ -268,9 +271,8 @@ def hadamard_(x: torch.Tensor, block: int) -> None:
     """``qcomm::hadamard_``: one launch (a program per block, ``rotation_kernels``) for a contiguous fp32 ``x`` with
     blocks up to ``MAX_BLOCK`` once its first-use check passed on the device; else ``rotation.hadamard_reference_``."""
     rotation.check_block(block, x.numel())
-    k = triton_kernels()
-    usable = k.HAS_TRITON and os.environ.get("LIGHTNING_QCOMM_DISABLE_TRITON") != "1"
-    if usable and (x.device.type == "cuda" or k.codec_kernels._is_interpreted()):
+    if _triton_on(x.device):
+        k = triton_kernels()
         fits = x.dtype == torch.float32 and x.is_contiguous() and block <= k.rotation_kernels.MAX_BLOCK
         if fits and _hadamard_works(x.device):
             with triton_probe.on_device(x.device):
@@ -307,13 +309,11 @@ def add_square_sr_(acc: torch.Tensor, g: torch.Tensor, seed: int, chunk: int) ->
     """``qcomm::add_square_sr_``: one launch over the whole tensor (``rounding_kernels``; no fp32 piece held) for a
     contiguous flat bf16 ``acc`` and a contiguous float ``g`` of its size once the kernel's first-use check passed on
     the device; else ``rng.add_square_sr_reference_`` (``chunk`` elements at a time)."""
-    k = triton_kernels()
-    usable = k.HAS_TRITON and os.environ.get("LIGHTNING_QCOMM_DISABLE_TRITON") != "1"
-    if usable and (acc.device.type == "cuda" or k.codec_kernels._is_interpreted()):
+    if _triton_on(acc.device):
         fits = acc.dtype == torch.bfloat16 and acc.is_contiguous() and g.is_contiguous() and g.numel() == acc.numel()
         if fits and g.dtype in (torch.float32, torch.bfloat16, torch.float16) and _add_square_sr_works(acc.device):
             with triton_probe.on_device(acc.device):
-                k.rounding_kernels.add_square_sr_(acc, g, seed)
+                triton_kernels().rounding_kernels.add_square_sr_(acc, g, seed)
             return
     rng.add_square_sr_reference_(acc, g, seed, chunk)
 
