@@ -23,3 +23,10 @@ def run_interpreted(script: str, timeout_s: float) -> dict:
     )
     assert proc.returncode == 0, f"interpreted worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_kind_passed(report: dict, kind: str) -> None:
+    """Every case of ``report`` named ``<kind>_...`` is true, and there is at least one (the failing names shown)."""
+    cases = {k: v for k, v in report.items() if k.startswith(kind + "_")}
+    assert cases, kind
+    assert all(cases.values()), [k for k, v in cases.items() if not v]
