@@ -184,7 +184,9 @@ def _kernel_cases() -> dict:
 def _qsdp_cases() -> dict:
     """A QSDP W8G8 step of GPT-2's tensors (x 0.02, matrices of 128 elements and more quantized: every block's
     but the attention output's; 2 fake ranks, mirrored collectives) on the segment ops and on the per-segment row
-    loop: the same parameters after two steps; and its launches against FSDP2's."""
+    loop: the same parameters after two steps; and its launches against FSDP2's. The segment ops' two steps are
+    the two uncounted warm-up steps of ``count_step("qsdp-w8g8")`` (the same model, tokens, group and config), so
+    they are interpreted once."""
     import functools
     from unittest import mock
 
@@ -196,26 +198,44 @@ def _qsdp_cases() -> dict:
 
     import lightning_qcomm.parallel as parallel
 
-    def params_after_steps(fused: bool) -> list[torch.Tensor]:
+    def local_params(model) -> list[torch.Tensor]:
+        return [p.detach().to_local().clone() for p in model.parameters()]
+
+    def loop_params_after_steps() -> list[torch.Tensor]:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         model = sl.gpt2(0.02)
         tokens = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
-        with mock.patch.object(RowCodec, "fused", return_value=False) if not fused else contextlib.nullcontext():
+        with mock.patch.object(RowCodec, "fused", return_value=False):
             run = sm.fsdp(model, tokens, 0.02, 2, qsdp=True)
             for _ in range(2):
                 run.step()
-        got = [p.detach().to_local().clone() for p in model.parameters()]
+        got = local_params(model)
         dist.destroy_process_group()
         return got
+
+    fused: list[torch.Tensor] = []
+
+    def keep_params_after_two_steps(model, tokens, scale, world):
+        run = sm.fsdp(model, tokens, scale, world, qsdp=True)  # METHODS["qsdp-w8g8"]'s builder
+        assert run.warm is None and run.warmup == 2, "the two steps compared are count_step's warm-up steps"
+        step, done = run.step, [0]
+
+        def step_then_keep():
+            step()
+            done[0] += 1
+            if done[0] == 2:  # the last warm-up step: before the counted one
+                fused.extend(local_params(model))
+
+        run.step = step_then_keep
+        return run
 
     out = {}
     config = functools.partial(parallel.QSDPConfig, min_quant_numel=128)
     with cuda_path_on_cpu() as log, mirrored_collectives(), mock.patch.object(parallel, "QSDPConfig", config):
-        legacy = params_after_steps(False)
-        fused = params_after_steps(True)
-        out["step_same_parameters"] = len(legacy) == len(fused) and all(_same(a, b) for a, b in zip(legacy, fused))
+        legacy = loop_params_after_steps()
         base = sl.count_step("fsdp2", 0.02, 2, log)
-        qsdp = sl.count_step("qsdp-w8g8", 0.02, 2, log)
+        qsdp = sl.count_step("qsdp-w8g8", 0.02, 2, log, build=keep_params_after_two_steps)
+    out["step_same_parameters"] = len(legacy) == len(fused) > 0 and all(_same(a, b) for a, b in zip(legacy, fused))
     # each collective: scales and codes, then the decode or the sum (the non-finite check's all-reduce has none)
     out["step_uses_segment_kernels"] = 0 < qsdp["triton"] <= 3 * qsdp["collectives"]
     out["step_launches_ratio"] = qsdp["total"] / base["total"]
