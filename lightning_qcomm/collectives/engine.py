@@ -31,6 +31,7 @@ from lightning_qcomm.comm.transport import (
     _all_to_all,
     _all_to_all_async,
     _wait,
+    all_gather_pieces,
     all_to_all_pieces,
 )
 
@@ -116,16 +117,31 @@ def run_reduce_scatter(
     return reduce(recv)
 
 
-def run_all_gather(encode: Callable[[], torch.Tensor], decode: Callable[[torch.Tensor], T], group, world: int) -> T:
+def run_all_gather(
+    encode: Callable[[], torch.Tensor],
+    decode: Callable[[torch.Tensor], T],
+    group,
+    world: int,
+    layout: PieceLayout | None = None,
+) -> T:
     """Phase 2 alone: ``decode(gathered)`` of every rank's ``encode()`` payload, gathered flat in rank order.
+
+    ``layout``: the N rows are gathered piece by piece straight into a buffer stored in it (``transport.PieceLayout``,
+    QSDP's all-gather; ``decode`` then reads rows with ``layout.read_row``); else as N plain rows. The own payload is
+    freed before ``decode`` runs: beside the gathered rows the decoder's own temporaries are all the memory it takes.
 
     Example::
 
         run_all_gather(lambda: payload, lambda gathered: rc.decode(gathered.view(world, -1), out), group, world)
     """
     mine = encode()
-    gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)
-    _all_gather(gathered, _flat(mine), group, world)
+    if layout is None:
+        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)
+        _all_gather(gathered, _flat(mine), group, world)
+    else:
+        gathered = layout.empty(mine.device)
+        all_gather_pieces(gathered, _flat(mine), layout, group)
+    del mine
     return decode(gathered)
 
 

@@ -209,6 +209,27 @@ def all_to_all_pieces(
         work.wait()
 
 
+def all_gather_pieces(
+    out: torch.Tensor, inp: torch.Tensor, layout: PieceLayout, group: dist.ProcessGroup | None = None
+) -> None:
+    """``all_gather_bytes`` into N rows stored in ``layout`` (``out`` flat, piece-major; ``inp`` one row of
+    ``layout.row_bytes``): one gather per piece, all in flight at once, each straight into its block of ``out``
+    (no piece buffers beside ``out``, no copies)."""
+    _, world = _rank_world(group)
+    if world == 1:
+        out.copy_(inp.view(-1))
+        return
+    if not layout.pieced:
+        _all_gather_single(out, inp.view(-1), group)
+        return
+    fn, src = _all_gather_fn(), inp.view(-1)
+    works = [
+        fn(layout.block(out, p).view(-1), src[a:b], group=group, async_op=True) for p, (a, b) in enumerate(layout.cols)
+    ]
+    for work in works:
+        work.wait()
+
+
 def all_gather_bytes(
     out: torch.Tensor,
     inp: torch.Tensor,
@@ -281,6 +302,7 @@ __all__ = [
     "TRANSFER_PIECE_BYTES",
     "PieceLayout",
     "all_gather_bytes",
+    "all_gather_pieces",
     "all_to_all_bytes",
     "all_to_all_pieces",
 ]

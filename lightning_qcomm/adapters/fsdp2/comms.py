@@ -187,13 +187,20 @@ class QuantizedAllGather(_QSDPComm, AllGather):
         world = group.size()
         s_numel = input_tensor.numel()
         rc = self._row_codec(s_numel, input_tensor.dtype, self.params, codec)
+        layout = PieceLayout.for_rows(world, rc.row_nbytes(input_tensor.dtype), input_tensor.device)
+        rows = output_tensor.view(world, s_numel)
 
         def decode(gathered: torch.Tensor) -> int:
-            rc.decode(gathered.view(world, -1), output_tensor.view(world, s_numel))
-            return gathered.numel() // world
+            if not layout.pieced:
+                rc.decode(gathered.view(world, -1), rows)
+                return layout.row_bytes
+            scratch = torch.empty(layout.row_bytes, dtype=torch.uint8, device=gathered.device)
+            for j in range(world):  # the rows gathered piece by piece: one row's bytes at a time, no copy of all
+                rc.decode(layout.read_row(gathered, j, scratch).view(1, -1), rows[j : j + 1])
+            return layout.row_bytes
 
         encode = lambda: rc.encode(input_tensor.reshape(1, s_numel), seed).reshape(-1)  # noqa: E731
-        p = run_all_gather(encode, decode, group, world)
+        p = run_all_gather(encode, decode, group, world, layout=layout)
         _record("all_gather", world * p, world * s_numel, world, p, "weights" + self.scope)
 
 
