@@ -93,3 +93,29 @@ def test_settle_stale_outside_backward_writes_everything_left():
     out = _left_by_a_failed_backward(deferred, torch.tensor([8.0, 4.0]))
     deferred.settle_stale()
     assert torch.equal(out, torch.tensor([4.0, 2.0])) and len(deferred) == 0
+
+
+def test_one_call_in_flight_the_earlier_ones_are_written_when_the_next_is_added():
+    """Each pending call holds its padded input and fp32 sum: a call added writes the ones before it (their values
+    are the flush's), so a worker slower than backward never keeps more than one group's buffers."""
+    deferred = DeferredReduceScatters()
+    first_out, first_total = torch.zeros(2), torch.tensor([2.0, 6.0])
+    second_out, second_total = torch.zeros(2), torch.tensor([4.0, 8.0])
+    seen = {}
+
+    class _SecondCall(torch.autograd.Function):  # runs after the first call was deferred (the _Defer below it)
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            deferred.add(_done(), second_out, second_total, post_divide=2.0)
+            seen.update(first=first_out.clone(), second=second_out.clone(), left=len(deferred))
+            return grad
+
+    x = torch.ones(2, requires_grad=True)
+    _Defer.apply(_SecondCall.apply(x), deferred, first_out, first_total).sum().backward()
+    assert torch.equal(seen["first"], torch.tensor([1.0, 3.0])) and seen["left"] == 1  # written at the next add
+    assert torch.equal(seen["second"], torch.zeros(2))  # the newest call stays in flight ...
+    assert torch.equal(second_out, torch.tensor([2.0, 4.0])) and len(deferred) == 0  # ... until the flush

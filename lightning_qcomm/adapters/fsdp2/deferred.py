@@ -45,9 +45,16 @@ class DeferredReduceScatters:
 
     def add(self, future: torch.futures.Future, output: torch.Tensor, total: torch.Tensor, post_divide: float | None):
         """``future`` completes once ``total`` (fp32, the output's elements) holds the sum; then the output gets
-        ``total`` and is divided by ``post_divide`` (None: not divided)."""
+        ``total`` and is divided by ``post_divide`` (None: not divided).
+
+        One call in flight at a time: the calls added before this one are written first (waiting for their jobs),
+        as the flush would write them. Their FSDP2 post-processing has returned (the main thread made this call
+        since), so the values are the flush's; what it bounds is memory: a pending call holds its padded fp32
+        input (N x the shard, in the job) and ``total`` until written, and a worker slower than backward would
+        otherwise keep every group's at once, where FSDP2's own reduce-scatter keeps one group's."""
         # one callback per call, not per backward: extra callbacks of this backward find nothing left to do
         torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        self.flush()
         self._pending.append((torch._C._current_graph_task_id(), future, output, total, post_divide))
 
     def flush(self) -> None:
