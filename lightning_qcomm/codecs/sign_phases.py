@@ -153,6 +153,21 @@ def decode_into(sign: Codec, rows: torch.Tensor, n: int, c: int, out: torch.Tens
         out.view(k, n).copy_(_decode_rows(sign, rows, c).reshape(k, w * c)[:, :n])
 
 
+def wire_finite(sign: Codec, wire: torch.Tensor, c: int) -> torch.Tensor:
+    """Whether payloads of chunks of c elements (``wire``, R rows of ``sign.nbytes(c)`` bytes, any shape) decode to
+    finite values only: a 0-dim bool tensor, read from their scales (codes then scales, ``Packed.to_bytes``), with
+    no decode and no host sync. C(v)'s values are ±scale, so they are all finite exactly when every scale is.
+
+    Example::
+
+        wire_finite(sign, gathered, c)   # tensor(True) unless some chunk's average was NaN or Inf
+    """
+    ncode = packing.packed_nbytes(c, sign.bits)
+    rows = wire.reshape(-1, sign.nbytes(c))
+    scales = rows[:, ncode:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # byte offsets: copy
+    return scales.isfinite().all()
+
+
 # ---------------------------------------------------------------------------------------------- the spec
 def _update_error(err: torch.Tensor, new: torch.Tensor) -> None:
     """err <- new where new is finite (keeps the previous residual where a step was non-finite); branch-free."""
@@ -223,4 +238,4 @@ class Phases(NamedTuple):
 KERNELS = Phases(worker, server, decode_into)
 SPEC = Phases(worker_spec, server_spec, decode_spec)
 
-__all__ = ["KERNELS", "SPEC", "Phases", "decode_into", "server", "worker"]
+__all__ = ["KERNELS", "SPEC", "Phases", "decode_into", "server", "wire_finite", "worker"]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm.codecs import Codec, get_codec
-from lightning_qcomm.codecs.sign_phases import KERNELS, SPEC, Phases
+from lightning_qcomm.codecs.sign_phases import KERNELS, SPEC, Phases, wire_finite
 from lightning_qcomm.collectives.call_check import _check_consistent
 from lightning_qcomm.collectives.chunked import (
     FP32_BYTES,
@@ -145,7 +145,8 @@ class OneBitReducer:
     """``collectives.engine``'s reducer of the 1-bit all-reduce, the units being ``piece_groups``; one instance per
     call. ``phases``: ``sign_phases.KERNELS`` (or ``SPEC``).
 
-    ``x``: the input, read whole by ``encode`` before ``decode`` writes ``out_flat`` (which may be its storage).
+    ``x``: the input, read whole by ``encode`` before ``decode`` writes ``out_flat`` (which may be its storage);
+    ``out_flat`` None: ``decode`` keeps each group's gathered payloads in ``kept`` instead (``OneBitWire``).
     The residuals go straight into the error buffers, each group's own elements once that group no longer reads
     them; a buffer that is not contiguous is worked on in a flat copy, copied back by ``finish``.
     """
@@ -153,6 +154,7 @@ class OneBitReducer:
     def __init__(self, phases: Phases, sign: Codec, x, out_flat, worker_error, server_error, rank: int, world: int):
         self.phases, self.sign, self.rank, self.world = phases, sign, rank, world
         self.x_flat, self.out_flat = x.detach().reshape(-1), out_flat
+        self.kept: list[tuple[PieceGroup, torch.Tensor]] | None = None if out_flat is not None else []
         self.worker_error, self.server_error = worker_error, server_error
         self.flat_ew = worker_error.detach().reshape(-1)  # a view where reshape can make one, else a copy
         self.flat_es = server_error.detach().reshape(-1)
@@ -182,15 +184,63 @@ class OneBitReducer:
 
     def decode(self, g: PieceGroup, gathered: torch.Tensor) -> None:
         """out[group] <- concat_j C(Z_j[k])[:n] for every piece k, from the gathered (N, K, P) payloads."""
-        k, n, w = g.count, g.numel, self.world
-        p = gathered.numel() // (w * k)
-        rows = gathered.view(w, k, p).transpose(0, 1).contiguous() if k > 1 else gathered  # (K, N, P): piece order
-        self.phases.decode_into(self.sign, rows, n, g.chunk, self.out_flat[g.offset : g.offset + k * n])
+        if self.kept is not None:
+            self.kept.append((g, gathered))
+            return
+        _decode_group(self.phases, self.sign, self.world, g, gathered, self.out_flat)
 
     def finish(self) -> None:
         for buf, flat in ((self.worker_error, self.flat_ew), (self.server_error, self.flat_es)):
             if not buf.is_contiguous():  # worked on in a copy
                 buf.copy_(flat.view(buf.shape))
+
+
+def _decode_group(phases: Phases, sign: Codec, world: int, g: PieceGroup, gathered: torch.Tensor, out_flat) -> None:
+    """out_flat[group] <- concat_j C(Z_j[k])[:n] for every piece k of ``g``, from its gathered (N, K, P) payloads."""
+    k, n = g.count, g.numel
+    p = gathered.numel() // (world * k)
+    rows = gathered.view(world, k, p).transpose(0, 1).contiguous() if k > 1 else gathered  # (K, N, P): piece order
+    phases.decode_into(sign, rows, n, g.chunk, out_flat[g.offset : g.offset + k * n])
+
+
+class OneBitWire:
+    """A finished 1-bit all-reduce whose average is still in its wire form: every group's gathered payloads
+    (about d/8 bytes + 4 per scale, where the decoded average takes 4d). ``decode`` writes the values
+    ``onebit_all_reduce`` leaves in x, bit for bit; ``finite`` says whether they are all finite, from the scales.
+
+    Example::
+
+        wire = onebit_all_reduce_wire(m, ew, es)    # the error buffers have moved on; m is not written
+        if bool(wire.finite()):
+            m.copy_(wire.decode())
+    """
+
+    def __init__(self, phases: Phases, sign: Codec, world: int, numel: int, kept) -> None:
+        self.phases, self.sign, self.world, self.numel = phases, sign, world, numel
+        self.kept: list[tuple[PieceGroup, torch.Tensor]] = kept
+
+    def nbytes(self) -> int:
+        """Bytes held: the gathered payloads."""
+        return sum(gathered.numel() for _, gathered in self.kept)
+
+    def finite(self) -> torch.Tensor:
+        """0-dim bool tensor: every decoded value is finite (no decode, no host sync)."""
+        flags = [wire_finite(self.sign, gathered, g.chunk) for g, gathered in self.kept]
+        return torch.stack(flags).all()
+
+    def decode(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The average, flat fp32 (into ``out``, contiguous fp32 of ``numel`` elements, when given)."""
+        device = self.kept[0][1].device
+        if out is None:
+            out = torch.empty(self.numel, dtype=torch.float32, device=device)
+        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != self.numel:
+            raise ValueError(
+                f"OneBitWire.decode(out={tuple(out.shape)} {out.dtype}): allowed a contiguous fp32 tensor of "
+                f"{self.numel} elements"
+            )
+        for g, gathered in self.kept:
+            _decode_group(self.phases, self.sign, self.world, g, gathered, out.view(-1))
+        return out
 
 
 def onebit_all_reduce(
@@ -234,6 +284,37 @@ def onebit_all_reduce(
         ew, es = torch.zeros(d), torch.zeros(onebit_server_error_numel(d))
         onebit_all_reduce(momentum.view(-1), ew, es, tag="momentum")
     """
+    reducer = _run(x, worker_error, server_error, group, tag, check, piece_numel, block_numel, _fp32_output(x))
+    _copy_back(x, reducer.out_flat)
+    return x
+
+
+def onebit_all_reduce_wire(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    tag: str = "momentum",
+    check: bool = True,
+    piece_numel: int = DEFAULT_ONEBIT_PIECE_NUMEL,
+    block_numel: int | None = None,
+) -> OneBitWire:
+    """``onebit_all_reduce`` with the average kept in its wire form (``OneBitWire``) instead of decoded into x: the
+    same collectives, wire bytes, ledger entry and error buffers; x is only read, and may be freed on return. What
+    a caller holds until it needs the values (1-bit Adam's overlapped buckets) is then 1/32 of x.
+
+    Example::
+
+        wire = onebit_all_reduce_wire(m.view(-1), ew, es)
+        m.view(-1).copy_(wire.decode())      # the bits onebit_all_reduce(m.view(-1), ew, es) leaves in m
+    """
+    reducer = _run(x, worker_error, server_error, group, tag, check, piece_numel, block_numel, None)
+    return OneBitWire(reducer.phases, reducer.sign, reducer.world, x.numel(), reducer.kept)
+
+
+def _run(x, worker_error, server_error, group, tag, check, piece_numel, block_numel, out_flat) -> OneBitReducer:
+    """Check the arguments, run the pipelined reducer (decoding into ``out_flat``, or keeping the wire when it is
+    None), record the ledger entry; the reducer."""
     _check_tensor("x", x)
     _check_tensor("worker_error", worker_error)
     _check_tensor("server_error", server_error)
@@ -263,16 +344,14 @@ def onebit_all_reduce(
         )
     pieces = onebit_pieces(d, world, piece_numel)
     path = selected_path(x)
-    out_flat = _fp32_output(x)
     phases = SPEC if path == "reference" else KERNELS
     reducer = OneBitReducer(phases, sign, x, out_flat, worker_error, server_error, rank, world)
     units = piece_groups(pieces, world, batched=path == "batched")
     total_p = run_pipelined(reducer, units, group, world)  # x is read whole before out_flat is written
-    _copy_back(x, out_flat)
     get_ledger().record(
         "all_reduce", world * total_p, d * FP32_BYTES, world, _payload((world + 1) * total_p, world), tag
     )
-    return x
+    return reducer
 
 
 __all__ = [
@@ -282,7 +361,9 @@ __all__ = [
     "OneBitReducer",
     "PieceGroup",
     "check_block_numel",
+    "OneBitWire",
     "onebit_all_reduce",
+    "onebit_all_reduce_wire",
     "onebit_pieces",
     "onebit_server_error_numel",
     "piece_groups",

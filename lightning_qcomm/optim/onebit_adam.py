@@ -12,7 +12,8 @@ uses torch's Adam keys (an AdamW checkpoint loads); the 1-bit error buffers diff
 ``rank_state_dict`` / ``load_rank_state_dict``, not ``state_dict``. Unsupported (ValueError): amsgrad, maximize,
 sparse gradients, complex parameters. Memory kept between steps after the freeze, per fp32 parameter: AdamW's
 bytes + 4 + 4/N (the error buffers) + 2 with ``variance_refresh`` (the window of g² sums, bf16); within a step
-a few buckets more inline, and with ``overlap`` every bucket's fp32 average (4) from backward to the step. The full statement: docs/design.md, "Module notes".
+a few buckets more, inline and with ``overlap`` (at most ``adapters.onebit.overlap.MAX_IN_FLIGHT`` buckets' fp32
+candidates in backward; the averages wait for the step in their 1-bit wire form). More: docs/design.md, "Module notes".
 
 Example::
 
@@ -34,7 +35,7 @@ from torch.optim import Optimizer
 from lightning_qcomm.adapters.onebit.overlap import MomentumOverlap
 from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync
 from lightning_qcomm.comm.agree import max_over_ranks, max_over_ranks_tensor
-from lightning_qcomm.comm.nonfinite import NonFiniteGuard, all_finite
+from lightning_qcomm.comm.nonfinite import NonFiniteGuard
 from lightning_qcomm.optim.adam_foreach import bucket_candidates, bucket_update_, warmup_step_
 from lightning_qcomm.optim.adam_math import moment_dtype
 from lightning_qcomm.optim.onebit_adam_config import (
@@ -235,15 +236,16 @@ class OneBitAdam(OneBitAdamCheckpoint, Optimizer):
 
     def _overlapped_step(self) -> bool:
         assert self._layout is not None and self._sync is not None
-        averaged = self._overlap.launcher.finish()
+        averaged = self._overlap.launcher.finish()  # 1-bit wire forms: one bucket is decoded at a time
         if self.nonfinite.policy != "propagate":
             # the average is the same on every rank and non-finite wherever any rank's momentum was (the codec
             # never decodes a non-finite unit as finite): the ranks agree without a collective
-            finite = all_finite(averaged)
+            finite = bool(torch.stack([a.finite() for a in averaged]).all())
             if not self.nonfinite.verdict(finite, self.num_steps, "the averaged 1-bit momentum"):
                 return False
-        for b, flat in enumerate(averaged):
-            self._update_bucket(b, flat)
+        for b in range(len(averaged)):
+            wire, averaged[b] = averaged[b], None
+            self._update_bucket(b, wire.decode())
         self._warn_stateless()
         return True
 

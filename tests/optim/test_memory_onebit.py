@@ -21,9 +21,12 @@ from _launch import free_port, rank_results, spawn, write_rank_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-N_FEAT, N_HID, N_CLS, BATCH = 64, 256, 64, 16
+# LAYERS Linear(64, 64) + Tanh, a batch of 4: the activations that backward holds are about 0.5 bytes per
+# parameter, a small share as in the benchmark's GPT-2 shape (2 x 64 tokens for 7.8M parameters)
+WIDTH, LAYERS, BATCH = 64, 16, 4
 FREEZE, STEPS = 2, 6
-# 4096 fp32 elements: the 33,088 momentum elements travel in 9 buckets, a step's buffers (one bucket's at a time
+# 4096 fp32 elements: the 33,280 momentum elements travel in 9 buckets (each weight its own), a step's buffers (one
+# bucket's at a time
 # inline) a small share of the model, as in the benchmark's GPT-2 shape (15 buckets)
 BUCKET_MB = 4096 * 4 / 2**20
 
@@ -34,12 +37,22 @@ def _train(rank: int, refresh: int | None, overlap: bool = True) -> dict:
     from tensor_memory import TensorMemory, owners
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from lightning_qcomm.comm.comm_worker import CommWorker
     from lightning_qcomm.optim import OneBitAdam
     from lightning_qcomm.parallel.onebit_adam import onebit_adam_ddp
 
-    with TensorMemory() as mem:
+    mem = TensorMemory()
+    run_one = CommWorker._run_one
+
+    def counted(fn, fut):  # the comm worker's allocations (the overlapped collectives' buffers) count too
+        with mem.in_thread():
+            run_one(fn, fut)
+
+    CommWorker._run_one = staticmethod(counted)
+    with mem:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(N_FEAT, N_HID), torch.nn.Tanh(), torch.nn.Linear(N_HID, N_CLS))
+        layers = [m for _ in range(LAYERS) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())]
+        model = torch.nn.Sequential(*layers[:-1])
         ddp = DDP(model)
         if refresh is None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -57,12 +70,13 @@ def _train(rank: int, refresh: int | None, overlap: bool = True) -> dict:
             if step == FREEZE + 1:  # the first compressed step has run: count the peak of the steady steps
                 mem.mark()
             g = torch.Generator().manual_seed(1000 * rank + step)
-            x, y = torch.randn(BATCH, N_FEAT, generator=g), torch.randint(0, N_CLS, (BATCH,), generator=g)
+            x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, WIDTH, (BATCH,), generator=g)
             opt.zero_grad(set_to_none=False)
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
         del x, y, g
         gc.collect()
+    CommWorker._run_one = staticmethod(run_one)
     numel = sum(p.numel() for p in model.parameters())
     return {
         "live": mem.live / numel,
@@ -104,18 +118,15 @@ def test_onebit_adam_live_bytes_after_freeze_are_its_algorithms_state(results) -
             assert r[name]["live"] - adamw["live"] <= 4 + 4 / world + 2, (name, r)
 
 
-@pytest.mark.xfail(
-    reason="goal not met robustly: the inline peak reads 9.06 B/param above AdamW's in most runs of this test (under 9 "
-    "in some), goal 9; overlapped, every bucket's fp32 average also waits for the step",
-    strict=False,
-)
 def test_onebit_adam_peak_after_freeze_within_the_goal(results) -> None:
-    """Inline a step adds one bucket's buffers at a time: the goal is a peak within 9 B/param of AdamW's; overlapped,
-    every bucket's fp32 average (4 bytes per parameter) waits from backward to the step on top of that."""
+    """A compressed step's peak stays within 9 B/param of AdamW's, inline and overlapped (with and without the
+    refresh window). Inline a step adds one bucket's buffers at a time; overlapped, at most ``MAX_IN_FLIGHT``
+    buckets' fp32 candidates are alive in backward and every bucket's average waits for the step in its 1-bit wire
+    form. Every bucket's fp32 average held until the step read 12.05 here (the refresh on), 10.07 without it."""
     for r in results:
         adamw = r["adamw"]
-        assert r["onebit_refresh_inline"]["peak"] - adamw["peak"] <= 9, r
-        assert r["onebit_refresh"]["peak"] - adamw["peak"] <= 9 + 4, r
+        for name in ("onebit", "onebit_refresh", "onebit_refresh_inline"):
+            assert r[name]["peak"] - adamw["peak"] <= 9, (name, r)
 
 
 def test_the_compressed_steps_optimizer_math_holds_at_most_two_copies_of_a_bucket():

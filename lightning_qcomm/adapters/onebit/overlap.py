@@ -6,24 +6,29 @@ After the freeze 1-bit Adam's one collective is the momentum average; inline it 
 ``post_accumulate_grad_hook`` marks each parameter ready once its gradient is final (tied ones after every use);
 buckets launch in a fixed order, the last first, bucket k only after those before it, so every rank issues the same
 collectives in the same order whatever order its hooks fire in; launching computes the members' new momenta out of
-place (``candidate``: m' = β1 m + (1-β1) g) and queues ``sync.reduce_bucket_`` on a ``CommWorker`` over a group of
-its own; ``finish()`` (the optimizer step) launches what no hook completed, waits, and returns the averages.
+place (``candidate``: m' = β1 m + (1-β1) g) and queues ``sync.reduce_bucket_wire`` on a ``CommWorker`` over a group
+of its own; ``finish()`` (the optimizer step) launches what no hook completed, waits, and returns the averages in
+their 1-bit wire form (``OneBitWire``, 1/32 of the momenta; the step decodes one bucket at a time). A bucket's fp32
+candidate lives until its collective has read it; a hook that would launch one while ``MAX_IN_FLIGHT`` run waits
+for the oldest (memory: docs/design.md, "1-bit Adam").
 
-Invariants: the values are those of the inline ``sync_`` (same layout, candidate arithmetic, error buffers); only
-when each bucket starts differs. Which parameters must report is read at the first hook of a backward. A second
-gradient for a parameter before ``finish()`` raises: its bucket may already be on the wire.
+Invariants: the values are those of the inline ``sync_`` (same layout, candidate arithmetic, error buffers;
+``decode()`` gives the same bits); only when each bucket starts differs. Which parameters must report is read at
+the first hook of a backward. A second gradient for a parameter before ``finish()`` raises: its bucket may already
+be on the wire.
 
 Example::
 
     launcher = BackwardLauncher(sync, params, candidate, worker, group)   # hooks registered now
     loss.backward()                                                      # buckets start during backward
-    averaged = launcher.finish()                                         # one fp32 flat per bucket, all ranks equal
+    averaged = [w.decode() for w in launcher.finish()]                   # one fp32 flat per bucket, all ranks equal
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
@@ -31,11 +36,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from lightning_qcomm.adapters.onebit.sync import OneBitMomentumSync
+from lightning_qcomm.adapters.onebit.sync import DecodedAverage, OneBitMomentumSync
+from lightning_qcomm.collectives.sign_collective import OneBitWire
 from lightning_qcomm.comm.comm_worker import BackgroundComm, CommWorker
 from lightning_qcomm.comm.topology import NodeGroups
 
 log = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 2  # buckets launched whose collective may still be running (their fp32 candidates alive)
 
 
 def _on_grad(launcher: weakref.ref, i: int, param: torch.Tensor) -> None:
@@ -80,7 +88,8 @@ class BackwardLauncher:
         self._missing: list[set[int]] | None = None  # read at the first hook of a backward
         self._seen: set[int] = set()
         self._next = 0  # position in self.order
-        self._inflight: dict[int, tuple[torch.Tensor, torch.futures.Future]] = {}
+        self._inflight: dict[int, torch.futures.Future] = {}
+        self._window: deque[torch.futures.Future] = deque()  # launched, maybe still running, oldest first
         self._from_hooks = 0
 
     def _on_grad(self, i: int, _param: torch.Tensor) -> None:
@@ -99,21 +108,21 @@ class BackwardLauncher:
             self._from_hooks += 1
 
     def _launch(self, b: int) -> None:
-        flat = self.candidate(self.sync.buckets[b])
-        job = partial(self.sync.reduce_bucket_, b, flat, self.group)
-        self._inflight[b] = (flat, self.worker.submit(job))
+        while len(self._window) >= MAX_IN_FLIGHT:
+            self._window.popleft().wait()  # re-raises a collective's error here, in backward
+        flat = self.candidate(self.sync.buckets[b])  # the job holds it: freed once the collective has read it
+        self._inflight[b] = self.worker.submit(partial(self.sync.reduce_bucket_wire, b, flat, self.group))
+        self._window.append(self._inflight[b])
         self._next += 1
 
-    def finish(self) -> list[torch.Tensor]:
-        """Launch the buckets no hook completed, wait for all; the averaged fp32 flat of every bucket, in bucket
-        order (identical on every rank). Re-raises a collective's error."""
+    def finish(self) -> list[OneBitWire | DecodedAverage]:
+        """Launch the buckets no hook completed, wait for all; every bucket's average in its wire form
+        (``decode()``: the fp32 flat, identical on every rank), in bucket order. Re-raises a collective's error."""
         self.launched_in_backward = self._from_hooks
         try:
             while self._next < len(self.order):
                 self._launch(self.order[self._next])
-            for _flat, future in self._inflight.values():
-                future.wait()
-            return [self._inflight[b][0] for b in range(len(self.sync.buckets))]
+            return [self._inflight[b].wait() for b in range(len(self.sync.buckets))]
         finally:
             self._reset()
 
@@ -122,7 +131,7 @@ class BackwardLauncher:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for _flat, future in self._inflight.values():
+        for future in self._inflight.values():
             future.wait()
         self._reset()
 
@@ -182,4 +191,4 @@ class MomentumOverlap:
             self.launcher = None
 
 
-__all__ = ["BackwardLauncher", "MomentumOverlap"]
+__all__ = ["MAX_IN_FLIGHT", "BackwardLauncher", "MomentumOverlap"]

@@ -30,8 +30,10 @@ from lightning_qcomm.collectives.hierarchical import hierarchical_onebit_all_red
 from lightning_qcomm.collectives.quantized import quantized_all_reduce
 from lightning_qcomm.collectives.sign_collective import (
     DEFAULT_ONEBIT_PIECE_NUMEL,
+    OneBitWire,
     check_block_numel,
     onebit_all_reduce,
+    onebit_all_reduce_wire,
     onebit_server_error_numel,
 )
 from lightning_qcomm.comm.buckets import bucket_layout
@@ -39,6 +41,20 @@ from lightning_qcomm.comm.side_stream import SideStream
 from lightning_qcomm.comm.topology import NodeGroups
 
 log = logging.getLogger(__name__)
+
+
+class DecodedAverage:
+    """A bucket's average held decoded (the hierarchical all-reduce ends in an exact fp32 all-gather inside the
+    node: there is no 1-bit form to keep), with ``OneBitWire``'s ``finite`` and ``decode``."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+
+    def finite(self) -> torch.Tensor:
+        return self.flat.isfinite().all()
+
+    def decode(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.flat if out is None else out.copy_(self.flat)
 
 
 class OneBitMomentumSync:
@@ -186,6 +202,30 @@ class OneBitMomentumSync:
         self._checked[b] = True
         return flat
 
+    def reduce_bucket_wire(
+        self, b: int, flat: torch.Tensor, process_group: dist.ProcessGroup | NodeGroups | None = None
+    ) -> OneBitWire | DecodedAverage:
+        """``reduce_bucket_`` with the average kept in its 1-bit wire form (``OneBitWire``: 1/32 of ``flat``'s
+        bytes, ``decode()`` gives the same bits) and ``flat`` only read, so a caller holding many buckets' averages
+        holds their payloads, not their fp32 values. Hierarchically the average is held decoded
+        (``DecodedAverage``), in ``flat``."""
+        self._ensure_errors(flat.device)
+        group = self.process_group if process_group is None else process_group
+        if isinstance(group, NodeGroups):
+            return DecodedAverage(self.reduce_bucket_(b, flat, process_group))
+        wire = onebit_all_reduce_wire(
+            flat,
+            self.worker_error[b],
+            self.server_error[b],
+            group,
+            tag=self.tag,
+            check=not self._checked[b],
+            piece_numel=self.piece_numel,
+            block_numel=self.block_numel,
+        )
+        self._checked[b] = True
+        return wire
+
     def scatter_bucket_(
         self, b: int, flat: torch.Tensor, tensors: list[torch.Tensor], read_only: list[bool] | None = None
     ) -> None:
@@ -277,6 +317,7 @@ def onebit_adam_grad_hook(state: OneBitGradHookState, bucket: dist.GradBucket) -
 
 
 __all__ = [
+    "DecodedAverage",
     "OneBitGradHookState",
     "OneBitMomentumSync",
     "bucket_layout",
