@@ -14,23 +14,17 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from _launch import free_port, rank_results, spawn, write_rank_result
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_qcomm.codecs import cpu_fused, scaling
 from lightning_qcomm.collectives import onebit_all_reduce, onebit_pieces, sign_collective
 from lightning_qcomm.collectives.sign_collective import piece_groups
 from lightning_qcomm.comm import CommLedger, set_ledger
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks.launch_counts
-from benchmarks.launch_counts import mirrored_collectives  # noqa: E402
 
 M = 96  # elements per rank per piece
 
@@ -132,19 +126,6 @@ def test_gloo_batched_equals_reference(tmp_path, world):
 
 
 # ------------------------------------------------------------------------------------------ fake process group
-@pytest.fixture
-def mirrored_fake_world():
-    """4 ranks on the ``fake`` group (this process is rank 1); every rank holds this rank's inputs, so an
-    all-to-all delivers this rank's own row from every rank and an all-gather N copies of this rank's bytes
-    (``benchmarks/launch_counts.mirrored_collectives``)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    with mirrored_collectives():
-        yield
-    dist.destroy_process_group()
-
-
 def test_fake_group_batched_equals_reference(mirrored_fake_world):
     assert compare_paths(dist.get_rank(), dist.get_world_size()) == []
 

@@ -7,31 +7,13 @@ holding this rank's inputs (``benchmarks/launch_counts.mirrored_collectives``).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_qcomm.codecs import cpu_fused, native, sign_ops
 from lightning_qcomm.collectives import onebit_all_reduce, sign_collective
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks.launch_counts
-from benchmarks.launch_counts import mirrored_collectives  # noqa: E402
-
 M = 96  # elements per rank per piece
-
-
-@pytest.fixture
-def mirrored_fake_world():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    with mirrored_collectives():
-        yield
-    dist.destroy_process_group()
 
 
 def _run(monkeypatch, c_kernels: bool, d: int) -> dict:

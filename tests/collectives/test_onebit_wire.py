@@ -7,13 +7,8 @@ the rows ops (the accelerator's form), each schedule, pieces of several lengths,
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_qcomm.codecs import cpu_fused
 from lightning_qcomm.collectives import sign_collective
@@ -23,20 +18,7 @@ from lightning_qcomm.collectives.sign_collective import (
     onebit_server_error_numel,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks.launch_counts
-from benchmarks.launch_counts import mirrored_collectives  # noqa: E402
-
 M = 96  # elements per rank per piece: d = 1000 is 3 pieces of 384 and a short one of 232
-
-
-@pytest.fixture
-def mirrored_fake_world():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    with mirrored_collectives():
-        yield
-    dist.destroy_process_group()
 
 
 def _both(x: torch.Tensor, block: int | None) -> tuple:

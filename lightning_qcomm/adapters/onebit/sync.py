@@ -186,21 +186,9 @@ class OneBitMomentumSync:
         as ``comm_worker.dedicated_group``'s for a background thread. Buckets are independent: their order of
         calls does not change any value, but it must be the same on every rank.
         """
-        self._ensure_errors(flat.device)
         group = self.process_group if process_group is None else process_group
         reduce = hierarchical_onebit_all_reduce if isinstance(group, NodeGroups) else onebit_all_reduce
-        reduce(
-            flat,
-            self.worker_error[b],
-            self.server_error[b],
-            group,
-            tag=self.tag,
-            check=not self._checked[b],
-            piece_numel=self.piece_numel,
-            block_numel=self.block_numel,
-        )
-        self._checked[b] = True
-        return flat
+        return self._run(reduce, b, flat, group)
 
     def reduce_bucket_wire(
         self, b: int, flat: torch.Tensor, process_group: dist.ProcessGroup | NodeGroups | None = None
@@ -209,11 +197,15 @@ class OneBitMomentumSync:
         bytes, ``decode()`` gives the same bits) and ``flat`` only read, so a caller holding many buckets' averages
         holds their payloads, not their fp32 values. Hierarchically the average is held decoded
         (``DecodedAverage``), in ``flat``."""
-        self._ensure_errors(flat.device)
         group = self.process_group if process_group is None else process_group
         if isinstance(group, NodeGroups):
-            return DecodedAverage(self.reduce_bucket_(b, flat, process_group))
-        wire = onebit_all_reduce_wire(
+            return DecodedAverage(self._run(hierarchical_onebit_all_reduce, b, flat, group))
+        return self._run(onebit_all_reduce_wire, b, flat, group)
+
+    def _run(self, reduce, b: int, flat: torch.Tensor, group):
+        """``reduce`` (a 1-bit all-reduce of ``collectives``) of bucket ``b``'s ``flat`` with its error buffers."""
+        self._ensure_errors(flat.device)
+        out = reduce(
             flat,
             self.worker_error[b],
             self.server_error[b],
@@ -224,7 +216,7 @@ class OneBitMomentumSync:
             block_numel=self.block_numel,
         )
         self._checked[b] = True
-        return wire
+        return out
 
     def scatter_bucket_(
         self, b: int, flat: torch.Tensor, tensors: list[torch.Tensor], read_only: list[bool] | None = None
