@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import gc
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from _launch import free_port, rank_results, spawn, write_rank_result
+from _launch import write_rank_result
+from _memory import BUCKET_MB, WIDTH, counted, deep_mlp, two_rank_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-WIDTH, LAYERS, BATCH, STEPS, COUNTED_FROM = 64, 16, 4, 6, 3
-BUCKET_MB = 4096 * 4 / 2**20
+BATCH, STEPS, COUNTED_FROM = 4, 6, 3
 
 
 def _train(rank: int, config: dict | None) -> dict:
@@ -30,21 +29,12 @@ def _train(rank: int, config: dict | None) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_qcomm.adapters.ddp.config import QuantDDPConfig
-    from lightning_qcomm.comm.comm_worker import CommWorker
     from lightning_qcomm.parallel import quant_ddp_hook
 
     mem = TensorMemory()
-    run_one = CommWorker._run_one
-
-    def counted(fn, fut):  # the overlapped buckets' buffers, made on the comm worker's thread, count too
-        with mem.in_thread():
-            run_one(fn, fut)
-
-    CommWorker._run_one = staticmethod(counted)
-    with mem:
+    with counted(mem), mem:  # the overlapped buckets' buffers, made on the comm worker's thread, count too
         torch.manual_seed(0)
-        layers = [m for _ in range(LAYERS) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())]
-        model = torch.nn.Sequential(*layers[:-1])
+        model = deep_mlp()
         ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if config is not None:
@@ -59,7 +49,6 @@ def _train(rank: int, config: dict | None) -> dict:
             opt.step()
         del x, y, g
         gc.collect()
-    CommWorker._run_one = staticmethod(run_one)
     numel = sum(p.numel() for p in model.parameters())
     return {"live": mem.live / numel, "peak": mem.peak / numel}
 
@@ -79,10 +68,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn(_worker, world, free_port(), tmp, nprocs=world)
-        return rank_results(tmp, world)
+    return two_rank_results(_worker)
 
 
 def test_quant_ddp_keeps_what_its_algorithm_needs(results) -> None:

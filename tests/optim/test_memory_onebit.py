@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import gc
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from _launch import free_port, rank_results, spawn, write_rank_result
+from _launch import write_rank_result
+from _memory import BUCKET_MB, WIDTH, counted, deep_mlp, two_rank_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-# LAYERS Linear(64, 64) + Tanh, a batch of 4: the activations that backward holds are about 0.5 bytes per
-# parameter, a small share as in the benchmark's GPT-2 shape (2 x 64 tokens for 7.8M parameters)
-WIDTH, LAYERS, BATCH = 64, 16, 4
+# ``_memory.deep_mlp`` (66,560 parameters), a batch of 4: the activations that backward holds are about 0.5 bytes per
+# parameter, a small share as in the benchmark's GPT-2 shape (2 x 64 tokens for 7.8M parameters); the momenta travel
+# in 17 buckets of at most 4096 elements (each weight its own), as the benchmark's in 15
+BATCH = 4
 FREEZE, STEPS = 2, 6
-# 4096 fp32 elements: the 33,280 momentum elements travel in 9 buckets (each weight its own), a step's buffers (one
-# bucket's at a time
-# inline) a small share of the model, as in the benchmark's GPT-2 shape (15 buckets)
-BUCKET_MB = 4096 * 4 / 2**20
 
 
 def _train(rank: int, refresh: int | None, overlap: bool = True) -> dict:
@@ -37,22 +34,13 @@ def _train(rank: int, refresh: int | None, overlap: bool = True) -> dict:
     from tensor_memory import TensorMemory, owners
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lightning_qcomm.comm.comm_worker import CommWorker
     from lightning_qcomm.optim import OneBitAdam
     from lightning_qcomm.parallel.onebit_adam import onebit_adam_ddp
 
     mem = TensorMemory()
-    run_one = CommWorker._run_one
-
-    def counted(fn, fut):  # the comm worker's allocations (the overlapped collectives' buffers) count too
-        with mem.in_thread():
-            run_one(fn, fut)
-
-    CommWorker._run_one = staticmethod(counted)
-    with mem:
+    with counted(mem), mem:  # the comm worker's allocations (the overlapped collectives' buffers) count too
         torch.manual_seed(0)
-        layers = [m for _ in range(LAYERS) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())]
-        model = torch.nn.Sequential(*layers[:-1])
+        model = deep_mlp()
         ddp = DDP(model)
         if refresh is None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -76,7 +64,6 @@ def _train(rank: int, refresh: int | None, overlap: bool = True) -> dict:
             opt.step()
         del x, y, g
         gc.collect()
-    CommWorker._run_one = staticmethod(run_one)
     numel = sum(p.numel() for p in model.parameters())
     return {
         "live": mem.live / numel,
@@ -101,10 +88,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn(_worker, world, free_port(), tmp, nprocs=world)
-        return rank_results(tmp, world)
+    return two_rank_results(_worker)
 
 
 def test_onebit_adam_live_bytes_after_freeze_are_its_algorithms_state(results) -> None:

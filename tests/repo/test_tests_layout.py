@@ -80,7 +80,7 @@ def test_top_level_names_do_not_resolve_into_tests():
 def test_the_helpers_names_are_their_own():
     """What the tests import by bare name is found in tests/_helpers, and no standard module has its name."""
     names = sorted(p.stem for p in HELPERS.glob("*.py"))
-    assert names == ["_cuda_checks", "_interpreted", "_launch", "_siblings", "_sync_guard"], names
+    assert names == ["_cuda_checks", "_interpreted", "_launch", "_memory", "_siblings", "_sync_guard"], names
     for name in names:
         assert name not in sys.stdlib_module_names, name
         assert Path(importlib.util.find_spec(name).origin).resolve().parent == HELPERS, name
