@@ -10,18 +10,17 @@ buffers, not every bucket's at once: the first version read +4.5 and +13 on the 
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _launch import write_rank_result
-from _memory import BUCKET_MB, WIDTH, counted, deep_mlp, two_rank_results
+from _memory import BUCKET_MB, counted, deep_mlp, train, two_rank_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-BATCH, STEPS, COUNTED_FROM = 4, 6, 3
+STEPS, COUNTED_FROM = 6, 3
 
 
 def _train(rank: int, config: dict | None) -> dict:
@@ -39,16 +38,7 @@ def _train(rank: int, config: dict | None) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if config is not None:
             ddp.register_comm_hook(*quant_ddp_hook(QuantDDPConfig(**config), ddp, optimizer=opt))
-        for step in range(STEPS):
-            if step == COUNTED_FROM:
-                mem.mark()
-            g = torch.Generator().manual_seed(1000 * rank + step)
-            x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, WIDTH, (BATCH,), generator=g)
-            opt.zero_grad(set_to_none=False)
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        del x, y, g
-        gc.collect()
+        train(ddp, opt, mem, rank, STEPS, counted_from=COUNTED_FROM)
     numel = sum(p.numel() for p in model.parameters())
     return {"live": mem.live / numel, "peak": mem.peak / numel}
 

@@ -10,21 +10,19 @@ the comm worker's thread between steps, was one bucket more).
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _launch import write_rank_result
-from _memory import BUCKET_MB, WIDTH, counted, deep_mlp, two_rank_results
+from _memory import BUCKET_MB, counted, deep_mlp, train, two_rank_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-# ``_memory.deep_mlp`` (66,560 parameters), a batch of 4: the activations that backward holds are about 0.5 bytes per
-# parameter, a small share as in the benchmark's GPT-2 shape (2 x 64 tokens for 7.8M parameters); the momenta travel
-# in 17 buckets of at most 4096 elements (each weight its own), as the benchmark's in 15
-BATCH = 4
+# ``_memory.deep_mlp`` (66,560 parameters), a batch of 4 (``_memory.train``): the activations that backward holds are
+# about 0.5 bytes per parameter, a small share as in the benchmark's GPT-2 shape (2 x 64 tokens for 7.8M parameters);
+# the momenta travel in 17 buckets of at most 4096 elements (each weight its own), as the benchmark's in 15
 FREEZE, STEPS = 2, 6
 
 
@@ -54,16 +52,7 @@ def _train(rank: int, refresh: int | None, overlap: bool = True) -> dict:
                 overlap=overlap,
             )
             onebit_adam_ddp(ddp, opt)
-        for step in range(STEPS):
-            if step == FREEZE + 1:  # the first compressed step has run: count the peak of the steady steps
-                mem.mark()
-            g = torch.Generator().manual_seed(1000 * rank + step)
-            x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, WIDTH, (BATCH,), generator=g)
-            opt.zero_grad(set_to_none=False)
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        del x, y, g
-        gc.collect()
+        train(ddp, opt, mem, rank, STEPS, counted_from=FREEZE + 1)  # the peak of the steady compressed steps
     numel = sum(p.numel() for p in model.parameters())
     return {
         "live": mem.live / numel,
