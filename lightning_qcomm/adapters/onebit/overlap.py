@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
@@ -89,7 +88,6 @@ class BackwardLauncher:
         self._seen: set[int] = set()
         self._next = 0  # position in self.order
         self._inflight: dict[int, torch.futures.Future] = {}
-        self._window: deque[torch.futures.Future] = deque()  # launched, maybe still running, oldest first
         self._from_hooks = 0
 
     def _on_grad(self, i: int, _param: torch.Tensor) -> None:
@@ -108,11 +106,10 @@ class BackwardLauncher:
             self._from_hooks += 1
 
     def _launch(self, b: int) -> None:
-        while len(self._window) >= MAX_IN_FLIGHT:
-            self._window.popleft().wait()  # re-raises a collective's error here, in backward
+        if self._next >= MAX_IN_FLIGHT:  # the worker runs jobs in order: this one done, so are all before it
+            self._inflight[self.order[self._next - MAX_IN_FLIGHT]].wait()  # re-raises its error here, in backward
         flat = self.candidate(self.sync.buckets[b])  # the job holds it: freed once the collective has read it
         self._inflight[b] = self.worker.submit(partial(self.sync.reduce_bucket_wire, b, flat, self.group))
-        self._window.append(self._inflight[b])
         self._next += 1
 
     def finish(self) -> list[OneBitWire | DecodedAverage]:
