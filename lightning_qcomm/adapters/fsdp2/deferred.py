@@ -5,9 +5,10 @@ FSDP2's ``foreach_reduce`` calls the custom reduce-scatter synchronously, then p
 sharded gradients views of the output (or accumulates into them), runs post-accumulate-grad hooks and, under
 HSDP, the all-reduce hook. When all of that only takes views (no cast, no existing gradient, no hook, no custom
 divide factor) the call may return at once: encode, all-to-all and fp32 sum run on the comm worker into a private
-buffer while backward goes on, and ``DeferredReduceScatters.flush`` (an autograd callback after FSDP2's own) waits
-for them in call order, writes each sum into its output and replays the division. The HSDP all-reduce hook may be
-deferred the same way.
+buffer while backward goes on. One call is pending at a time: ``add`` first writes the calls before it (waiting for
+their jobs), so a worker slower than backward holds one group's buffers, as FSDP2's own reduce-scatter does, and
+``DeferredReduceScatters.flush`` (an autograd callback after FSDP2's own) writes the last one. Writing a call puts
+its sum into its output and replays the division. The HSDP all-reduce hook may be deferred the same way.
 
 Invariants: the values are those of the inline call (same seed, same rank-order sum, same division); backward
 returns only once every gradient is final; ``deferrable(module)`` decides per call from FSDP2's internals
