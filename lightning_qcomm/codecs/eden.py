@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from lightning_qcomm.codecs import packing, rng, scaling
+from lightning_qcomm.codecs import layout, rng, scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.registry import register_codec
 
@@ -219,8 +219,8 @@ class EdenCodec(Codec):
             c, w = self._encode_rows(xf[full * blen :].view(1, tail), keys[full:])
             codes[full * blen :].copy_(c.view(-1))
             words.append(w)
-        codes = torch.nn.functional.pad(codes, (0, packing.packed_nbytes(n, 8) - n))
-        return packing.pack_bits(codes, self.bits), torch.cat(words).contiguous()
+        codes = torch.nn.functional.pad(codes, (0, layout.packed_nbytes(n, 8) - n))
+        return layout.pack_bits(codes, self.bits), torch.cat(words).contiguous()
 
     # ------------------------------------------------------------------ decode
     def _decode_rows(self, codes: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
@@ -234,7 +234,7 @@ class EdenCodec(Codec):
 
     def decode_reference(self, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
         """Flat fp32 values of packed ``codes`` and the wire words ``dec_params`` (``_decode_params``)."""
-        c_all = packing.unpack_bits(codes, self.bits, numel).to(torch.int64)
+        c_all = layout.unpack_bits(codes, self.bits, numel).to(torch.int64)
         blen, full, tail = self._split(numel)
         out = torch.empty(numel, dtype=torch.float32, device=codes.device)
         if full:

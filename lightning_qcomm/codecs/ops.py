@@ -31,7 +31,7 @@ from lightning_qcomm.codecs import (
     cpu,
     cuda,
     cuda_segments,
-    packing,
+    layout,
     qsgd,
     registry,
     rng,
@@ -43,7 +43,7 @@ from lightning_qcomm.codecs import (
     sign_ops,  # noqa: F401  (defines the sign_* ops)
 )
 from lightning_qcomm.codecs.base import Codec
-from lightning_qcomm.codecs.kernel_spec import C_SPEC_SCHEMA
+from lightning_qcomm.codecs.layout import C_SPEC_SCHEMA
 
 _CODEC = "str codec, int bits, int? bucket_size, bool stochastic"
 
@@ -114,7 +114,7 @@ def _decode_into(codes, scales, c: Codec, dtype, out) -> None:
 # ---------------------------------------------------------------------------------------------- fake: shapes
 def _encode_fake(x, c: Codec, seed: int):
     n = x.numel()
-    codes = x.new_empty(packing.packed_nbytes(n, c.bits), dtype=torch.uint8)
+    codes = x.new_empty(layout.packed_nbytes(n, c.bits), dtype=torch.uint8)
     return codes, x.new_empty((c.num_buckets(n), c.scales_per_bucket), dtype=torch.float32)
 
 

@@ -30,7 +30,7 @@ import torch
 
 from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
-from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec, redo_floor
+from lightning_qcomm.codecs.layout import KernelKind, KernelSpec, redo_floor
 from lightning_qcomm.codecs.registry import register_codec
 
 # The C kernel's clamp of qsgd's scaled magnitude |x| s / n: above s + 1 (s <= 127), so it changes no level.
