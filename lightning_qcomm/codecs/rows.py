@@ -33,8 +33,7 @@ from lightning_qcomm._log import log_once
 from lightning_qcomm.codecs import layout, registry, rng, scaling
 from lightning_qcomm.codecs.base import Codec, Packed
 from lightning_qcomm.codecs.fp8 import FP8Codec
-from lightning_qcomm.codecs.qsgd import NUQSGDCodec, QSGDCodec, QSGDInfCodec
-from lightning_qcomm.codecs.sign import SignCodec
+from lightning_qcomm.codecs.qsgd import NUQSGDCodec, QSGDCodec, QSGDInfCodec, SignCodec
 from lightning_qcomm.codecs.uniform import UniformCodec
 
 log = logging.getLogger(__name__)
