@@ -1,4 +1,4 @@
-"""The Hadamard transform of whole blocks in Triton (``qcomm::hadamard_`` on CUDA; ``codecs.rotation``): one program
+"""The Hadamard transform of whole blocks in Triton (``qcomm::hadamard_`` on CUDA; ``codecs.eden``): one program
 per block of B = 2^LOG2 elements, held in registers, the butterfly of the reference in its order (stride h = 1, 2,
 ..., B/2: the pair (i, i + h) becomes (a + b, a - b)), then the product with the fp32 factor fl(1 / sqrt(B)).
 

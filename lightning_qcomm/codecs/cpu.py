@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_qcomm.codecs import cpu_fused, layout, native, qsgd, rotation, scaling
+from lightning_qcomm.codecs import cpu_fused, eden, layout, native, qsgd, scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.rows import (
     check_wire,
@@ -224,9 +224,9 @@ def tree_norm(xb: torch.Tensor) -> torch.Tensor:
 
 def hadamard_(x: torch.Tensor, block: int) -> None:
     """``qcomm::hadamard_``: the C butterfly (``kernels/cpu``) in the reference's order, for a contiguous fp32 ``x``
-    when the C kernels are loaded (and not switched off); else ``rotation.hadamard_reference_``."""
-    rotation.check_block(block, x.numel())
+    when the C kernels are loaded (and not switched off); else ``eden.hadamard_reference_``."""
+    eden.check_block(block, x.numel())
     if x.dtype == torch.float32 and x.is_contiguous() and _c_kernels():
-        torch.ops.qcomm.c_hadamard(x, block, rotation.hadamard_scale(block))
+        torch.ops.qcomm.c_hadamard(x, block, eden.hadamard_scale(block))
         return
-    rotation.hadamard_reference_(x, block)
+    eden.hadamard_reference_(x, block)
