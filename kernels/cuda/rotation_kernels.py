@@ -7,7 +7,7 @@ reference, so the same bits.
 
 Example::
 
-    hadamard_(x, 4096, rotation.hadamard_scale(4096))   # x: contiguous fp32 on the device, whole blocks
+    hadamard_(x, 4096, eden.hadamard_scale(4096))   # x: contiguous fp32 on the device, whole blocks
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _hadamard_kernel(x_ptr, scale, BLOCK: tl.constexpr, LOG2: tl.constexpr):
 
 def hadamard_(x: torch.Tensor, block: int, scale: float) -> None:
     """H_B of each block of the contiguous fp32 ``x`` in place (``block`` a power of two <= MAX_BLOCK dividing its
-    size), ``scale`` = ``rotation.hadamard_scale(block)``: one launch."""
+    size), ``scale`` = ``eden.hadamard_scale(block)``: one launch."""
     if x.numel():
         warps = max(1, min(8, block // 256))
         _hadamard_kernel[(x.numel() // block,)](x, scale, BLOCK=block, LOG2=block.bit_length() - 1, num_warps=warps)
