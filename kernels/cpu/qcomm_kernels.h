@@ -7,14 +7,14 @@
    Single-threaded; it runs under the caller's floating-point environment (flush-denormal included).
 
    Plain C-compatible code, included by qcomm_ops.cpp (the torch op wrappers). The kernel kinds
-   QC_KIND_UNIFORM .. QC_KIND_FP8 are defined by the build from lightning_qcomm.codecs.kernel_spec.KernelKind. */
+   QC_KIND_UNIFORM .. QC_KIND_FP8 are defined by the build from lightning_qcomm.codecs.layout.KernelKind. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
 
 #if !defined(QC_KIND_UNIFORM) || !defined(QC_KIND_QSGD) || !defined(QC_KIND_NUQSGD) || !defined(QC_KIND_SIGN) || \
     !defined(QC_KIND_FP8)
-#error "build with the -DQC_KIND_* flags of lightning_qcomm.codecs.kernel_spec.c_kind_defines()"
+#error "build with the -DQC_KIND_* flags of lightning_qcomm.codecs.layout.c_kind_defines()"
 #endif
 
 #define CHUNK 4096  /* elements per packing chunk (multiple of 8) */
@@ -35,7 +35,7 @@ static inline int isfin(float v) { return v - v == 0.0f; }
 /* torch.nan_to_num(nan=0.0) of a value known to be >= 0 or NaN */
 static inline float nan0(float r) { return r != r ? 0.0f : (r > FLT_MAX_ ? FLT_MAX_ : r); }
 
-/* The kernel spec (lightning_qcomm.codecs.kernel_spec.KernelSpec) as the kernels read it. */
+/* The kernel spec (lightning_qcomm.codecs.layout.KernelSpec) as the kernels read it. */
 typedef struct {
     int kind, bits, stoch, P;
     int levels;        /* uniform: 2^b - 1; qsgd: s; nuqsgd: L - 1 */
@@ -200,7 +200,7 @@ static inline int32_t fkey(uint32_t u) { return (int32_t)(u ^ ((uint32_t)((int32
 static inline float unkey(int32_t k) { return u2f((uint32_t)k ^ ((uint32_t)(k >> 31) & 0x7FFFFFFFu)); }
 
 /* The Hadamard transform of each block of `block` = 2^k floats of x (n of them, whole blocks), in place, in the
-   order of codecs.rotation.hadamard_reference_: for h = 1, 2, ..., block / 2 every pair (i, i + h) with
+   order of codecs.eden.hadamard_reference_: for h = 1, 2, ..., block / 2 every pair (i, i + h) with
    i mod 2h < h becomes (a + b, a - b); then every element times `scale`. Additions only until the product, and
    -ffp-contract=off, so each output is the reference's sequence of fp32 operations. */
 static void qc_hadamard(float* x, int64_t n, int64_t block, float scale) {

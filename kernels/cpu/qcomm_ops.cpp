@@ -4,7 +4,7 @@
 //
 // The op schemas are defined in Python (lightning_qcomm/codecs/ops.py and sign_ops.py, with their fake and
 // default kernels); this file registers the CPU kernels. Each function's parameters follow its schema in
-// order; QC_SPEC_PARAMS follows kernel_spec.C_SPEC_SCHEMA (the fields of KernelSpec the C kernels read).
+// order; QC_SPEC_PARAMS follows layout.C_SPEC_SCHEMA (the fields of KernelSpec the C kernels read).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>

@@ -11,7 +11,7 @@ values equal ``Codec.decode_reference``.
 Layout. Program ``pid`` owns ``GROUPS`` groups of 8 consecutive elements, as a (GROUPS, 8) tile.
 Element ``i`` lies in bucket ``i // BUCKET`` (BUCKET = the codec's bucket_size; 0 = one bucket).
 A group's 8 codes of ``BITS`` bits form ``v = sum_k code_k << (BITS*k)`` and are stored as the
-``BITS`` little-endian bytes of ``v`` (``codecs/packing.py``). Byte ``j`` of a group collects from
+``BITS`` little-endian bytes of ``v`` (``codecs/layout.py``). Byte ``j`` of a group collects from
 code ``k`` the bits ``(code_k << (BITS*k - 8j)) & 0xFF`` (a right shift when negative); shifts are
 clamped to [0, 8], which gives 0 exactly for the codes that do not touch byte j, so everything
 stays in int32.
@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_qcomm.codecs import packing, registry, rng
-from lightning_qcomm.codecs.kernel_spec import KernelSpec
+from lightning_qcomm.codecs import layout, registry, rng
+from lightning_qcomm.codecs.layout import KernelSpec
 
 from .elementwise import dequantize, quantize_tile
 from .wire_params import dec_params
@@ -212,7 +212,7 @@ def _kernel_spec(codec) -> KernelSpec:
 
 def _spec(codec) -> dict:
     """Compile-time constants of ``codec`` (kind, widths, levels, exponents), from its ``KernelSpec``; the
-    kinds are ``kernel_spec.KernelKind``'s numbers (``elementwise.py`` switches on them)."""
+    kinds are ``layout.KernelKind``'s numbers (``elementwise.py`` switches on them)."""
     k = _kernel_spec(codec)
     return {
         "KIND": int(k.kind),
@@ -260,7 +260,7 @@ def encode(codec, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torc
         )
     xf = xf.contiguous()
     k1, k2 = rng.seed_to_key(seed)
-    out = torch.empty(packing.packed_nbytes(n, spec["BITS"]), dtype=torch.uint8, device=xf.device)
+    out = torch.empty(layout.packed_nbytes(n, spec["BITS"]), dtype=torch.uint8, device=xf.device)
     grid, int64_index = _grid(n)
     _launch_encode(codec, grid, xf, params, out, n, (_to_i32(k1), _to_i32(k2)), None, 0, 0, int64_index, False)
     return out
@@ -303,9 +303,9 @@ def decode_rows(codec, wire: torch.Tensor, n: int, out: torch.Tensor | None = No
         raise ValueError(f"out must be contiguous fp32 with ({r} - 1) * {n} < numel <= {r} * {n}, got {out.numel()}")
     (programs,), int64_index = _grid(n)
     # the params pointer is unused: the rows form reads the scales behind each row's codes
-    scale_off = packing.packed_nbytes(n, spec["BITS"])
-    layout, s = (p, scale_off, out.numel()), codec.scales_per_bucket
-    _launch_decode(codec, (programs, r), wire, wire, out, n, layout, s, int64_index, rows=True)
+    scale_off = layout.packed_nbytes(n, spec["BITS"])
+    rows_layout, s = (p, scale_off, out.numel()), codec.scales_per_bucket
+    _launch_decode(codec, (programs, r), wire, wire, out, n, rows_layout, s, int64_index, rows=True)
     return out
 
 
@@ -347,7 +347,7 @@ def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int, wir
     _check_device(codes, "codes")
     if numel < 1:
         raise ValueError(f"numel must be >= 1, got {numel}")
-    expected = packing.packed_nbytes(numel, spec["BITS"])
+    expected = layout.packed_nbytes(numel, spec["BITS"])
     codes = codes.reshape(-1)
     if codes.numel() != expected:
         raise ValueError(f"codes has {codes.numel()} bytes, expected {expected} for {numel} elements")
@@ -359,8 +359,10 @@ def decode(codec, codes: torch.Tensor, dec_params: torch.Tensor, numel: int, wir
         )
     out = torch.empty(numel, dtype=torch.float32, device=codes.device)
     grid, int64_index = _grid(numel)
-    layout = (0, 0, numel)
-    _launch_decode(codec, grid, codes.contiguous(), params, out, numel, layout, params.shape[1], int64_index, wire=wire)
+    rows_layout = (0, 0, numel)
+    _launch_decode(
+        codec, grid, codes.contiguous(), params, out, numel, rows_layout, params.shape[1], int64_index, wire=wire
+    )
     return out
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lightning_qcomm.codecs.kernel_spec import KernelKind
+from lightning_qcomm.codecs.layout import KernelKind
 
 # fp32 quiet NaN and +Inf as bits: a NaN constexpr global would fail Triton's check that globals did not change
 # since compile (it compares with !=, and NaN != NaN), on every launch after the first compile
 _NAN_BITS = tl.constexpr(0x7FC00000)
 _INF_BITS = tl.constexpr(0x7F800000)
-# The kinds, as the C kernels number them (one enum: codecs.kernel_spec.KernelKind).
+# The kinds, as the C kernels number them (one enum: codecs.layout.KernelKind).
 _UNIFORM = tl.constexpr(int(KernelKind.UNIFORM))
 _QSGD = tl.constexpr(int(KernelKind.QSGD))
 _NUQSGD = tl.constexpr(int(KernelKind.NUQSGD))

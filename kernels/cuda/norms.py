@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lightning_qcomm.codecs.kernel_spec import KernelKind
+from lightning_qcomm.codecs.layout import KernelKind
 
 from .elementwise import is_finite
 

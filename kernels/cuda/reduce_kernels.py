@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_qcomm.codecs import packing
+from lightning_qcomm.codecs import layout
 
 from .codec_kernels import GROUPS_PER_PROGRAM, NUM_WARPS, _check_device, _grid, _spec, unpack_codes
 from .elementwise import dequantize, is_finite
@@ -268,7 +268,7 @@ def decode_rows_sum(codec, wire: torch.Tensor, n: int, avg: bool, rank_order: bo
         out,
         n,
         p,
-        packing.packed_nbytes(n, spec["BITS"]),
+        layout.packed_nbytes(n, spec["BITS"]),
         struct.unpack("f", struct.pack("f", 1.0 / r))[0],  # fl(1/R), as CUDA's division by a Python number
         R=r,
         AVG=avg,
@@ -340,7 +340,7 @@ def feedback_rows(codec, y, wire, n: int, reduced, held, start: int, k: float, h
         n,
         m,
         p,
-        packing.packed_nbytes(n, spec["BITS"]),
+        layout.packed_nbytes(n, spec["BITS"]),
         start,
         reduced.numel(),
         float(k),

@@ -1,4 +1,4 @@
-"""The Hadamard transform of whole blocks in Triton (``qcomm::hadamard_`` on CUDA; ``codecs.rotation``): one program
+"""The Hadamard transform of whole blocks in Triton (``qcomm::hadamard_`` on CUDA; ``codecs.eden``): one program
 per block of B = 2^LOG2 elements, held in registers, the butterfly of the reference in its order (stride h = 1, 2,
 ..., B/2: the pair (i, i + h) becomes (a + b, a - b)), then the product with the fp32 factor fl(1 / sqrt(B)).
 
@@ -7,7 +7,7 @@ reference, so the same bits.
 
 Example::
 
-    hadamard_(x, 4096, rotation.hadamard_scale(4096))   # x: contiguous fp32 on the device, whole blocks
+    hadamard_(x, 4096, eden.hadamard_scale(4096))   # x: contiguous fp32 on the device, whole blocks
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _hadamard_kernel(x_ptr, scale, BLOCK: tl.constexpr, LOG2: tl.constexpr):
 
 def hadamard_(x: torch.Tensor, block: int, scale: float) -> None:
     """H_B of each block of the contiguous fp32 ``x`` in place (``block`` a power of two <= MAX_BLOCK dividing its
-    size), ``scale`` = ``rotation.hadamard_scale(block)``: one launch."""
+    size), ``scale`` = ``eden.hadamard_scale(block)``: one launch."""
     if x.numel():
         warps = max(1, min(8, block // 256))
         _hadamard_kernel[(x.numel() // block,)](x, scale, BLOCK=block, LOG2=block.bit_length() - 1, num_warps=warps)

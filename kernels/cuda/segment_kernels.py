@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_qcomm.codecs import packing
-from lightning_qcomm.codecs.kernel_spec import redo_floor
+from lightning_qcomm.codecs import layout
+from lightning_qcomm.codecs.layout import redo_floor
 
 from .codec_kernels import GROUPS_PER_PROGRAM, NUM_WARPS, _check_device, _load_params, _spec, pack_store
 from .elementwise import quantize_tile
@@ -286,7 +286,7 @@ def segment_table(
     for n, q in zip(numels, quantized):
         nb = codec.num_buckets(n) if q else 0
         payload = codec.nbytes(n) if q else n * raw_bytes
-        words += [off, n, code, packing.packed_nbytes(n, codec.bits) if q else 0, bucket, tile, prog, int(q)]
+        words += [off, n, code, layout.packed_nbytes(n, codec.bits) if q else 0, bucket, tile, prog, int(q)]
         off, code, bucket = off + n, code + payload, bucket + nb
         tile, prog = tile + triton.cdiv(n, TILE), prog + triton.cdiv(nb, rows)
     return tuple(words), tile, prog, bucket

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_qcomm.codecs import packing
-from lightning_qcomm.codecs.kernel_spec import KernelKind, redo_floor
+from lightning_qcomm.codecs import layout
+from lightning_qcomm.codecs.layout import KernelKind, redo_floor
 
 from .elementwise import is_finite
 from .norms import _finite64, _l2_norm64, _level_cap
@@ -319,7 +319,7 @@ def wire_encode_params(
         n,
         nb_row,
         wire_stride,
-        packing.packed_nbytes(n, codec.bits),
+        layout.packed_nbytes(n, codec.bits),
         KIND=int(spec.kind),
         BUCKET=blen,
         BLOCK=block,

@@ -17,10 +17,7 @@ from __future__ import annotations
 from lightning_qcomm.codecs.uniform import UniformCodec
 
 # isort: split
-from lightning_qcomm.codecs.qsgd import NUQSGDCodec, QSGDCodec, QSGDInfCodec
-
-# isort: split
-from lightning_qcomm.codecs.sign import SignCodec
+from lightning_qcomm.codecs.qsgd import NUQSGDCodec, QSGDCodec, QSGDInfCodec, SignCodec
 
 # isort: split
 from lightning_qcomm.codecs.fp8 import FP8Codec

@@ -2,7 +2,7 @@
 "Codecs").
 
 Every codec works on the flattened input split into buckets of ``bucket_size`` elements (the last one may be
-short); per bucket a few fp32 *scales* travel with the densely bit-packed codes (``packing``), so a tensor of d
+short); per bucket a few fp32 *scales* travel with the densely bit-packed codes (``layout``), so a tensor of d
 elements takes ``nbytes(d) = ceil(d / 8) * bits + ceil(d / B) * scales_per_bucket * 4`` bytes.
 
 Invariants: a bucket containing NaN or +-Inf gets a NaN scale and decodes non-finite, so compression never makes
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_qcomm.codecs import packing, registry, rng, scaling
-from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec
+from lightning_qcomm.codecs import layout, registry, rng, scaling
+from lightning_qcomm.codecs.layout import KernelKind, KernelSpec
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Codec(ABC):
 
     def nbytes(self, numel: int) -> int:
         """Wire bytes of a tensor of ``numel`` elements (codes + padding + scales)."""
-        return packing.packed_nbytes(numel, self.bits) + self.num_buckets(numel) * self.scales_per_bucket * 4
+        return layout.packed_nbytes(numel, self.bits) + self.num_buckets(numel) * self.scales_per_bucket * 4
 
     def compression_ratio(self, numel: int) -> float:
         """nbytes / fp32 bytes."""
@@ -268,7 +268,7 @@ class Codec(ABC):
     def encode_reference(self, xf: torch.Tensor, enc_params: torch.Tensor, seed: int) -> torch.Tensor:
         """Torch reference of the element-wise encode: packed uint8 codes of flat fp32 ``xf``."""
         n = xf.numel()
-        codes = torch.zeros(packing.packed_nbytes(n, 8), dtype=torch.uint8, device=xf.device)  # zero padding
+        codes = torch.zeros(layout.packed_nbytes(n, 8), dtype=torch.uint8, device=xf.device)  # zero padding
         for start, rows, length, b in self._pieces(n, xf.device):
             end = start + rows * length
             x = xf[start:end].reshape(rows, length)
@@ -279,7 +279,7 @@ class Codec(ABC):
             # the NaN scale already makes their decode non-finite, and the codes stay deterministic.
             ok = (x - x == 0) & torch.isfinite(params).all(dim=1)  # x - x == 0: x finite
             codes[start:end].view(rows, length).copy_(c.masked_fill_(~ok, 0))
-        return packing.pack_bits(codes, self.bits)
+        return layout.pack_bits(codes, self.bits)
 
     def decode(self, p: Packed) -> torch.Tensor:
         """Rebuild a tensor of ``p.shape`` and ``p.dtype``."""
@@ -305,7 +305,7 @@ class Codec(ABC):
 
     def decode_reference(self, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
         """Torch reference of the element-wise decode: flat fp32 values."""
-        c_all = packing.unpack_bits(codes, self.bits, numel)
+        c_all = layout.unpack_bits(codes, self.bits, numel)
         out = torch.empty(numel, dtype=torch.float32, device=codes.device)
         for start, rows, length, b in self._pieces(numel, codes.device):
             end = start + rows * length
@@ -319,7 +319,7 @@ class Codec(ABC):
         n = 1
         for s in shape:
             n *= s
-        ncodes = packing.packed_nbytes(n, self.bits)
+        ncodes = layout.packed_nbytes(n, self.bits)
         nb = self.num_buckets(n)
         if buf.numel() != self.nbytes(n):
             raise ValueError(

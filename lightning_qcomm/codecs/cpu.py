@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_qcomm.codecs import cpu_fused, native, packing, qsgd, rotation, scaling
+from lightning_qcomm.codecs import cpu_fused, eden, layout, native, qsgd, scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.rows import (
     check_wire,
@@ -92,7 +92,7 @@ def _c_row_into(codec: Codec, rows: torch.Tensor, j: int, seed: int, out: torch.
     the (buckets, scales per bucket) fp32 scales."""
     if not c_pass_available(codec, rows.device):
         raise ValueError(f"{codec!r} rows on {rows.device}: the fused C pass is not available (c_pass_available)")
-    ncode = packing.packed_nbytes(rows.shape[1], codec.bits)
+    ncode = layout.packed_nbytes(rows.shape[1], codec.bits)
     xf = rows[j].detach().to(torch.float32)
     _, scales = cpu_fused.encode_packed(codec, xf, seed, scaling.output_max(rows.dtype), out=out[:ncode], offset=offset)
     out[ncode:].copy_(scales.reshape(-1).view(torch.uint8))
@@ -153,7 +153,7 @@ def _fused_rows(codec: Codec, wire: torch.Tensor, n: int) -> bool:
 def _c_decode_row_into(codec: Codec, payload: torch.Tensor, n: int, out: torch.Tensor) -> None:
     """``codec.decode_into(codec.from_bytes(payload, (n,), fp32), out)`` on the fused C path (``_fused_rows``),
     called directly: a contiguous fp32 ``out`` is written by the C decode from the wire scales, no op dispatch."""
-    ncode = packing.packed_nbytes(n, codec.bits)
+    ncode = layout.packed_nbytes(n, codec.bits)
     if out.dtype != torch.float32 or not out.is_contiguous():
         codec.decode_into(codec.from_bytes(payload, (n,), torch.float32), out)
         return
@@ -224,9 +224,9 @@ def tree_norm(xb: torch.Tensor) -> torch.Tensor:
 
 def hadamard_(x: torch.Tensor, block: int) -> None:
     """``qcomm::hadamard_``: the C butterfly (``kernels/cpu``) in the reference's order, for a contiguous fp32 ``x``
-    when the C kernels are loaded (and not switched off); else ``rotation.hadamard_reference_``."""
-    rotation.check_block(block, x.numel())
+    when the C kernels are loaded (and not switched off); else ``eden.hadamard_reference_``."""
+    eden.check_block(block, x.numel())
     if x.dtype == torch.float32 and x.is_contiguous() and _c_kernels():
-        torch.ops.qcomm.c_hadamard(x, block, rotation.hadamard_scale(block))
+        torch.ops.qcomm.c_hadamard(x, block, eden.hadamard_scale(block))
         return
-    rotation.hadamard_reference_(x, block)
+    eden.hadamard_reference_(x, block)

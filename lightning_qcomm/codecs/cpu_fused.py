@@ -31,8 +31,8 @@ import weakref
 import torch
 
 from lightning_qcomm._log import log_once
-from lightning_qcomm.codecs import native, packing, registry, rng, scaling
-from lightning_qcomm.codecs.kernel_spec import KernelKind
+from lightning_qcomm.codecs import layout, native, registry, rng, scaling
+from lightning_qcomm.codecs.layout import KernelKind
 from lightning_qcomm.codecs.qsgd import tree_norm
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def encode(
     if params.shape != (codec.num_buckets(n), spec.enc_params):
         raise ValueError(f"enc_params of shape {tuple(params.shape)} do not match codec {codec!r} on {n} elements")
     if out is None:
-        out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
+        out = torch.empty(layout.packed_nbytes(n, codec.bits), dtype=torch.uint8)
     k1, k2 = rng.seed_to_key(seed)
     torch.ops.qcomm.c_encode_codes.default(x, params, k1, k2, *_c_spec_args(codec), out, offset)
     return out
@@ -179,7 +179,7 @@ def _decode_buffers(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(flat contiguous codes, fp32 output) of a fused decode of ``numel`` values, both checked."""
     _require()
-    need = packing.packed_nbytes(numel, codec.bits)
+    need = layout.packed_nbytes(numel, codec.bits)
     c = codes.reshape(-1)
     if c.numel() < need:
         raise ValueError(f"codes has {c.numel()} bytes, {numel} codes of {codec.bits} bits need {need}")
@@ -297,7 +297,7 @@ def encode_packed(
         scales = torch.empty(nb, 2, dtype=torch.float32)
         params = torch.empty(nb, 3, dtype=torch.float32)
         if out is None:
-            out = torch.empty(packing.packed_nbytes(n, codec.bits), dtype=torch.uint8)
+            out = torch.empty(layout.packed_nbytes(n, codec.bits), dtype=torch.uint8)
         k1, k2 = rng.seed_to_key(seed)
         if torch.ops.qcomm.c_uniform_encode.default(x, k1, k2, *_c_spec_args(codec), scales, params, out, offset):
             return out, scales

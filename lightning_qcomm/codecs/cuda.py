@@ -26,7 +26,7 @@ import os
 import torch
 
 from lightning_qcomm._log import log_once
-from lightning_qcomm.codecs import registry, rng, rotation, rows_reduce, scaling, triton_probe
+from lightning_qcomm.codecs import eden, registry, rng, rows_reduce, scaling, triton_probe
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.rows import (
     INT32_COUNTERS,
@@ -269,16 +269,16 @@ def _feedback_rows_works(c: Codec, device: torch.device) -> bool:
 # ---------------------------------------------------------------------------------------------- rotation
 def hadamard_(x: torch.Tensor, block: int) -> None:
     """``qcomm::hadamard_``: one launch (a program per block, ``rotation_kernels``) for a contiguous fp32 ``x`` with
-    blocks up to ``MAX_BLOCK`` once its first-use check passed on the device; else ``rotation.hadamard_reference_``."""
-    rotation.check_block(block, x.numel())
+    blocks up to ``MAX_BLOCK`` once its first-use check passed on the device; else ``eden.hadamard_reference_``."""
+    eden.check_block(block, x.numel())
     if _triton_on(x.device):
         k = triton_kernels()
         fits = x.dtype == torch.float32 and x.is_contiguous() and block <= k.rotation_kernels.MAX_BLOCK
         if fits and _hadamard_works(x.device):
             with triton_probe.on_device(x.device):
-                k.rotation_kernels.hadamard_(x, block, rotation.hadamard_scale(block))
+                k.rotation_kernels.hadamard_(x, block, eden.hadamard_scale(block))
             return
-    rotation.hadamard_reference_(x, block)
+    eden.hadamard_reference_(x, block)
 
 
 def _hadamard_works(device: torch.device) -> bool:
@@ -293,10 +293,10 @@ def _hadamard_works(device: torch.device) -> bool:
             if block > 2:
                 x[2 * block + 1] = float("-inf")
             want = x.clone()
-            rotation.hadamard_reference_(want, block)
+            eden.hadamard_reference_(want, block)
             got = x.to(device)
             with triton_probe.on_device(device):
-                triton_kernels().rotation_kernels.hadamard_(got, block, rotation.hadamard_scale(block))
+                triton_kernels().rotation_kernels.hadamard_(got, block, eden.hadamard_scale(block))
             difference = triton_probe._difference("rotated values", want, got.cpu())
             if difference:
                 raise RuntimeError(f"the Triton Hadamard transform differs from the reference: {difference}")

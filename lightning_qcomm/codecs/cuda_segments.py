@@ -23,7 +23,7 @@ import torch
 
 from lightning_qcomm.codecs import cpu, cuda, rng, scaling, triton_probe
 from lightning_qcomm.codecs.base import Codec
-from lightning_qcomm.codecs.kernel_spec import KernelKind
+from lightning_qcomm.codecs.layout import KernelKind
 from lightning_qcomm.codecs.rows_segments import (
     check_segments,
     decode_segments_body,

@@ -27,10 +27,11 @@ Example::
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
-from lightning_qcomm.codecs import packing, rng, scaling
+from lightning_qcomm.codecs import layout, rng, scaling
 from lightning_qcomm.codecs.base import Codec
 from lightning_qcomm.codecs.registry import register_codec
 
@@ -64,9 +65,50 @@ def lloyd_max_levels(bits: int) -> torch.Tensor:
     return torch.cat([-half.flip(0), half]).to(torch.float32)
 
 
+# ---------------------------------------------------------------------------------------------- the rotation
+MAX_BLOCK = 1 << 16  # the largest block the op takes (the C kernel works in place; Triton holds a block per program)
+
+
+def check_block(block: int, numel: int) -> None:
+    """ValueError unless ``block`` is a power of two in [1, MAX_BLOCK] dividing ``numel``."""
+    if not isinstance(block, int) or block < 1 or block & (block - 1) or block > MAX_BLOCK:
+        raise ValueError(f"hadamard_: block must be a power of two in [1, {MAX_BLOCK}], got {block!r}")
+    if numel % block:
+        raise ValueError(f"hadamard_: the tensor's {numel} elements are not whole blocks of {block}")
+
+
+def hadamard_scale(block: int) -> float:
+    """fl(1 / sqrt(block)): the fp32 factor every backend multiplies by (a float that fp32 holds exactly; rounded on
+    the host, no tensor made)."""
+    return struct.unpack("f", struct.pack("f", 1.0 / math.sqrt(block)))[0]
+
+
+def hadamard_reference_(x: torch.Tensor, block: int) -> None:
+    """``qcomm::hadamard_``'s reference: H_B of each block of the flat fp32 ``x``, in place, in one fixed order.
+
+    H_B is the orthonormal Walsh-Hadamard matrix (Sylvester order), applied as an in-place butterfly: for h = 1, 2,
+    4, ..., B/2 every pair (i, i + h) with i mod 2h < h becomes (a + b, a - b), then every element is multiplied by
+    ``hadamard_scale(B)``, fl(1 / sqrt(B)). Each output is the same sequence of fp32 additions on every backend
+    (this reference, the C kernel, the Triton kernel), so all give the same bits. H_B is symmetric and H_B H_B = I
+    (exact when k is even, else up to the rounding of fl(1 / sqrt(B))^2). A NaN or +-Inf reaches every output of
+    its block (each is a signed sum of all its inputs) and no other block; the butterfly overflows where a block's
+    l1 norm passes FLT_MAX (``sum |x_i|``), which the codec pre-scales (``codecs.scaling``)."""
+    check_block(block, x.numel())
+    v = x.view(-1, block)
+    h = 1
+    while h < block:
+        pairs = v.view(-1, block // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        s, d = a + b, a - b
+        a.copy_(s)
+        b.copy_(d)
+        h *= 2
+    x.mul_(hadamard_scale(block))
+
+
 def fwht_rows(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform of each row of ``x`` (rows of h = 2^k), out of place: the op
-    ``qcomm::hadamard_`` (``codecs.rotation``: the butterfly in one fixed order, then fl(1 / sqrt(h)); the C kernel
+    ``qcomm::hadamard_`` (``hadamard_reference_``: the butterfly in one fixed order, then fl(1 / sqrt(h)); the C kernel
     on CPU, Triton on CUDA, the same bits). The transform is its own inverse (H H = I, up to rounding)."""
     y = x.contiguous().clone()
     torch.ops.qcomm.hadamard_(y.view(-1), x.shape[1])
@@ -219,8 +261,8 @@ class EdenCodec(Codec):
             c, w = self._encode_rows(xf[full * blen :].view(1, tail), keys[full:])
             codes[full * blen :].copy_(c.view(-1))
             words.append(w)
-        codes = torch.nn.functional.pad(codes, (0, packing.packed_nbytes(n, 8) - n))
-        return packing.pack_bits(codes, self.bits), torch.cat(words).contiguous()
+        codes = torch.nn.functional.pad(codes, (0, layout.packed_nbytes(n, 8) - n))
+        return layout.pack_bits(codes, self.bits), torch.cat(words).contiguous()
 
     # ------------------------------------------------------------------ decode
     def _decode_rows(self, codes: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
@@ -234,7 +276,7 @@ class EdenCodec(Codec):
 
     def decode_reference(self, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
         """Flat fp32 values of packed ``codes`` and the wire words ``dec_params`` (``_decode_params``)."""
-        c_all = packing.unpack_bits(codes, self.bits, numel).to(torch.int64)
+        c_all = layout.unpack_bits(codes, self.bits, numel).to(torch.int64)
         blen, full, tail = self._split(numel)
         out = torch.empty(numel, dtype=torch.float32, device=codes.device)
         if full:

@@ -22,7 +22,7 @@ import torch
 
 from lightning_qcomm.codecs import scaling
 from lightning_qcomm.codecs.base import Codec
-from lightning_qcomm.codecs.kernel_spec import KernelKind, KernelSpec
+from lightning_qcomm.codecs.layout import KernelKind, KernelSpec
 from lightning_qcomm.codecs.qsgd import exp2_int, float_exponent
 from lightning_qcomm.codecs.registry import register_codec
 

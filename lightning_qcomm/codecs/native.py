@@ -38,7 +38,7 @@ import threading
 
 import torch
 
-from lightning_qcomm.codecs.kernel_spec import c_kind_defines
+from lightning_qcomm.codecs.layout import c_kind_defines
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ run ``codecs.cpu`` (the fused C passes where they apply), CUDA tensors ``codecs.
 ``rows_segments``); each backend falls back to that reference itself. The ops: ``encode`` / ``decode`` /
 ``decode_into``; the rows ops; the sum and error-feedback ops; the segment ops; the C kernels' ``c_*`` ops (CPU
 only); the 1-bit ``sign_*`` ops (``codecs.sign_ops``); ``tree_norm`` (``codecs.qsgd``); ``hadamard_``
-(``codecs.rotation``); ``add_square_sr_`` (``codecs.rng``: 1-bit Adam's bf16 variance window). ``segments_fused`` and ``row_at_a_time`` answer the
+(``codecs.eden``); ``add_square_sr_`` (``codecs.rng``: 1-bit Adam's bf16 variance window). ``segments_fused`` and ``row_at_a_time`` answer the
 callers that lay rows out themselves which form the dispatcher will run.
 
 Invariants: every kernel gives the reference's bits; the fake kernels give the output shapes, so
@@ -31,11 +31,11 @@ from lightning_qcomm.codecs import (
     cpu,
     cuda,
     cuda_segments,
-    packing,
+    eden,
+    layout,
     qsgd,
     registry,
     rng,
-    rotation,
     rows,
     rows_reduce,
     rows_segments,
@@ -43,7 +43,7 @@ from lightning_qcomm.codecs import (
     sign_ops,  # noqa: F401  (defines the sign_* ops)
 )
 from lightning_qcomm.codecs.base import Codec
-from lightning_qcomm.codecs.kernel_spec import C_SPEC_SCHEMA
+from lightning_qcomm.codecs.layout import C_SPEC_SCHEMA
 
 _CODEC = "str codec, int bits, int? bucket_size, bool stochastic"
 
@@ -76,7 +76,7 @@ _lib.define(
 _lib.define("tree_norm(Tensor xb) -> Tensor")
 # acc (bf16) <- acc + g² rounded stochastically with the counter-based bits (``rng.add_square_sr_reference_``).
 _lib.define("add_square_sr_(Tensor(a!) acc, Tensor g, int seed, int chunk) -> ()")
-# The Hadamard transform of whole blocks, in place (``codecs.rotation``).
+# The Hadamard transform of whole blocks, in place (``codecs.eden``).
 _lib.define("hadamard_(Tensor(a!) x, int block) -> ()")
 # The C kernels (CPU only; kernels/cpu/qcomm_ops.cpp), on flat contiguous tensors given the per-bucket parameters.
 _lib.define(
@@ -114,7 +114,7 @@ def _decode_into(codes, scales, c: Codec, dtype, out) -> None:
 # ---------------------------------------------------------------------------------------------- fake: shapes
 def _encode_fake(x, c: Codec, seed: int):
     n = x.numel()
-    codes = x.new_empty(packing.packed_nbytes(n, c.bits), dtype=torch.uint8)
+    codes = x.new_empty(layout.packed_nbytes(n, c.bits), dtype=torch.uint8)
     return codes, x.new_empty((c.num_buckets(n), c.scales_per_bucket), dtype=torch.float32)
 
 
@@ -220,7 +220,7 @@ KERNELS = {
         _nothing,
     ),
     "tree_norm": (None, cpu.tree_norm, None, qsgd.tree_norm_reference, _tree_norm_fake),
-    "hadamard_": (None, cpu.hadamard_, cuda.hadamard_, rotation.hadamard_reference_, _nothing),
+    "hadamard_": (None, cpu.hadamard_, cuda.hadamard_, eden.hadamard_reference_, _nothing),
     "add_square_sr_": (None, None, cuda.add_square_sr_, rng.add_square_sr_reference_, _nothing),
 }
 

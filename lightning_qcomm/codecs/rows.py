@@ -30,11 +30,10 @@ from collections.abc import Sequence
 import torch
 
 from lightning_qcomm._log import log_once
-from lightning_qcomm.codecs import packing, registry, rng, scaling
+from lightning_qcomm.codecs import layout, registry, rng, scaling
 from lightning_qcomm.codecs.base import Codec, Packed
 from lightning_qcomm.codecs.fp8 import FP8Codec
-from lightning_qcomm.codecs.qsgd import NUQSGDCodec, QSGDCodec, QSGDInfCodec
-from lightning_qcomm.codecs.sign import SignCodec
+from lightning_qcomm.codecs.qsgd import NUQSGDCodec, QSGDCodec, QSGDInfCodec, SignCodec
 from lightning_qcomm.codecs.uniform import UniformCodec
 
 log = logging.getLogger(__name__)
@@ -188,7 +187,7 @@ def _encode_batched(codec: Codec, rows: torch.Tensor, seeds: Sequence[int]) -> t
         codes[q0:q1] = c.masked_fill_(~ok, 0)
     grid = codes.view(r, nb * blen)[:, :n]
     grid = torch.nn.functional.pad(grid, (0, -(-n // 8) * 8 - n))  # each row: whole groups of 8 codes
-    packed = packing.pack_bits(grid.reshape(-1), codec.bits).view(r, -1)
+    packed = layout.pack_bits(grid.reshape(-1), codec.bits).view(r, -1)
     return torch.cat([packed, scales.reshape(r, -1).view(torch.uint8)], dim=1)
 
 
@@ -203,7 +202,7 @@ def decode_rows_body(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
         return codec.decode(codec.from_bytes(wire[0], (n,), torch.float32)).view(1, n)
     flat = row_bucketed(codec, n)
     b, nb, padded = _layout(codec, n)
-    ncode = packing.packed_nbytes(n, codec.bits)
+    ncode = layout.packed_nbytes(n, codec.bits)
     codes = wire[:, :ncode]
     scales = (
         wire[:, ncode:]
@@ -218,10 +217,10 @@ def decode_rows_body(codec: Codec, wire: torch.Tensor, n: int) -> torch.Tensor:
         return torch.stack([codec.decode(codec.from_bytes(wire[j], (n,), torch.float32)) for j in range(r)])
     # repack: each row's codes padded to nb whole buckets (zero codes, cut away after the decode)
     per_row = -(-n // 8) * 8
-    unpacked = packing.unpack_bits(codes.reshape(-1), codec.bits, r * per_row).view(r, per_row)
+    unpacked = layout.unpack_bits(codes.reshape(-1), codec.bits, r * per_row).view(r, per_row)
     grid = torch.zeros(r, padded, dtype=torch.uint8, device=wire.device)
     grid[:, :n] = unpacked[:, :n]
-    packed = Packed(packing.pack_bits(grid.view(-1), codec.bits), scales, torch.Size((r * padded,)), torch.float32)
+    packed = Packed(layout.pack_bits(grid.view(-1), codec.bits), scales, torch.Size((r * padded,)), torch.float32)
     return flat.decode(packed).view(r, padded)[:, :n].contiguous()
 
 
@@ -241,7 +240,7 @@ def decode_rows_into_body(codec: Codec, wire: torch.Tensor, n: int, out: torch.T
     direct = out.dtype == torch.float32 and out.is_contiguous() and r > 1 and padded == n and n % 8 == 0
     if not direct:
         return out.copy_(decode_rows(codec, wire, n).view(out.shape))
-    ncode = packing.packed_nbytes(n, codec.bits)
+    ncode = layout.packed_nbytes(n, codec.bits)
     scales = (
         wire[:, ncode:]
         .clone(memory_format=torch.contiguous_format)

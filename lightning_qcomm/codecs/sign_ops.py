@@ -5,7 +5,7 @@ kernels, default kernels and their checked entry points.
     qcomm::sign_server_sum(buf, world, c, server_error, valid, z!)     z = (sum_r C_r) / world + e_s, in rank order
     qcomm::sign_decode(payload, c, out!)                               the first len(out) decoded values
 
-A payload of c elements is ceil(c/8) code bytes (bit k of byte g set where y[8g+k] < 0, as ``packing``) then
+A payload of c elements is ceil(c/8) code bytes (bit k of byte g set where y[8g+k] < 0, as ``layout``) then
 the scale as fp32; decoding flips the scale's sign bit where the code is 1 (``(1 - 2 code) * s`` for every
 non-NaN s). The CPU kernels are the C ones (``kernels/cpu``, registered when ``codecs.native`` loads them); the
 default kernels below are the same arithmetic in torch (any device), bit for bit (tests/codecs/test_torch_ops.py).
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_qcomm.codecs import packing, registry
+from lightning_qcomm.codecs import layout, registry
 from lightning_qcomm.codecs.cpu_fused import FLT_MAX, _check_f32, _plain_scales_params, _require, _scales
 
 _lib = torch.library.Library("qcomm", "FRAGMENT")
@@ -40,7 +40,7 @@ def _values(payload: torch.Tensor, c: int, length: int) -> torch.Tensor:
     the code bit is set."""
     nb = (c + 7) // 8
     su = payload[nb : nb + 4].clone().view(torch.int32)
-    bits = packing.unpack_bits(payload[:nb], 1, length).to(torch.int32)
+    bits = layout.unpack_bits(payload[:nb], 1, length).to(torch.int32)
     return (su ^ (bits << 31)).view(torch.float32)
 
 
@@ -56,7 +56,7 @@ def sign_encode_err_reference(
     s = s_host.to(y.device)
     flat = y.reshape(-1)
     if torch.isfinite(s_host).item():  # the scale is a host number: asking reads no device memory
-        payload[:nb] = packing.pack_bits((flat < 0).to(torch.uint8), 1)
+        payload[:nb] = layout.pack_bits((flat < 0).to(torch.uint8), 1)
         if valid > 0:
             head = flat[:valid]
             err.view(-1)[:valid] = head - torch.where(head < 0, -s, s)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_qcomm.codecs import cpu_fused, packing, sign_ops
+from lightning_qcomm.codecs import cpu_fused, layout, sign_ops
 from lightning_qcomm.codecs.base import Codec, Packed
 from lightning_qcomm.codecs.rows import decode_rows, decode_rows_into, encode_rows, row_bucketed
 from lightning_qcomm.codecs.rows_reduce import decode_rows_sum, feedback_rows
@@ -57,7 +57,7 @@ def _decode_rows(sign: Codec, wire: torch.Tensor, c: int) -> torch.Tensor:
     p = sign.nbytes(c)
     if not _unaligned_rows(sign, c) or wire.numel() == p:
         return decode_rows(sign, wire, c)
-    ncode = packing.packed_nbytes(c, 1)
+    ncode = layout.packed_nbytes(c, 1)
     rows = wire.reshape(-1, p)
     r, c8 = rows.shape[0], 8 * ncode
     codes = rows[:, :ncode].contiguous().view(-1)
@@ -162,7 +162,7 @@ def wire_finite(sign: Codec, wire: torch.Tensor, c: int) -> torch.Tensor:
 
         wire_finite(sign, gathered, c)   # tensor(True) unless some chunk's average was NaN or Inf
     """
-    ncode = packing.packed_nbytes(c, sign.bits)
+    ncode = layout.packed_nbytes(c, sign.bits)
     rows = wire.reshape(-1, sign.nbytes(c))
     scales = rows[:, ncode:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # byte offsets: copy
     return scales.isfinite().all()

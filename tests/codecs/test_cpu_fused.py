@@ -17,7 +17,7 @@ import torch
 from _siblings import from_test_file
 
 from lightning_qcomm import _log
-from lightning_qcomm.codecs import cpu_fused, get_codec, native, packing
+from lightning_qcomm.codecs import cpu_fused, get_codec, layout, native
 
 extreme_values, flush_denormal = from_test_file("codecs/test_codecs", "extreme_values", "flush_denormal")
 
@@ -178,7 +178,7 @@ def test_uniform_decode_from_wire_scales(bits, flagged):
         unit[4] = -(2.0**-100 * 2.0**64)  # tiny: m = 2^-64
         unit[5], lo[5] = -(1e38 * 2.0**-64), -(3e38 * 2.0**-64)  # wide: m = 2^64
     scales = torch.stack([lo, unit], dim=1)
-    codes = torch.randint(0, 256, (packing.packed_nbytes(n, bits),), dtype=torch.uint8, generator=g)
+    codes = torch.randint(0, 256, (layout.packed_nbytes(n, bits),), dtype=torch.uint8, generator=g)
     ref = codec.decode_reference(codes, codec._decode_params(scales), n)
     got = cpu_fused.decode_wire(codec, codes, scales, n)
     assert _bits_equal(got, ref)

@@ -1,8 +1,7 @@
-"""The Hadamard transform op ``qcomm::hadamard_`` and the randomized rotation (``codecs.rotation``): the reference is
+"""The Hadamard transform op ``qcomm::hadamard_`` and the randomized rotation (``codecs.eden``): the reference is
 H_B / sqrt(B) in one fixed butterfly order; the C kernel and the Triton kernel (interpreted) give its bits, NaN and
-infinities, subnormals and values near FLT_MAX included; a non-finite value stays in its block; the rotation's
-signs are a function of the seed alone; the op passes torch's op checks and its CUDA path (on CPU tensors) is one
-launch with no host sync."""
+infinities, subnormals and values near FLT_MAX included; a non-finite value stays in its block; the op passes
+torch's op checks and its CUDA path (on CPU tensors) is one launch with no host sync."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_qcomm.codecs import native, rotation
+from lightning_qcomm.codecs import eden, native
 
 U = 2.0**-24  # fp32's unit roundoff
 BLOCKS = (1, 2, 4, 8, 16, 64, 512, 4096)
@@ -39,7 +38,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _butterfly_by_loops(x: torch.Tensor, block: int) -> torch.Tensor:
-    """The spec, one scalar fp32 operation at a time: the order ``rotation`` documents."""
+    """The spec, one scalar fp32 operation at a time: the order ``eden.hadamard_reference_`` documents."""
     v = [torch.tensor(float(t), dtype=torch.float32) for t in x]
     for o in range(0, len(v), block):
         h = 1
@@ -48,7 +47,7 @@ def _butterfly_by_loops(x: torch.Tensor, block: int) -> torch.Tensor:
                 for j in range(i, i + h):
                     v[j], v[j + h] = v[j] + v[j + h], v[j] - v[j + h]
             h *= 2
-    s = torch.tensor(rotation.hadamard_scale(block), dtype=torch.float32)
+    s = torch.tensor(eden.hadamard_scale(block), dtype=torch.float32)
     return torch.stack([t * s for t in v])
 
 
@@ -56,7 +55,7 @@ def _butterfly_by_loops(x: torch.Tensor, block: int) -> torch.Tensor:
 def test_reference_is_the_butterfly_in_its_documented_order(block):
     x = torch.randn(2 * block, generator=torch.Generator().manual_seed(block)) * 5
     got = x.clone()
-    rotation.hadamard_reference_(got, block)
+    eden.hadamard_reference_(got, block)
     assert _same(got, _butterfly_by_loops(x, block))
 
 
@@ -69,12 +68,12 @@ def test_reference_is_the_orthonormal_hadamard_matrix(block):
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     x = torch.randn(3, block, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(torch.float32)
     y = x.clone().view(-1)
-    rotation.hadamard_reference_(y, block)
+    eden.hadamard_reference_(y, block)
     exact = (x.double() @ h.T) / math.sqrt(block)
     bound = (math.log2(block) + 2) * U * x.double().abs().sum(dim=1, keepdim=True) / math.sqrt(block)
     assert bool(((y.view(3, block).double() - exact).abs() <= bound).all())
     twice = y.clone()
-    rotation.hadamard_reference_(twice, block)  # H H = I
+    eden.hadamard_reference_(twice, block)  # H H = I
     assert torch.allclose(twice.view(3, block), x, atol=4 * (math.log2(block) + 2) * U * float(x.abs().max()) * 8)
 
 
@@ -83,10 +82,10 @@ def test_reference_is_the_orthonormal_hadamard_matrix(block):
 def test_c_kernel_gives_the_reference_bits(block, monkeypatch):
     x = _special(block, block)
     want = x.clone()
-    rotation.hadamard_reference_(want, block)
+    eden.hadamard_reference_(want, block)
     calls = []
     c_op = torch.ops.qcomm.c_hadamard
-    monkeypatch.setattr(rotation, "hadamard_reference_", lambda *a: calls.append(a))  # the C kernel must run
+    monkeypatch.setattr(eden, "hadamard_reference_", lambda *a: calls.append(a))  # the C kernel must run
     got = x.clone()
     torch.ops.qcomm.hadamard_(got, block)
     assert not calls and c_op is torch.ops.qcomm.c_hadamard
@@ -117,18 +116,6 @@ def test_values_near_the_float_limits():
     assert bool(fits.isfinite().all()) and fits[0].item() == pytest.approx(3e38 / math.sqrt(8), rel=1e-6)
 
 
-def test_rotation_round_trip_and_shared_signs():
-    x = torch.randn(4 * 4096, generator=torch.Generator().manual_seed(0))
-    y = rotation.rotate(x, 4096, seed=11)
-    assert torch.equal(y, rotation.rotate(x.clone(), 4096, seed=11))  # another rank, the same seed: the same rows
-    assert not torch.equal(y, rotation.rotate(x, 4096, seed=12))
-    assert torch.allclose(rotation.unrotate(y, 4096, seed=11), x, atol=1e-5)
-    assert torch.linalg.vector_norm(y).item() == pytest.approx(torch.linalg.vector_norm(x).item(), rel=1e-5)
-    s = rotation.signs(11, 1 << 16)
-    assert set(s.unique().tolist()) == {-1.0, 1.0}
-    assert abs(float(s.sum())) < 5 * math.sqrt(1 << 16)  # a fair coin: sum of 2^16 signs has sd 256
-
-
 @pytest.mark.parametrize("block", (0, 3, 12, 1 << 17))
 def test_bad_blocks_are_refused(block):
     with pytest.raises(ValueError, match="block must be a power of two"):
@@ -155,7 +142,7 @@ def _worker() -> dict:
     for block in (*BLOCKS, 8192):
         x = _special(block, 7 * block)
         want = x.clone()
-        rotation.hadamard_reference_(want, block)
+        eden.hadamard_reference_(want, block)
         with cuda_path_on_cpu() as log:
             assert cuda._hadamard_works(x.device)  # the first-use check: may launch; then cleared
             log.clear()
@@ -166,7 +153,7 @@ def _worker() -> dict:
         out[f"launches_{block}"] = log == ["hadamard"]
     big = torch.randn(2 * 16384, generator=torch.Generator().manual_seed(3))
     want = big.clone()
-    rotation.hadamard_reference_(want, 16384)
+    eden.hadamard_reference_(want, 16384)
     with cuda_path_on_cpu() as log:
         torch.ops.qcomm.hadamard_(big, 16384)  # past the kernel's MAX_BLOCK: the reference
     out["bits_reference_past_max_block"] = _same(big, want) and "hadamard" not in log

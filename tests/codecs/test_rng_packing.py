@@ -1,4 +1,4 @@
-"""Tests of the counter-based random bits (codecs/rng.py) and the dense bit packing (codecs/packing.py).
+"""Tests of the counter-based random bits (codecs/rng.py) and the dense bit packing (codecs/layout.py).
 
 Oracles are written here independently from the module docstrings: the hash in plain Python integer
 arithmetic, the packing as one little-endian bit stream built with Python big integers.
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from lightning_qcomm.codecs import packing, rng
+from lightning_qcomm.codecs import layout, rng
 
 Z = 5.33  # two-sided standard-normal quantile: P(|N(0,1)| > 5.33) = 9.8e-8
 
@@ -116,22 +116,22 @@ def _pack_python(codes: list[int], bits: int) -> bytes:
 def test_pack_roundtrip_and_layout(bits, n):
     g = torch.Generator().manual_seed(bits * 1000 + n)
     codes = torch.randint(0, 2**bits, (n,), generator=g, dtype=torch.int64).to(torch.uint8)
-    packed = packing.pack_bits(codes, bits)
-    assert packed.dtype == torch.uint8 and packed.numel() == packing.packed_nbytes(n, bits) == -(-n // 8) * bits
+    packed = layout.pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == layout.packed_nbytes(n, bits) == -(-n // 8) * bits
     assert bytes(packed.tolist()) == _pack_python(codes.tolist(), bits)
-    assert torch.equal(packing.unpack_bits(packed, bits, n), codes)
+    assert torch.equal(layout.unpack_bits(packed, bits, n), codes)
 
 
 def test_pack_known_answers():
-    assert packing.pack_bits(torch.tensor([1, 2], dtype=torch.uint8), 4).tolist() == [0x21, 0, 0, 0]
-    assert packing.pack_bits(torch.tensor([7, 0, 0, 0, 0, 0, 0, 5], dtype=torch.uint8), 3).tolist() == [7, 0, 0xA0]
-    assert packing.pack_bits(torch.tensor([1, 0, 1], dtype=torch.uint8), 1).tolist() == [0b101]
-    assert packing.pack_bits(torch.tensor([255, 3], dtype=torch.uint8), 8).tolist() == [255, 3, 0, 0, 0, 0, 0, 0]
+    assert layout.pack_bits(torch.tensor([1, 2], dtype=torch.uint8), 4).tolist() == [0x21, 0, 0, 0]
+    assert layout.pack_bits(torch.tensor([7, 0, 0, 0, 0, 0, 0, 5], dtype=torch.uint8), 3).tolist() == [7, 0, 0xA0]
+    assert layout.pack_bits(torch.tensor([1, 0, 1], dtype=torch.uint8), 1).tolist() == [0b101]
+    assert layout.pack_bits(torch.tensor([255, 3], dtype=torch.uint8), 8).tolist() == [255, 3, 0, 0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("bits", [0, 9])
 def test_pack_bad_bits(bits):
     with pytest.raises(ValueError, match="bits"):
-        packing.pack_bits(torch.zeros(8, dtype=torch.uint8), bits)
+        layout.pack_bits(torch.zeros(8, dtype=torch.uint8), bits)
     with pytest.raises(ValueError, match="bits"):
-        packing.unpack_bits(torch.zeros(8, dtype=torch.uint8), bits, 8)
+        layout.unpack_bits(torch.zeros(8, dtype=torch.uint8), bits, 8)

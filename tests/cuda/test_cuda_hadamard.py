@@ -9,7 +9,7 @@ import pytest
 import torch
 from _cuda_checks import NO_CUDA, has_triton
 
-from lightning_qcomm.codecs import rotation, triton_probe
+from lightning_qcomm.codecs import eden, triton_probe
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA),
@@ -30,7 +30,7 @@ def test_the_kernel_is_the_reference(block):
     if block > 2:
         x[3 * block + 1], x[2 * block + 3] = float("-inf"), -0.0
     want = x.clone()
-    rotation.hadamard_reference_(want, block)
+    eden.hadamard_reference_(want, block)
     got = x.cuda()
     torch.ops.qcomm.hadamard_(got, block)
     assert triton_probe._verdicts.get(("hadamard", str(got.device))) is True, triton_probe._failures

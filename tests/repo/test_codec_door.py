@@ -94,7 +94,7 @@ def test_every_private_module_exists():
 def test_checker_sees_every_form(tmp_path):
     """The checker itself can fail: one use of each form (those of the comm layer before the rows ops)."""
     (tmp_path / "a.py").write_text(
-        "from lightning_qcomm.codecs import Codec, cpu_fused, native, ops, packing\n"
+        "from lightning_qcomm.codecs import Codec, cpu_fused, native, ops, layout\n"
         "import lightning_qcomm.kernels.cuda.codec_kernels\n"
         "from lightning_qcomm.codecs.rng import _mix32_\n"
         "def f(codec, rows):\n"

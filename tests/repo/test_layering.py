@@ -208,7 +208,7 @@ def test_no_adapter_names_a_codec_backend():
 
 def test_the_kernels_read_leaf_spec_modules_of_the_codec_layer():
     leaves = leaf_modules(ROOT, PACKAGE, "codecs")
-    assert f"{PACKAGE}.codecs.kernel_spec" in leaves and f"{PACKAGE}.codecs.packing" in leaves, leaves
+    assert f"{PACKAGE}.codecs.layout" in leaves and f"{PACKAGE}.codecs.rng" in leaves, leaves
     assert f"{PACKAGE}.codecs.qsgd" not in leaves and f"{PACKAGE}.codecs" not in leaves, leaves
 
 
