@@ -16,8 +16,9 @@ Wire: bits per element plus two fp32 words per bucket, the scale S (NaN for a bu
 ``codecs.scaling`` outside fp32's normal range) and the 23-bit rotation key (the ops' decode takes no seed): bits +
 64 / B bits per element. The keys come from ``rng.hash_u32(seed, bucket)``: one seed, the same signs on every rank.
 Buckets are pre-scaled by a power of two before the rotation (subnormal and near-FLT_MAX buckets stay exact);
-decodes past FLT_MAX are clamped. The rotation is the op ``qcomm::hadamard_`` (C on CPU, Triton on CUDA); the rest
-is torch ops on every device (``kernels=False``), vectorized over buckets, no host work per bucket.
+decodes past the input dtype's largest value are clamped to it (which dtype rides in the key word's exponent), so
+a finite fp16 / bf16 input never decodes to inf in its dtype. The rotation is the op ``qcomm::hadamard_`` (C on
+CPU, Triton on CUDA); the rest is torch ops on every device (``kernels=False``), no host work per bucket.
 
 Example::
 
@@ -55,7 +56,9 @@ LLOYD_MAX_HALF = {
 # D_b = E (z - Q(z))^2 for z ~ N(0, 1): the min-MSE distortion; EDEN's NMSE is D_b / (1 - D_b).
 DISTORTION = {1: 0.36338022763, 2: 0.11748184783, 3: 0.03454776079, 4: 0.00950100801}
 _KEY_BITS = 23
-_ONE_BITS = 0x3F800000  # fp32 1.0: a key k travels as the fp32 with these bits | k, in [1, 2)
+_ONE_BITS = 0x3F800000  # fp32 1.0: a key k travels as the fp32 with these bits | k, in [1, 2) ...
+# ... times 2^c, c the index of the input dtype's largest value here (fp32 / fp64, bf16, fp16): the decode's clamp
+_OUT_MAXES = (scaling.FLT_MAX, torch.finfo(torch.bfloat16).max, torch.finfo(torch.float16).max)
 _BUCKET_MAX = 1 << 24
 
 
@@ -215,8 +218,9 @@ class EdenCodec(Codec):
         """(nb,) int64 rotation keys of a tensor's buckets: 23 bits of ``rng.hash_u32(seed, bucket index)``."""
         return rng.hash_u32(seed, nb, device) >> (32 - _KEY_BITS)
 
-    def _encode_rows(self, xb: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 codes (r, L), fp32 wire words (r, 2)) of buckets ``xb`` (r, L) of one length."""
+    def _encode_rows(self, xb: torch.Tensor, keys: torch.Tensor, out_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 codes (r, L), fp32 wire words (r, 2)) of buckets ``xb`` (r, L) of one length; ``out_max``, the
+        input dtype's largest value (``scaling.output_max``), travels as the key word's exponent."""
         length = xb.shape[1]
         finite = self._finite_mask(xb)[:, 0]
         amax = xb.abs().amax(dim=1)
@@ -236,7 +240,7 @@ class EdenCodec(Codec):
         tiny = (s64 > 0) & (s64 < scaling.FLT_MIN)
         wire = scaling.flagged(plain, s64, wide, tiny)
         wire = torch.where(finite, wire, torch.full_like(wire, float("nan")))
-        key_word = (keys.to(torch.int32) | _ONE_BITS).view(torch.float32)
+        key_word = (keys.to(torch.int32) | (_ONE_BITS + (_OUT_MAXES.index(out_max) << 23))).view(torch.float32)
         return codes.masked_fill_(~finite[:, None], 0), torch.stack([wire, key_word], dim=1)
 
     def _split(self, n: int) -> tuple[int, int, int]:
@@ -254,11 +258,11 @@ class EdenCodec(Codec):
         codes = torch.empty(n, dtype=torch.uint8, device=xf.device)
         words = []
         if full:
-            c, w = self._encode_rows(xf[: full * blen].view(full, blen), keys[:full])
+            c, w = self._encode_rows(xf[: full * blen].view(full, blen), keys[:full], out_max)
             codes[: full * blen].view(full, blen).copy_(c)
             words.append(w)
         if tail:
-            c, w = self._encode_rows(xf[full * blen :].view(1, tail), keys[full:])
+            c, w = self._encode_rows(xf[full * blen :].view(1, tail), keys[full:], out_max)
             codes[full * blen :].copy_(c.view(-1))
             words.append(w)
         codes = torch.nn.functional.pad(codes, (0, layout.packed_nbytes(n, 8) - n))
@@ -268,11 +272,14 @@ class EdenCodec(Codec):
     def _decode_rows(self, codes: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         """fp32 values (r, L) of int64 codes (r, L) with their buckets' wire words (r, 2)."""
         mag, _, m = scaling.unflag(words[:, 0].contiguous())
-        keys = words[:, 1].contiguous().view(torch.int32) & ((1 << _KEY_BITS) - 1)
+        key_bits = words[:, 1].contiguous().view(torch.int32)
+        keys = key_bits & ((1 << _KEY_BITS) - 1)
+        c = (key_bits >> 23)[:, None] - 127  # no host tensor: the caps are scalars of the expression
+        cap = torch.where(c == 2, _OUT_MAXES[2], torch.where(c == 1, _OUT_MAXES[1], _OUT_MAXES[0]))
         q = self._dequantize(codes, codes)
         v = unrotate(q, keys) if self.rotation else q
         out = v * mag[:, None] * m[:, None]
-        return out.clamp_(-scaling.FLT_MAX, scaling.FLT_MAX)
+        return torch.minimum(torch.maximum(out, -cap), cap)  # NaN stays NaN
 
     def decode_reference(self, codes: torch.Tensor, dec_params: torch.Tensor, numel: int) -> torch.Tensor:
         """Flat fp32 values of packed ``codes`` and the wire words ``dec_params`` (``_decode_params``)."""

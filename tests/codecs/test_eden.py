@@ -154,6 +154,27 @@ def test_zero_subnormal_and_near_float_max_buckets_decode_finite(denormals):
         assert sum(col) / len(col) < 0.25, col
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_buckets_near_the_input_dtypes_max_decode_finite_in_that_dtype(dtype):
+    """A finite fp16 / bf16 bucket whose largest values sit at its dtype's max: the decode, R^T (S q), may exceed
+    that max (the levels reach 2.73 sigma); it is clamped to it, so the decode cast back to the dtype stays finite
+    (an fp32 clamp alone leaves fp16's 65504 or bf16's 3.39e38 to overflow to inf). The clamp touches only values
+    past the max: a bucket of ordinary values decodes as the fp32 input's."""
+    top = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4096 + 700, generator=gen) * 0.3).clamp(-1, 1)
+    x = (x / x.abs().max() * top * 0.99).to(dtype)
+    ordinary = torch.randn(4096, generator=gen).to(dtype)
+    for bits in (1, 2, 4):
+        codec = EdenCodec(bits)
+        for seed in range(4):
+            y = codec.decode(codec.encode(x, seed=seed))
+            assert y.dtype == dtype and torch.isfinite(y).all(), (bits, seed)
+            assert y.float().abs().max() <= top
+            y32 = codec.decode(codec.encode(ordinary.float(), seed=seed))
+            assert torch.equal(codec.decode(codec.encode(ordinary, seed=seed)), y32.to(dtype))
+
+
 def test_a_one_element_tensor_decodes_to_within_fp32_rounding(denormals):
     """L = 1: y = +-x, S = y / q, decode S q: x up to the roundings of S (fp32) and of S q (the EDEN scale makes a
     one-element bucket exact in exact arithmetic)."""
