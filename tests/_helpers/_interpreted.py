@@ -174,7 +174,7 @@ def skip_discarded_overflow_checks() -> bool:
 
 
 def run_interpreted(script: str, timeout_s: float) -> dict:
-    """``python script`` with ``TRITON_INTERPRET=1`` (and ``patch_lang_once_per_launch``); its last stdout line
+    """``python script`` with ``TRITON_INTERPRET=1`` (and the patches above); its last stdout line
     parsed as JSON. AssertionError with the output's tail when it fails."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env.pop("LIGHTNING_QCOMM_DISABLE_TRITON", None)
