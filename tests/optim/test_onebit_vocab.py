@@ -74,15 +74,14 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     out = {}
     runs = (
+        ("adamw", STEPS, []),
         ("onebit", STEPS, [OneBitAdamCallback(freeze_step=FREEZE)]),
         ("adamw_long", LONG_STEPS, []),
         ("onebit_long", LONG_STEPS, [OneBitAdamCallback(freeze_step=LONG_FREEZE)]),  # the defaults
     )
-    # every run reads the same batches in the same order (the long runs' data; max_steps ends the short ones), so
-    # AdamW's short run is the first STEPS steps of its long one (same seed, model, batches, dropout; constant lr)
-    tokens = _tokens(LONG_STEPS * BATCH * (SEQ + 1), seed=rank).view(-1, SEQ + 1)
-    data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     for name, steps, callbacks in runs:
+        tokens = _tokens(steps * BATCH * (SEQ + 1), seed=rank).view(-1, SEQ + 1)
+        data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
         os.environ["LOCAL_RANK"] = str(rank)
         pl.seed_everything(0, verbose=False)
@@ -100,7 +99,6 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         )
         trainer.fit(module, DataLoader(data, batch_size=BATCH))
         out[name] = module.losses
-    out["adamw"] = out["adamw_long"][:STEPS]
     write_rank_result(outdir, rank, out)
 
 
