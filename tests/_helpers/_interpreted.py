@@ -8,7 +8,10 @@ The worker runs with ``patch_lang_once_per_launch``: Triton's interpreter patche
 interpreter (``_patch_lang``) at every launch and again at every call of a ``@triton.jit`` helper inside it, i.e.
 once per program per helper call; within one launch every such call after a helper's first sets the attributes
 the first already set (the launch restores them all when it ends); skipping those took 15-25% off the interpreted
-test files. The kernels run the same interpreted operations either way.
+test files. The kernels run the same interpreted operations either way. It also keeps the numpy dtype of each
+Triton type (``cache_np_dtypes``) instead of building the interpreter's table at every operation, and unwraps
+constexprs of the common exact types without the generic checks (``unwrap_plain_values_first``), and does not
+compute the integer overflow checks that ``device_assert`` drops without ``debug`` (``skip_discarded_overflow_checks``).
 
 Example::
 
@@ -25,7 +28,8 @@ import sys
 _BOOT = (
     "import os, runpy, sys; script = sys.argv[1]; sys.argv = sys.argv[1:]; "
     "sys.path[0] = os.path.dirname(script); sys.path.insert(1, {helpers!r}); "
-    "import _interpreted; _interpreted.patch_lang_once_per_launch(); "
+    "import _interpreted; _interpreted.patch_lang_once_per_launch(); _interpreted.cache_np_dtypes(); "
+    "_interpreted.unwrap_plain_values_first(); _interpreted.skip_discarded_overflow_checks(); "
     "runpy.run_path(script, run_name='__main__')"
 )
 
@@ -73,8 +77,104 @@ def patch_lang_once_per_launch() -> bool:
     return True
 
 
+def cache_np_dtypes() -> bool:
+    """``triton.runtime.interpreter._get_np_dtype(t)`` (the numpy dtype holding a Triton type's values; called at
+    nearly every interpreted operation) builds its table of 19 types at each call, ~10% of an interpreted kernel's
+    time; here its value is kept per scalar or pointer type (a block type's is its element type's, as there).
+    False (nothing changed) where this Triton has no such function."""
+    try:
+        from triton import language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    get = getattr(interpreter, "_get_np_dtype", None)
+    if get is None or getattr(get, "cached", False):
+        return False
+    cache: dict = {}
+
+    def get_cached(tt_dtype):
+        ty = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        key = (type(ty), ty.name)
+        found = cache.get(key)
+        if found is None:
+            found = cache[key] = get(ty)
+        return found
+
+    get_cached.cached = True
+    interpreter._get_np_dtype = get_cached
+    return True
+
+
+def unwrap_plain_values_first() -> bool:
+    """``triton.language.core._unwrap_if_constexpr(o)`` (a constexpr's value, lists and tuples unwrapped element by
+    element, anything else as it is; called about a million times a minute of interpreted kernels) answers for
+    values whose exact type is a constexpr, a tensor, a Triton type or a Python scalar without its chain of
+    ``isinstance`` checks, and calls the original for every other value. False (nothing changed) where this Triton
+    has no such function."""
+    try:
+        from triton.language import core
+    except ImportError:
+        return False
+    unwrap = getattr(core, "_unwrap_if_constexpr", None)
+    if unwrap is None or getattr(unwrap, "plain_first", False):
+        return False
+    constexpr = core.constexpr
+    as_is = {int, float, bool, str, type(None), core.tensor, core.dtype, core.pointer_type, core.block_type}
+
+    def unwrap_fast(o):
+        t = type(o)
+        if t is constexpr:
+            return o.value
+        if t in as_is:
+            return o
+        return unwrap(o)
+
+    unwrap_fast.plain_first = True
+    core._unwrap_if_constexpr = unwrap_fast
+    return True
+
+
+def skip_discarded_overflow_checks() -> bool:
+    """Triton's ``binary_op_sanitize_overflow_impl`` redoes every 32-bit integer add, sub and mul in 64 bits and
+    hands the range check to ``device_assert``, which drops it unless the kernel runs with ``debug`` (the
+    interpreter's default is off, as a GPU's); interpreted, those extra operations are about a third of a kernel's
+    time. Without ``debug`` the check now keeps only its operand-type asserts. False (nothing changed) where this
+    Triton has no such method or its ``device_assert`` is not the one that drops the check without ``debug``."""
+    import inspect
+
+    try:
+        from triton.language import semantic
+    except ImportError:
+        return False
+    cls = getattr(semantic, "TritonSemantic", None)
+    check = getattr(cls, "binary_op_sanitize_overflow_impl", None)
+    if check is None or getattr(check, "skips_discarded", False):
+        return False
+    try:
+        dropped = "if not self.builder.options.debug:\n            return" in inspect.getsource(cls.device_assert)
+    except (OSError, TypeError, AttributeError):
+        dropped = False
+    if not dropped:
+        return False
+
+    def check_if_asserted(self, lhs, rhs, binary_op):
+        options = self.builder.options
+        if options.debug:
+            return check(self, lhs, rhs, binary_op)
+        if lhs.type.scalar.int_bitwidth >= 64 or not options.sanitize_overflow:
+            return None
+        lhs_sca_ty, rhs_sca_ty = lhs.type.scalar, rhs.type.scalar
+        assert lhs_sca_ty == rhs_sca_ty, f"expected matching operand types, got {lhs_sca_ty} and {rhs_sca_ty}"
+        assert lhs_sca_ty.is_int(), f"expected integer type, got {lhs_sca_ty}"
+        return None  # the 64-bit redo and its check: dropped by device_assert without debug
+
+    check_if_asserted.skips_discarded = True
+    cls.binary_op_sanitize_overflow_impl = check_if_asserted
+    return True
+
+
 def run_interpreted(script: str, timeout_s: float) -> dict:
-    """``python script`` with ``TRITON_INTERPRET=1`` (and ``patch_lang_once_per_launch``); its last stdout line
+    """``python script`` with ``TRITON_INTERPRET=1`` (and the patches above); its last stdout line
     parsed as JSON. AssertionError with the output's tail when it fails."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env.pop("LIGHTNING_QCOMM_DISABLE_TRITON", None)

@@ -147,6 +147,14 @@ def _kernel_cases() -> dict:
                     rows_segments.encode_segments_body(
                         codec, rows, numels, quantized, [3, 4, 5][: sum(quantized)], want
                     )
+                    skip = r - 1 if r > 1 else -1
+                    refs = {}  # the references on the CPU kernels, as the encode's (not the CUDA ones interpreted)
+                    for od in (torch.float32, torch.bfloat16):
+                        ref = torch.full(rows.shape, 7.0, dtype=od)
+                        rows_segments.decode_segments_body(codec, want, numels, quantized, dtype, skip, ref)
+                        ref_sum = torch.empty(rows.shape[1], dtype=od)
+                        rows_segments.sum_segments_body(codec, want, rows, 0, numels, quantized, ref_sum)
+                        refs[od] = ref, ref_sum
                     with cuda_path_on_cpu() as log:
                         assert cuda_segments.segments_kernel(codec, rows, numels, quantized, r, dtype)
                         log.clear()  # the first-use check may launch
@@ -156,10 +164,7 @@ def _kernel_cases() -> dict:
                         out[f"encode_{key}"] = torch.equal(got, want) and log == (
                             ["wire", "encode"] if any(quantized) else ["encode"]
                         )
-                        for od in (torch.float32, torch.bfloat16):
-                            skip = r - 1 if r > 1 else -1
-                            ref = torch.full(rows.shape, 7.0, dtype=od)
-                            rows_segments.decode_segments_body(codec, want, numels, quantized, dtype, skip, ref)
+                        for od, (ref, ref_sum) in refs.items():
                             log.clear()
                             dec = decode_segments_into(
                                 codec,
@@ -171,8 +176,6 @@ def _kernel_cases() -> dict:
                                 skip if skip >= 0 else None,
                             )
                             out[f"decode_{key}_to_{str(od)[6:]}"] = _same(dec, ref) and log == ["decode"]
-                            ref_sum = torch.empty(rows.shape[1], dtype=od)
-                            rows_segments.sum_segments_body(codec, want, rows, 0, numels, quantized, ref_sum)
                             log.clear()
                             total = decode_segments_sum(
                                 codec, want, rows, 0, numels, quantized, torch.empty(rows.shape[1], dtype=od)
