@@ -15,10 +15,9 @@ orthonormal Hadamard of h = 2^floor(log2 L) on its first h and on its last h ele
 Wire: bits per element plus two fp32 words per bucket, the scale S (NaN for a bucket with NaN / Inf, flagged as in
 ``codecs.scaling`` outside fp32's normal range) and the 23-bit rotation key (the ops' decode takes no seed): bits +
 64 / B bits per element. The keys come from ``rng.hash_u32(seed, bucket)``: one seed, the same signs on every rank.
-Buckets are pre-scaled by a power of two before the rotation (subnormal and near-FLT_MAX buckets stay exact);
-decodes past the input dtype's largest value are clamped to it (which dtype rides in the key word's exponent), so
-a finite fp16 / bf16 input never decodes to inf in its dtype. The rotation is the op ``qcomm::hadamard_`` (C on
-CPU, Triton on CUDA); the rest is torch ops on every device (``kernels=False``), no host work per bucket.
+Buckets are pre-scaled by a power of two (subnormal and near-FLT_MAX buckets stay exact); a decode is clamped to the
+input dtype's largest value (``_decode_rows``). The rotation is the op ``qcomm::hadamard_`` (C on CPU, Triton on
+CUDA); the rest is torch ops on every device (``kernels=False``), no host work per bucket.
 
 Example::
 
@@ -270,7 +269,9 @@ class EdenCodec(Codec):
 
     # ------------------------------------------------------------------ decode
     def _decode_rows(self, codes: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-        """fp32 values (r, L) of int64 codes (r, L) with their buckets' wire words (r, 2)."""
+        """fp32 values (r, L) of int64 codes (r, L) with their buckets' wire words (r, 2), clamped to the input
+        dtype's largest value: a finite fp16 / bf16 bucket near its max would otherwise decode past it (R^T (S q)
+        reaches ~2.7 sigma) and cast back to inf. Which dtype rides in the key word's exponent (no extra bytes)."""
         mag, _, m = scaling.unflag(words[:, 0].contiguous())
         key_bits = words[:, 1].contiguous().view(torch.int32)
         keys = key_bits & ((1 << _KEY_BITS) - 1)
