@@ -3,14 +3,15 @@
 
 FSDP2's own all-gather needs nothing beside its output (the input is a view of the output's own row). QSDP's
 encodes its row (P bytes), gathers the N rows (N P) into the last N P bytes of the output (N rows of U bytes,
-U > P) and decodes them into the output: rows that end before that region first, then the k = N - base // U
-rows that overlap it (base: the region's start), each one's wire bytes copied out before a decode could write
-over them. At most max(k P, P + E) at any moment (E: the encode's own small temporaries beside its row), instead of
-(N + 1) P with a separate buffer; rows gathered whole hold one copied row at a time.
-On CPU a row of more than ``transport.TRANSFER_PIECE_BYTES`` is gathered as concurrent pieces, stored
-piece-major (``PieceLayout``). Counted per storage (``benchmarks/tensor_memory``) on the fake process group at
-N = 2 and 4; a memory count, not a timing. The decoded values equal those of a separate gather buffer, byte
-for byte (``test_in_place_decode_equals_separate_buffer``).
+U > P) and decodes them into the output: the rows that end at or before that region first, then the
+k = N - base // U rows that overlap it (base: the region's start), each wire row copied out before a decode
+could write over it. At most max(k P, P + E) at any moment (E: the encode's own temporaries beside its row,
+measured on an encode alone; the fp32 copy of a segment for bf16 rows), instead of (N + 1) P with a separate
+buffer; rows gathered whole hold one copied row at a time. On CPU a row of more than
+``transport.TRANSFER_PIECE_BYTES`` is gathered as concurrent pieces, stored piece-major (``PieceLayout``).
+Counted per storage (``benchmarks/tensor_memory``) on the fake process group at N = 2 and 4; a memory count,
+not a timing. The decoded values equal those of a separate gather buffer, byte for byte (the ``equals_separate``
+tests: ``gather_region`` on a stand-in decoder, and the adapter with its region refused).
 """
 
 from __future__ import annotations
