@@ -123,12 +123,15 @@ def run_all_gather(
     group,
     world: int,
     layout: PieceLayout | None = None,
+    into: torch.Tensor | None = None,
 ) -> T:
     """Phase 2 alone: ``decode(gathered)`` of every rank's ``encode()`` payload, gathered flat in rank order.
 
-    ``layout``: the N rows are gathered piece by piece straight into a buffer stored in it (``transport.PieceLayout``,
-    QSDP's all-gather; ``decode`` then reads rows with ``layout.read_row``); else as N plain rows. The own payload is
-    freed before ``decode`` runs: beside the gathered rows the decoder's own temporaries are all the memory it takes.
+    ``layout``: the N rows are gathered piece by piece (``transport.PieceLayout``, QSDP's all-gather; ``decode``
+    then reads rows with ``layout.read_row``) into ``into`` when given (N * ``layout.row_bytes`` uint8; QSDP
+    passes the last bytes of its output, ``adapters.fsdp2.gather_region``), else into a buffer of its own; without
+    ``layout``, as N plain rows. ``encode`` runs before the transfer writes anything, and the own payload is freed
+    before ``decode`` runs: beside the gathered rows the decoder's own temporaries are all the memory it takes.
 
     Example::
 
@@ -139,7 +142,7 @@ def run_all_gather(
         gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)
         _all_gather(gathered, _flat(mine), group, world)
     else:
-        gathered = layout.empty(mine.device)
+        gathered = layout.empty(mine.device) if into is None else into
         all_gather_pieces(gathered, _flat(mine), layout, group)
     del mine
     return decode(gathered)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_qcomm._log import log_once
+from lightning_qcomm.adapters.fsdp2 import gather_region
 from lightning_qcomm.adapters.fsdp2.deferred import DeferredReduceScatters
 from lightning_qcomm.adapters.fsdp2.row_codec import RowCodec, Segment, is_quantized_param
 from lightning_qcomm.adapters.fsdp2.shim import (
@@ -145,6 +146,12 @@ class QuantizedAllGather(_QSDPComm, AllGather):
     ``FutureWork`` that FSDP2 waits on before it reads the gathered weights; a prefetched group's
     all-gather then overlaps the current group's compute. The seed is fixed when the call is made, so the
     result is bit-identical to the inline call.
+
+    Memory: the N gathered wire rows (N P bytes) are gathered into the output's own last bytes and decoded in
+    an order that reads each before it is written over (``adapters.fsdp2.gather_region``; a separate buffer only
+    when they do not fit, a wire as wide as the output): beside FSDP2's output the call holds the encoded own row
+    (P) during the transfer, then copies of the k wire rows that overlap the output rows still to decode (k P at
+    most, about N P / U + 1 of N rows of U bytes; one at a time when the rows are not cut into pieces).
     """
 
     def __init__(self, *args, worker: CommWorker | None = None, worker_group: dist.ProcessGroup | None = None, **kw):
@@ -189,18 +196,24 @@ class QuantizedAllGather(_QSDPComm, AllGather):
         rc = self._row_codec(s_numel, input_tensor.dtype, self.params, codec)
         layout = PieceLayout.for_rows(world, rc.row_nbytes(input_tensor.dtype), input_tensor.device)
         rows = output_tensor.view(world, s_numel)
+        into = gather_region.region(output_tensor, layout)  # the wire rows in the output's last bytes
+
+        def decode_rows(wire: torch.Tensor, j0: int, j1: int) -> None:
+            rc.decode(wire, rows[j0:j1])
 
         def decode(gathered: torch.Tensor) -> int:
-            if not layout.pieced:
+            if into is not None:
+                gather_region.decode_in_place(gathered, layout, rows, decode_rows)
+            elif not layout.pieced:
                 rc.decode(gathered.view(world, -1), rows)
-                return layout.row_bytes
-            scratch = torch.empty(layout.row_bytes, dtype=torch.uint8, device=gathered.device)
-            for j in range(world):  # the rows gathered piece by piece: one row's bytes at a time, no copy of all
-                rc.decode(layout.read_row(gathered, j, scratch).view(1, -1), rows[j : j + 1])
+            else:
+                scratch = torch.empty(layout.row_bytes, dtype=torch.uint8, device=gathered.device)
+                for j in range(world):  # the rows gathered piece by piece: one row's bytes at a time
+                    rc.decode(layout.read_row(gathered, j, scratch).view(1, -1), rows[j : j + 1])
             return layout.row_bytes
 
         encode = lambda: rc.encode(input_tensor.reshape(1, s_numel), seed).reshape(-1)  # noqa: E731
-        p = run_all_gather(encode, decode, group, world, layout=layout)
+        p = run_all_gather(encode, decode, group, world, layout=layout, into=into)
         _record("all_gather", world * p, world * s_numel, world, p, "weights" + self.scope)
 
 
