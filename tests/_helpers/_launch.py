@@ -15,7 +15,9 @@
 * ``set_rank_env`` (a spawned worker's launcher variables) and ``FakeBucket`` (a DDP ``GradBucket`` stand-in).
 * ``run_ranks``: one *script* as N real processes the way Lightning sees externally created processes
   (``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE``/``MASTER_*`` set, as torchrun and SLURM set them), collecting
-  each one's exit status and output; and the same environment for a spawned worker (``lightning_env``).
+  each one's exit status and output (``preloaded=True``: each rank forked from ``spawn``'s forkserver, the script
+  run as ``__main__``, so the ranks skip the imports); and the same environment for a spawned worker
+  (``lightning_env``).
 
 ``run_ranks`` serves the tests that need processes to fail independently (hangs, timeouts, mismatched settings),
 where ``torch.multiprocessing.spawn`` would tear the others down with the first failure, and the
@@ -291,19 +293,28 @@ def run_ranks(
     extra_env: list[dict] | None = None,
     ranks_per_node: int | None = None,
     wait_ranks: list[int] | None = None,
+    preloaded: bool = False,
 ) -> list[Outcome]:
     """Run ``script`` (a file path, or one per rank) as ``world`` processes; wait at most ``guard_s`` for
-    each of ``wait_ranks`` (default: all), then kill every process still running (its returncode None)."""
+    each of ``wait_ranks`` (default: all), then kill every process still running (its returncode None).
+
+    ``preloaded``: each rank is a process forked from the forkserver that has imported ``PRELOAD`` (``spawn``'s),
+    running the script as ``__main__`` (``_script_main``), instead of a fresh interpreter that imports them again;
+    for scripts whose claim is not about a fresh interpreter's imports."""
     scripts = [script] * world if isinstance(script, str) else list(script)
     world = len(scripts)
     port = free_port()
-    procs = []
+    envs = []
     for rank in range(world):
         env = dict(os.environ, **lightning_env(rank, world, port, ranks_per_node))
         env.update((extra_env or [{}] * world)[rank])
-        procs.append(
-            subprocess.Popen([sys.executable, scripts[rank]], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
+        envs.append(env)
+    if preloaded:
+        return _run_preloaded(scripts, envs, guard_s, wait_ranks)
+    procs = [
+        subprocess.Popen([sys.executable, path], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for path, env in zip(scripts, envs)
+    ]
     waited = set(range(world) if wait_ranks is None else wait_ranks)
     outcomes: list[Outcome | None] = [None] * world
     for rank in sorted(waited):
@@ -318,6 +329,69 @@ def run_ranks(
             out, _ = p.communicate()
             outcomes[rank] = Outcome(None, out.decode(errors="replace"))
     return outcomes
+
+
+def _run_preloaded(
+    scripts: list[str], envs: list[dict[str, str]], guard_s: float, wait_ranks: list[int] | None
+) -> list[Outcome]:
+    import multiprocessing
+    import tempfile
+
+    ctx = multiprocessing.get_context(_start_method(None))
+    with tempfile.TemporaryDirectory(prefix="qcomm-scripts-") as logdir:
+        logs = [os.path.join(logdir, f"rank{rank}.log") for rank in range(len(scripts))]
+        procs = [ctx.Process(target=_script_main, args=a) for a in zip(scripts, envs, logs)]
+        for p in procs:
+            p.start()
+        waited = set(range(len(scripts)) if wait_ranks is None else wait_ranks)
+        codes: list[int | None] = [None] * len(scripts)
+        for rank in sorted(waited):
+            procs[rank].join(timeout=guard_s)
+            codes[rank] = procs[rank].exitcode
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join()
+        return [Outcome(code, Path(log).read_text(errors="replace")) for code, log in zip(codes, logs)]
+
+
+def _script_main(script: str, env: dict[str, str], log: str) -> None:
+    """A ``run_ranks(preloaded=True)`` rank: ``script`` run as ``__main__`` (``sys.argv``, its folder first on
+    ``sys.path``) with exactly ``env``, stdout and stderr both into ``log``, ending as the interpreter ends a script:
+    the traceback and exit status 1 on an exception, ``SystemExit``'s code, the ``atexit`` handlers run."""
+    import atexit
+    import runpy
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 -- the process's own streams
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # read by torch when it loaded, in the server
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [script]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def set_rank_env(rank: int, world: int, port: int) -> None:

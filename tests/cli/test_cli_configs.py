@@ -388,28 +388,23 @@ def test_wheel_ships_configs_and_types_and_no_hard_triton(tmp_path):
 
     first, end = ".".join(map(str, TORCH_FIRST)), ".".join(map(str, TORCH_END))
     assert sorted(torch_req[len("torch") :].split(",")) == sorted([f"<{end}", f">={first}"]), torch_req
-    # the installed package finds its own configs by name, from a directory without configs/
-    probe = "from lightning_qcomm.cli import configs_dir, resolve_config; print(configs_dir()); print(resolve_config('quickstart'))"
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    out = subprocess.run(
-        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    found_dir, found = out.stdout.split()
-    assert Path(found_dir) == tmp_path / "site" / "lightning_qcomm" / "configs"
-    assert Path(found) == Path(found_dir) / "quickstart.yaml"
-    # the C++ sources ship too, and the installed package builds and loads its CPU kernels from them
+    # one process from a directory without configs/: the installed package finds its own configs by name, and its
+    # C++ sources ship too, from which it builds and loads its CPU kernels
     assert {"lightning_qcomm/kernels/cpu/qcomm_ops.cpp", "lightning_qcomm/kernels/cpu/qcomm_kernels.h"} <= names
     probe = (
+        "from lightning_qcomm.cli import configs_dir, resolve_config; print(configs_dir()); "
+        "print(resolve_config('quickstart')); "
         "import lightning_qcomm.kernels as k; from lightning_qcomm.codecs import native; print(native.CSRC); "
         "print(native.load() or native.load_error()); print(k.__path__)"
     )
-    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    csrc, lib, kernels_path = out.stdout.split("\n")[:3]
+    found_dir, found, csrc, lib, kernels_path = out.stdout.split("\n")[:5]
+    assert Path(found_dir) == tmp_path / "site" / "lightning_qcomm" / "configs"
+    assert Path(found) == Path(found_dir) / "quickstart.yaml"
     assert Path(csrc) == tmp_path / "site" / "lightning_qcomm" / "kernels" / "cpu"
     assert kernels_path == repr([str(tmp_path / "site" / "lightning_qcomm" / "kernels")])  # the wheel's, alone
     assert Path(lib).parent.parent == tmp_path / "ext", out.stdout

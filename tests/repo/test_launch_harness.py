@@ -126,3 +126,39 @@ def test_a_test_modules_function_runs_in_a_rank_whose_path_lacks_the_checkout(tm
     monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.realpath(p or ".") != repo])
     spawn(_report_module, str(tmp_path), repo, nprocs=1, start_method="spawn")  # a spawned rank gets this sys.path
     assert rank_results(tmp_path, 1) == [{"module": __name__, "checkout_on_path": False}]
+
+
+@pytest.mark.parametrize(
+    ("tail", "code"), [("", 0), ("sys.exit(3)", 3), ("raise ValueError('boom')", 1)], ids=["ok", "exit", "raise"]
+)
+def test_a_preloaded_script_rank_ends_as_the_interpreter_ends_a_script(tmp_path, tail, code):
+    """``run_ranks(preloaded=True)``: the script runs as ``__main__`` with its launcher variables and its folder
+    first on ``sys.path``; its exit status is ``SystemExit``'s code, 1 after a traceback, and its ``atexit``
+    handlers run, as with ``python script.py``; a rank past the guard is killed (returncode None)."""
+    from _launch import run_ranks
+
+    (tmp_path / "sibling.py").write_text("NAME = 'sibling'\n")
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import atexit, os, sys\n"
+        "import sibling\n"
+        f"atexit.register(lambda: open(os.path.join({str(tmp_path)!r}, 'exit' + os.environ['LOCAL_RANK']), 'w'))\n"
+        "print('main', __name__, sibling.NAME, os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'], flush=True)\n"
+        f"{tail}\n"
+    )
+    outcomes = run_ranks(str(script), guard_s=60, preloaded=True)
+    for rank, o in enumerate(outcomes):
+        assert o.returncode == code, o.output
+        assert f"main __main__ sibling {rank} 2" in o.output, o.output
+        assert (tmp_path / f"exit{rank}").exists()
+    if code == 1:
+        assert "ValueError: boom" in outcomes[0].output and "Traceback" in outcomes[0].output
+
+
+def test_a_preloaded_script_rank_past_the_guard_is_killed(tmp_path):
+    from _launch import run_ranks
+
+    script = tmp_path / "run.py"
+    script.write_text("import os, time\nif os.environ['LOCAL_RANK'] == '1':\n    time.sleep(600)\n")
+    fast, stalled = run_ranks(str(script), guard_s=60, wait_ranks=[0], preloaded=True)
+    assert fast.returncode == 0 and stalled.returncode is None

@@ -101,7 +101,7 @@ def test_mismatch_stops_at_setup_with_both_values(case, tmp_path):
         path = tmp_path / f"rank{rank}.py"
         path.write_text(_SCRIPT.replace("{setup}", setup))
         scripts.append(str(path))
-    outcomes = run_ranks(scripts, guard_s=GUARD_S)
+    outcomes = run_ranks(scripts, guard_s=GUARD_S, preloaded=True)
     for rank, o in enumerate(outcomes):
         assert o.returncode is not None, f"rank {rank} still running after {GUARD_S} s:\n{o.output[-2000:]}"
         assert o.returncode != 0 and "FINISHED" not in o.output, f"rank {rank} trained:\n{o.output[-2000:]}"

@@ -1,6 +1,9 @@
 """LocalSGDStrategy (Lightning, 2 CPU ranks over gloo) and the TensorAverager adapter.
 
-Three Lightning runs (spawn), each rank writing what it saw to files the test compares:
+Lightning runs on 2 ranks, each rank writing what it saw to files the test compares. Runs A and B share one pair
+of ranks from the tests' harness (``_launch.spawn``), where each ``Trainer`` runs in-process as Lightning runs
+processes created externally; run C goes through Lightning's own spawn launcher (``start_method="spawn"``), and
+run D through the harness too:
 
 * run A -- QSR driven by a cosine LambdaLR scheduler, AdamW, BatchNorm, validation and a checkpoint
   every epoch: parameters equal on both ranks right after every sync and at validation (and *not*
@@ -21,7 +24,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import free_port, rank_results, spawn, write_rank_result
+from _launch import free_port, lightning_env, rank_results, spawn, write_rank_result
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -245,23 +248,52 @@ def _load(out, tag):
     return [torch.load(os.path.join(out, f"{tag}_rank{r}.pt"), weights_only=False) for r in range(2)]
 
 
-@pytest.fixture(scope="module")
-def qsr_runs(tmp_path_factory):
-    """Run A (full) and run B (resumed from A's epoch-1 checkpoint, step 16)."""
-    out = str(tmp_path_factory.mktemp("lsgd"))
+def _run_qsr(out: str) -> None:
+    """Run A (full) and run B (resumed from A's epoch-1 checkpoint, step 16), one after the other."""
     ckpt_dir = os.path.join(out, "ckpt")
     ckpt = ModelCheckpoint(
         dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True
     )
-    strategy = LocalSGDStrategy(**QSR_KW, start_method="spawn")
+    strategy = LocalSGDStrategy(**QSR_KW)
     _trainer(strategy, [Recorder(out, "A"), ckpt], out, max_epochs=EPOCHS, limit_val_batches=1).fit(
         Regressor(bn=True, optim="adamw")
     )
-    resume_from = os.path.join(ckpt_dir, f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt")
-    strategy = LocalSGDStrategy(**QSR_KW, start_method="spawn")
+    strategy = LocalSGDStrategy(**QSR_KW)
     _trainer(strategy, [Recorder(out, "B")], out, max_epochs=EPOCHS, limit_val_batches=1).fit(
-        Regressor(bn=True, optim="adamw"), ckpt_path=resume_from
+        Regressor(bn=True, optim="adamw"), ckpt_path=_resume_path(out)
     )
+
+
+def _run_post_local(out: str) -> None:
+    """Run D: post_local from step 3, period 2, 8-bit codes, AdamW moments averaged too."""
+    strategy = LocalSGDStrategy(
+        sync="post_local", switch_step=3, period=2, codec="uniform", bits=8, average_optimizer_state=True
+    )
+    _trainer(strategy, [Recorder(out, "D")], out, max_steps=9, limit_val_batches=0).fit(
+        Regressor(bn=True, optim="adamw")
+    )
+
+
+_RUNS = {"qsr": _run_qsr, "post_local": _run_post_local}
+
+
+def _fit_worker(rank: int, port: int, out: str, run: str) -> None:
+    """``_RUNS[run]`` on this rank: its Trainers see the launcher's variables and run in-process."""
+    os.environ.update(lightning_env(rank, 2, port))
+    torch.set_num_threads(1)
+    _RUNS[run](out)
+
+
+def _resume_path(out: str) -> str:
+    return os.path.join(out, "ckpt", f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt")
+
+
+@pytest.fixture(scope="module")
+def qsr_runs(tmp_path_factory):
+    """Run A (full) and run B (resumed from A's epoch-1 checkpoint, step 16)."""
+    out = str(tmp_path_factory.mktemp("lsgd"))
+    spawn(_fit_worker, free_port(), out, "qsr", nprocs=2)
+    resume_from = _resume_path(out)
     loaded = torch.load(resume_from, weights_only=False)
     loaded["side_files"] = rank_files.read_all(resume_from)  # each rank's own state, beside the checkpoint
     return _load(out, "A"), _load(out, "B"), loaded
@@ -354,18 +386,7 @@ def test_constant_period_matches_torch_periodic_model_averager(tmp_path):
 def test_post_local_quantized_with_optimizer_state(tmp_path):
     """post_local: data-parallel (gradient all-reduce) for 3 steps, then 8-bit quantized parameter averaging
     every 2 steps, with AdamW moments and BatchNorm buffers averaged too."""
-    strategy = LocalSGDStrategy(
-        sync="post_local",
-        switch_step=3,
-        period=2,
-        codec="uniform",
-        bits=8,
-        average_optimizer_state=True,
-        start_method="spawn",
-    )
-    _trainer(strategy, [Recorder(str(tmp_path), "D")], str(tmp_path), max_steps=9, limit_val_batches=0).fit(
-        Regressor(bn=True, optim="adamw")
-    )
+    spawn(_fit_worker, free_port(), str(tmp_path), "post_local", nprocs=2)
     d0, d1 = _load(str(tmp_path), "D")
     assert d0["sync_steps"] == [1, 2, 3, 5, 7, 9] == d1["sync_steps"]
     for step in d0["sync_steps"]:

@@ -61,7 +61,7 @@ CASES = {
 def test_stalled_peer_fails_the_others_within_the_strategy_timeout(case, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.replace("{strategy}", CASES[case]))
-    rank0 = run_ranks(str(script), guard_s=GUARD_S, wait_ranks=[0])[0]  # rank 1 stalls for good
+    rank0 = run_ranks(str(script), guard_s=GUARD_S, wait_ranks=[0], preloaded=True)[0]  # rank 1 stalls for good
     assert rank0.returncode is not None, (
         f"rank 0 still waiting after {GUARD_S} s for a peer, with timeout={TIMEOUT_S} s"
     )
