@@ -147,11 +147,12 @@ class QuantizedAllGather(_QSDPComm, AllGather):
     all-gather then overlaps the current group's compute. The seed is fixed when the call is made, so the
     result is bit-identical to the inline call.
 
-    Memory: the N gathered wire rows (N P bytes) are gathered into the output's own last bytes and decoded in
-    an order that reads each before it is written over (``adapters.fsdp2.gather_region``; a separate buffer only
-    when they do not fit, a wire as wide as the output): beside FSDP2's output the call holds the encoded own row
+    Memory: rows cut into transfer pieces (CPU rows past ``transport.TRANSFER_PIECE_BYTES``, decoded a row at a
+    time) are gathered into the output's own last bytes and decoded in an order that reads each wire row before it
+    is written over (``adapters.fsdp2.gather_region``): beside FSDP2's output the call holds the encoded own row
     (P) during the transfer, then copies of the k wire rows that overlap the output rows still to decode (k P at
-    most, about N P / U + 1 of N rows of U bytes; one at a time when the rows are not cut into pieces).
+    most, about N P / U + 1 of N rows of U bytes). Rows gathered whole (CUDA, small CPU rows) keep a separate
+    buffer, (N + 1) P, so that their decode stays one launch for all N rows.
     """
 
     def __init__(self, *args, worker: CommWorker | None = None, worker_group: dist.ProcessGroup | None = None, **kw):
@@ -196,7 +197,9 @@ class QuantizedAllGather(_QSDPComm, AllGather):
         rc = self._row_codec(s_numel, input_tensor.dtype, self.params, codec)
         layout = PieceLayout.for_rows(world, rc.row_nbytes(input_tensor.dtype), input_tensor.device)
         rows = output_tensor.view(world, s_numel)
-        into = gather_region.region(output_tensor, layout)  # the wire rows in the output's last bytes
+        # rows cut into pieces (CPU) decode a row at a time anyway: their wire rows go in the output's last bytes;
+        # rows gathered whole (CUDA) keep a separate buffer and decode in one launch
+        into = gather_region.region(output_tensor, layout) if layout.pieced else None
 
         def decode_rows(wire: torch.Tensor, j0: int, j1: int) -> None:
             rc.decode(wire, rows[j0:j1])
